@@ -1,0 +1,30 @@
+"""How it runs: Trio actors under one nursery tree per routing sink.
+
+- :class:`RoutingSink` / :func:`open_routing_sink`: the routing sink and its
+  Trio-native form.
+- :class:`Mailbox`, :class:`FailureLatch`, counters: the pieces it is built of.
+"""
+
+from taproute.actors.counters import (
+    DestinationCounters,
+    IngressCounters,
+    RouteCounters,
+    RouterSnapshot,
+)
+from taproute.actors.destination import DestinationActor
+from taproute.actors.latch import FailureLatch
+from taproute.actors.mailbox import Mailbox
+from taproute.actors.routing_sink import DestinationSpec, RoutingSink, open_routing_sink
+
+__all__ = [
+    "DestinationActor",
+    "DestinationCounters",
+    "DestinationSpec",
+    "FailureLatch",
+    "IngressCounters",
+    "Mailbox",
+    "RouteCounters",
+    "RouterSnapshot",
+    "RoutingSink",
+    "open_routing_sink",
+]

@@ -1,0 +1,119 @@
+"""Destination actors: one per destination sink, fed through a mailbox.
+
+The actor is the only caller of its sink's ``submit``, so a sink never sees
+two calls at once.  Whatever happens, every message's lease is returned and
+its in-flight count removed, so buffers go back and flush never hangs.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+from taproute.actors.counters import DestinationCounters
+from taproute.actors.latch import FailureLatch
+from taproute.actors.mailbox import Mailbox
+from taproute.actors.pending import InFlight
+from taproute.routing.batch import Batch, RecordBatch
+from taproute.routing.sink import RecordSink
+
+#: (route name or None for unmatched records, batch)
+DestinationMessage = tuple[str | None, Batch]
+
+
+class DestinationActor:
+    """Owns the submit side of one :class:`RecordSink`.
+
+    ``owned`` sinks (created by the routing sink) are closed by :meth:`close`;
+    leased ones are only flushed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        sink: RecordSink,
+        *,
+        owned: bool,
+        latch: FailureLatch,
+        in_flight: InFlight,
+        capacity_records: int,
+        capacity_bytes: int,
+    ) -> None:
+        self.name = name
+        self.sink = sink
+        self.owned = owned
+        self.counters = DestinationCounters(name)
+        self._latch = latch
+        self._in_flight = in_flight
+        self.mailbox: Mailbox[DestinationMessage] = Mailbox(
+            f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
+        )
+
+    async def deliver(self, route: str | None, batch: Batch) -> None:
+        """Queue ``batch`` for the sink, taking a lease on raw batches.
+
+        Waits while the mailbox is full.
+        """
+        if isinstance(batch, RecordBatch):
+            batch.lease.acquire()
+        self._in_flight.add()
+        try:
+            await self.mailbox.send((route, batch), records=len(batch), nbytes=_nbytes(batch))
+        except BaseException:
+            self._finished(batch)
+            raise
+
+    async def run(self) -> None:
+        """Submit every queued batch, in order, until the mailbox is closed."""
+        while True:
+            try:
+                route, batch = await self.mailbox.receive()
+            except trio.EndOfChannel:
+                return
+            try:
+                await self.sink.submit(batch)
+            except Exception as exc:
+                self.counters.errors += 1
+                self._latch.latch(exc, route=route, destination=self.name, where="submit")
+            else:
+                self.counters.records += len(batch)
+                self.counters.bytes += _nbytes(batch)
+                self.counters.batches += 1
+            finally:
+                self._finished(batch)
+
+    def _finished(self, batch: Batch) -> None:
+        try:
+            if isinstance(batch, RecordBatch):
+                batch.lease.release()
+        except Exception as exc:
+            self._latch.latch(exc, destination=self.name, where="buffer release callback")
+        finally:
+            self._in_flight.done()
+
+    async def flush(self) -> None:
+        """Flush the sink; a failure is latched and raised."""
+        try:
+            await self.sink.flush()
+        except Exception as exc:
+            self.counters.errors += 1
+            raise self._latch.latch(exc, destination=self.name, where="flush") from exc
+        self.counters.flushes += 1
+
+    async def close(self) -> None:
+        """Close the sink if the routing sink created it; a failure is latched and raised."""
+        if not self.owned:
+            return
+        try:
+            await self.sink.close()
+        except Exception as exc:
+            self.counters.errors += 1
+            raise self._latch.latch(exc, destination=self.name, where="close") from exc
+
+    def snapshot(self) -> DestinationCounters:
+        """A detached copy of the counters."""
+        self.counters.queue_depth = self.mailbox.records
+        return attrs.evolve(self.counters)
+
+
+def _nbytes(batch: Batch) -> int:
+    return batch.nbytes

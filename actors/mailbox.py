@@ -1,0 +1,65 @@
+"""Bounded mailboxes whose messages are batches.
+
+A Trio memory channel carries the messages; capacity is counted in records
+and in bytes, because one message is a whole batch.  A full mailbox makes
+``send`` wait: that wait is the backpressure that reaches the producer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Generic, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+class Mailbox(Generic[T]):
+    """A bounded, closeable queue of batch messages for one actor (or a pool).
+
+    A message larger than the whole capacity is still accepted once the
+    mailbox is empty, so an oversize batch slows things down but never
+    deadlocks.  Several receivers may share one mailbox (a worker pool).
+    """
+
+    def __init__(self, name: str, *, capacity_records: int, capacity_bytes: int) -> None:
+        self.name = name
+        self.capacity_records = capacity_records
+        self.capacity_bytes = capacity_bytes
+        #: Records / bytes of the messages waiting now.
+        self.records = 0
+        self.bytes = 0
+        self._send, self._receive = trio.open_memory_channel[tuple[T, int, int]](math.inf)
+        self._space = trio.lowlevel.ParkingLot()
+
+    def _fits(self, records: int, nbytes: int) -> bool:
+        if self.records == 0:
+            return True
+        return (
+            self.records + records <= self.capacity_records
+            and self.bytes + nbytes <= self.capacity_bytes
+        )
+
+    async def send(self, message: T, *, records: int, nbytes: int) -> None:
+        """Queue ``message``, waiting while the mailbox is full."""
+        if self._fits(records, nbytes):
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            while not self._fits(records, nbytes):
+                await self._space.park()
+        self.records += records
+        self.bytes += nbytes
+        self._send.send_nowait((message, records, nbytes))
+
+    async def receive(self) -> T:
+        """The next message; raises ``trio.EndOfChannel`` once closed and drained."""
+        message, records, nbytes = await self._receive.receive()
+        self.records -= records
+        self.bytes -= nbytes
+        self._space.unpark_all()
+        return message
+
+    def close(self) -> None:
+        """No more messages; receivers drain what is queued, then see EndOfChannel."""
+        self._send.close()

@@ -1,0 +1,26 @@
+"""taproute's hot path: Cython and numpy pieces with no dependency on the rest.
+
+- :data:`DESCRIPTOR_DTYPE`, :func:`make_descriptors`: the record descriptor.
+- :class:`RouteTable`: output_id -> route set, one-pass grouping of a batch.
+- :func:`partition_keys`: key -> owner partitioning of a stateful route.
+- :class:`BufferLease`: lease counting of shared read-only record buffers.
+- :class:`StateRegion`: the K x N state array of a stateful route.
+"""
+
+from taproute.native._lease import BufferLease, LeaseError
+from taproute.native._matcher import UNMATCHED, RouteTable
+from taproute.native._partition import owner_of, partition_keys
+from taproute.native.descriptor import DESCRIPTOR_DTYPE, make_descriptors
+from taproute.native.state import StateRegion
+
+__all__ = [
+    "DESCRIPTOR_DTYPE",
+    "UNMATCHED",
+    "BufferLease",
+    "LeaseError",
+    "RouteTable",
+    "StateRegion",
+    "make_descriptors",
+    "owner_of",
+    "partition_keys",
+]

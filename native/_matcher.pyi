@@ -1,0 +1,15 @@
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+UNMATCHED: int
+
+class RouteTable:
+    n_routes: int
+    def __init__(self, n_routes: int) -> None: ...
+    def assign(self, output_id: int, routes: Iterable[int]) -> None: ...
+    def routes_of(self, output_id: int) -> tuple[int, ...]: ...
+    def group(
+        self, output_ids: npt.NDArray[np.uint32]
+    ) -> list[tuple[int, npt.NDArray[np.intp] | None]]: ...

@@ -1,0 +1,66 @@
+# cython: language_level=3
+"""key -> owner partitioning for stateful routes.
+
+A stateful route's K keys are split into contiguous ranges, one per owner
+actor: owner ``j`` owns keys ``k`` with ``k * n_owners // K == j``.  Contiguous
+ranges keep each owner's slice of the K x N state region contiguous too.
+"""
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t
+
+cnp.import_array()
+
+
+def owner_of(int64_t key, int64_t key_range, Py_ssize_t n_owners):
+    """The owner index of one key (for diagnostics and tests)."""
+    if key < 0 or key >= key_range:
+        raise ValueError(f"key {key} outside [0, {key_range})")
+    return (key * n_owners) // key_range
+
+
+def partition_keys(const int64_t[::1] keys, int64_t key_range, Py_ssize_t n_owners):
+    """Split record positions by owning actor, keeping arrival order.
+
+    Returns ``(per_owner, out_of_range)``: ``per_owner[j]`` is an ``intp``
+    array of positions into ``keys`` owned by owner ``j`` (``None`` if it has
+    none), and ``out_of_range`` holds the positions whose key is outside
+    ``[0, key_range)`` (``None`` if all are valid).
+    """
+    if key_range <= 0:
+        raise ValueError(f"key_range must be > 0, got {key_range}")
+    if n_owners <= 0:
+        raise ValueError(f"n_owners must be > 0, got {n_owners}")
+    cdef Py_ssize_t n = keys.shape[0]
+    cdef Py_ssize_t slots = n_owners + 1   # last slot: out of range
+    owner_arr = np.empty(n, dtype=np.intp)
+    cdef Py_ssize_t[::1] owner = owner_arr
+    counts_arr = np.zeros(slots, dtype=np.intp)
+    cdef Py_ssize_t[::1] counts = counts_arr
+    cdef Py_ssize_t i, o
+    cdef int64_t k
+    for i in range(n):
+        k = keys[i]
+        if k < 0 or k >= key_range:
+            o = n_owners
+        else:
+            o = <Py_ssize_t>((k * n_owners) // key_range)
+        owner[i] = o
+        counts[o] += 1
+    offsets_arr = np.zeros(slots + 1, dtype=np.intp)
+    cdef Py_ssize_t[::1] offsets = offsets_arr
+    for o in range(slots):
+        offsets[o + 1] = offsets[o] + counts[o]
+    flat_arr = np.empty(n, dtype=np.intp)
+    cdef Py_ssize_t[::1] flat = flat_arr
+    fill_arr = offsets_arr[:slots].copy()
+    cdef Py_ssize_t[::1] fill = fill_arr
+    for i in range(n):
+        o = owner[i]
+        flat[fill[o]] = i
+        fill[o] += 1
+    per_owner = [flat_arr[offsets[o]:offsets[o + 1]] if counts[o] else None
+                 for o in range(n_owners)]
+    bad = flat_arr[offsets[n_owners]:] if counts[n_owners] else None
+    return per_owner, bad

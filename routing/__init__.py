@@ -1,0 +1,96 @@
+"""What goes where: records, layouts, routes and processors.
+
+Pure configuration and values; no Trio, no I/O.  Import from here::
+
+    from taproute.routing import Layout, RecordSchema, Route, RoutingConfig
+"""
+
+from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
+from taproute.routing.errors import (
+    ConfigError,
+    DuplicateProcessor,
+    DuplicateRouteName,
+    GlobMatchesNothing,
+    HookBindingError,
+    IngressFull,
+    KeyOutOfRange,
+    LayoutError,
+    OutputLayoutMismatch,
+    PayloadSizeMismatch,
+    RecordError,
+    RoutingFailure,
+    SinkClosed,
+    TaprouteError,
+    UnboundOutputId,
+    UnknownDestination,
+    UnknownLayout,
+    UnknownProcessor,
+)
+from taproute.routing.failures import FailureHandler, RecordFailure, log_failure
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.layout import Column, Layout
+from taproute.routing.plan import PlannedRoute, RoutePlan
+from taproute.routing.processors import (
+    REGISTRY,
+    ProcessorKind,
+    ProcessorRegistry,
+    ProcessorSpec,
+    SlotSpec,
+    request_key,
+    stateful_processor,
+    stateless_processor,
+)
+from taproute.routing.records import Records
+from taproute.routing.routes import Route, RouteMode, RoutingConfig
+from taproute.routing.schema import RecordSchema
+from taproute.routing.sink import RecordSink
+from taproute.routing.validation import check_batch, check_rows
+
+__all__ = [
+    "REGISTRY",
+    "Batch",
+    "Column",
+    "ConfigError",
+    "DuplicateProcessor",
+    "DuplicateRouteName",
+    "FailureHandler",
+    "GlobMatchesNothing",
+    "HookBindingError",
+    "HookRegistry",
+    "IngressFull",
+    "KeyOutOfRange",
+    "Layout",
+    "LayoutError",
+    "OutputLayoutMismatch",
+    "PayloadSizeMismatch",
+    "PlannedRoute",
+    "ProcessorKind",
+    "ProcessorRegistry",
+    "ProcessorSpec",
+    "RecordBatch",
+    "RecordError",
+    "RecordFailure",
+    "RecordSchema",
+    "RecordSink",
+    "Records",
+    "Retained",
+    "Route",
+    "RouteMode",
+    "RoutePlan",
+    "RoutingConfig",
+    "RoutingFailure",
+    "RowBatch",
+    "SinkClosed",
+    "SlotSpec",
+    "TaprouteError",
+    "UnboundOutputId",
+    "UnknownDestination",
+    "UnknownLayout",
+    "UnknownProcessor",
+    "check_batch",
+    "check_rows",
+    "log_failure",
+    "request_key",
+    "stateful_processor",
+    "stateless_processor",
+]

@@ -1,0 +1,140 @@
+"""RecordBatch: descriptors plus one shared, read-only payload buffer.
+
+A batch is immutable.  Every route and destination that a batch reaches gets
+the *same* object (or a :meth:`RecordBatch.select` of it that shares the same
+buffer and lease); nobody copies payload bytes to forward them.  The
+producer's release callback runs once, when the last holder is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from taproute.native import DESCRIPTOR_DTYPE, BufferLease
+from taproute.routing.errors import RecordError
+
+Descriptors = npt.NDArray[np.void]
+Payload = npt.NDArray[np.uint8]
+
+
+def readonly_bytes(buffer: Any) -> Payload:
+    """A read-only ``uint8`` view of any buffer-protocol object, without copying."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise RecordError("payload array must be C-contiguous (a copy would be silent)")
+        view = buffer.reshape(-1).view(np.uint8)
+    else:
+        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+    if view.flags.writeable:
+        view = view.view()
+        view.flags.writeable = False
+    return view
+
+
+def _readonly_descriptors(value: Any) -> Descriptors:
+    if not isinstance(value, np.ndarray) or value.dtype != DESCRIPTOR_DTYPE or value.ndim != 1:
+        raise RecordError(
+            "descriptors must be a 1-D numpy array of taproute.native.DESCRIPTOR_DTYPE "
+            "(see make_descriptors)"
+        )
+    descriptors: Descriptors = value
+    if descriptors.flags.writeable:
+        descriptors = descriptors.view()
+        descriptors.flags.writeable = False
+    return descriptors
+
+
+class Retained:
+    """A hold on a batch's buffer taken by a sink that keeps the batch past ``submit``."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease: BufferLease) -> None:
+        lease.acquire()
+        self._lease: BufferLease | None = lease
+
+    def release(self) -> None:
+        """Give the hold back (idempotent)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+
+@attrs.frozen(eq=False)
+class RecordBatch:
+    """An immutable batch of records sharing one payload buffer.
+
+    Build one with :meth:`from_buffer`; the lease starts with one holder, the
+    submitter, who releases it when done handing the batch on.
+    """
+
+    descriptors: Descriptors = attrs.field(converter=_readonly_descriptors)
+    payload: Payload
+    lease: BufferLease = attrs.field(factory=BufferLease)
+
+    @classmethod
+    def from_buffer(
+        cls,
+        descriptors: Descriptors,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> RecordBatch:
+        """Wrap ``payload`` (any buffer) without copying; ``release`` runs once at the end."""
+        return cls(descriptors, readonly_bytes(payload), BufferLease(release))
+
+    def __len__(self) -> int:
+        return len(self.descriptors)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes the records of this batch cover."""
+        return int(self.descriptors["length"].sum())
+
+    def select(self, selection: npt.NDArray[np.intp] | None) -> RecordBatch:
+        """The records at ``selection`` (``None``: this batch itself).
+
+        The result shares this batch's payload buffer and lease; only the
+        (small) descriptor array is new.
+        """
+        if selection is None:
+            return self
+        return RecordBatch(self.descriptors[selection], self.payload, self.lease)
+
+    def payload_of(self, index: int) -> Payload:
+        """The read-only payload bytes of record ``index`` (a view, not a copy)."""
+        d = self.descriptors[index]
+        start = int(d["offset"])
+        return self.payload[start : start + int(d["length"])]
+
+    def retain(self) -> Retained:
+        """Hold the buffer past ``submit`` (a sink that keeps the batch calls this)."""
+        return Retained(self.lease)
+
+
+@attrs.frozen(eq=False)
+class RowBatch:
+    """Rows a processor produced: a structured array of an output layout.
+
+    Unlike a :class:`RecordBatch` it owns its memory (the processor allocated
+    it), so there is no lease.  ``route`` names the route that produced it.
+    """
+
+    route: str
+    layout_name: str
+    rows: npt.NDArray[np.void]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the row array (object columns count their pointers only)."""
+        return int(self.rows.nbytes)
+
+
+#: What a destination's ``submit`` receives.
+Batch = RecordBatch | RowBatch

@@ -1,0 +1,116 @@
+"""Exceptions raised by taproute, one small class per way things go wrong.
+
+Every message names the thing that was wrong (route, processor, destination,
+layout, column, output_id, record position) and where it was found.
+"""
+
+from __future__ import annotations
+
+
+class TaprouteError(Exception):
+    """Base class of every error taproute raises on purpose."""
+
+
+# -- configuration: raised while building, before anything is accepted ---------
+
+
+class ConfigError(TaprouteError, ValueError):
+    """A route, schema or destination configuration is invalid."""
+
+
+class LayoutError(ConfigError):
+    """A layout column has a type that does not map to numpy, or is misplaced."""
+
+
+class UnknownLayout(ConfigError):
+    """A layout name that the ``RecordSchema`` does not define."""
+
+
+class UnknownProcessor(ConfigError):
+    """A route names a processor that no decorator registered."""
+
+
+class DuplicateProcessor(ConfigError):
+    """Two different functions registered under one processor name."""
+
+
+class UnknownDestination(ConfigError):
+    """A route (or the default) names a destination that was not given."""
+
+
+class DuplicateRouteName(ConfigError):
+    """Two routes share a name."""
+
+
+class HookBindingError(ConfigError):
+    """A hook name re-bound with a different layout, or an invalid hook name."""
+
+
+# -- records: raised at submit, for the offending batch only -------------------
+
+
+class RecordError(TaprouteError, ValueError):
+    """A submitted record is malformed; the batch is refused, nothing else is lost."""
+
+
+class UnboundOutputId(RecordError):
+    """A record carries an output_id that ``bind_hook`` never returned."""
+
+
+class PayloadSizeMismatch(RecordError):
+    """A record's payload length disagrees with its layout, or its range with the buffer."""
+
+
+class KeyOutOfRange(RecordError):
+    """A stateful route's key function gave a key outside ``[0, key_range)``."""
+
+
+class OutputLayoutMismatch(RecordError):
+    """A processor returned rows that do not match its registered output layout."""
+
+
+# -- runtime state ---------------------------------------------------------------
+
+
+class SinkClosed(TaprouteError, RuntimeError):
+    """``submit`` or ``flush`` after ``close``."""
+
+
+class IngressFull(TaprouteError, RuntimeError):
+    """Ingress is at capacity and the runtime was built with ``when_full="reject"``."""
+
+
+class RoutingFailure(TaprouteError, RuntimeError):
+    """The first failure latched anywhere in a routing sink.
+
+    Raised by every ``submit``/``flush``/``close`` after the failure.  ``route``
+    and ``destination`` say where it happened (``None`` where not applicable);
+    the original exception is ``__cause__`` and :attr:`cause`.
+    """
+
+    def __init__(
+        self,
+        cause: BaseException,
+        *,
+        route: str | None = None,
+        destination: str | None = None,
+        where: str | None = None,
+    ) -> None:
+        self.cause = cause
+        self.route = route
+        self.destination = destination
+        self.where = where
+        parts = []
+        if route is not None:
+            parts.append(f"route {route!r}")
+        if destination is not None:
+            parts.append(f"destination {destination!r}")
+        if where is not None:
+            parts.append(where)
+        place = ", ".join(parts) or "routing sink"
+        super().__init__(f"{place} failed: {type(cause).__name__}: {cause}")
+        self.__cause__ = cause
+
+
+class GlobMatchesNothing(UserWarning):
+    """A route output pattern matched no bound hook name when the table was built."""

@@ -1,0 +1,97 @@
+"""Hook names and the output_ids records carry.
+
+``bind_hook("layers.3.attn.q")`` gives a small integer id the producer stamps
+on each record; routes are configured by name (or glob) and resolved to ids
+through this registry, including for names bound after a route table was built.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from taproute.routing.errors import HookBindingError
+
+#: Called with ``(name, output_id)`` for every new binding.
+BindListener = Callable[[str, int], None]
+
+
+class HookRegistry:
+    """Thread-safe, append-only map between hook names and output_ids.
+
+    Binding the same name again returns the same id.  A hook may declare the
+    layout its records carry by default; re-binding with a different layout is
+    an error.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []
+        self._layouts: list[str | None] = []
+        self._listeners: list[BindListener] = []
+
+    def bind(self, name: str, *, layout: str | None = None) -> int:
+        """Return the output_id for ``name``, allocating one on first use."""
+        if not isinstance(name, str) or not name:
+            raise HookBindingError(f"hook name must be a non-empty string, got {name!r}")
+        with self._lock:
+            existing = self._ids.get(name)
+            if existing is not None:
+                bound_layout = self._layouts[existing]
+                if layout is not None and bound_layout not in (None, layout):
+                    raise HookBindingError(
+                        f"hook {name!r} is bound with layout {bound_layout!r}, not {layout!r}"
+                    )
+                if layout is not None:
+                    self._layouts[existing] = layout
+                return existing
+            output_id = len(self._names)
+            self._ids[name] = output_id
+            self._names.append(name)
+            self._layouts.append(layout)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(name, output_id)
+        return output_id
+
+    def subscribe(self, listener: BindListener) -> Callable[[], None]:
+        """Call ``listener`` for each existing and every future binding.
+
+        Returns a function that unsubscribes.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+            existing = list(enumerate(self._names))
+        for output_id, name in existing:
+            listener(name, output_id)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def id_of(self, name: str) -> int | None:
+        """The output_id bound to ``name``, or None."""
+        return self._ids.get(name)
+
+    def name_of(self, output_id: int) -> str:
+        """The hook name of ``output_id``."""
+        try:
+            return self._names[output_id]
+        except IndexError:
+            raise KeyError(f"output_id {output_id} was never bound") from None
+
+    def layout_of(self, output_id: int) -> str | None:
+        """The layout name declared for ``output_id``'s hook, if any."""
+        return self._layouts[output_id]
+
+    def names(self) -> list[str]:
+        """Every bound name, in output_id order."""
+        with self._lock:
+            return list(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -1,0 +1,194 @@
+"""Layouts: ordered, typed columns shared by payloads, processor outputs and
+ClickHouse tables.
+
+Each column has a ClickHouse type and the numpy dtype it maps to.  A layout is
+*fixed* when every column has a fixed byte size (its rows form one numpy
+structured array over the payload bytes); an input layout may instead end in
+one variable-length ``Array(T)`` column whose length the record's payload size
+decides.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import attrs
+import numpy as np
+from taproute.routing.errors import LayoutError
+
+_SCALARS: dict[str, str] = {
+    "Int8": "<i1",
+    "Int16": "<i2",
+    "Int32": "<i4",
+    "Int64": "<i8",
+    "UInt8": "<u1",
+    "UInt16": "<u2",
+    "UInt32": "<u4",
+    "UInt64": "<u8",
+    "Float32": "<f4",
+    "Float64": "<f8",
+    "Bool": "?",
+    "DateTime": "<M8[s]",
+}
+_DATETIME64_UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
+_WRAPPER = re.compile(r"^(\w+)\((.*)\)$")
+
+
+def _element_dtype(ch_type: str, *, where: str) -> np.dtype[np.generic]:
+    """The numpy dtype of one ClickHouse value (no arrays)."""
+    if ch_type in _SCALARS:
+        return np.dtype(_SCALARS[ch_type])
+    if ch_type == "String":
+        return np.dtype(object)
+    m = _WRAPPER.match(ch_type)
+    if m:
+        outer, inner = m.group(1), m.group(2).strip()
+        if outer == "LowCardinality":
+            return _element_dtype(inner, where=where)
+        if outer == "FixedString" and inner.isdigit():
+            return np.dtype(f"S{int(inner)}")
+        if outer == "DateTime64":
+            precision = int(inner.split(",")[0]) if inner.split(",")[0].strip().isdigit() else -1
+            if precision in _DATETIME64_UNITS:
+                return np.dtype(f"<M8[{_DATETIME64_UNITS[precision]}]")
+    raise LayoutError(
+        f"{where}: ClickHouse type {ch_type!r} does not map to a numpy dtype "
+        f"(supported: {', '.join(_SCALARS)}, String, LowCardinality(T), FixedString(n), "
+        "DateTime64(0|3|6|9), Array(T))"
+    )
+
+
+def _array_element(ch_type: str) -> str | None:
+    m = _WRAPPER.match(ch_type)
+    if m and m.group(1) == "Array":
+        return m.group(2).strip()
+    return None
+
+
+@attrs.frozen
+class Column:
+    """One named, typed column.
+
+    ``type`` is a ClickHouse type.  For ``Array(T)`` columns, ``shape`` fixes
+    the element shape (so the column has a fixed size); an ``Array(T)`` with
+    no shape is variable-length.
+    """
+
+    name: str = attrs.field()
+    type: str = attrs.field()
+    shape: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @name.validator
+    def _check_name(self, _: object, value: str) -> None:
+        if not isinstance(value, str) or not value.isidentifier():
+            raise LayoutError(f"column name must be an identifier, got {value!r}")
+
+    @property
+    def is_array(self) -> bool:
+        """True for ``Array(T)`` columns."""
+        return _array_element(self.type) is not None
+
+    @property
+    def element_dtype(self) -> np.dtype[np.generic]:
+        """The numpy dtype of one value (of one array element for arrays)."""
+        inner = _array_element(self.type)
+        return _element_dtype(
+            inner if inner is not None else self.type, where=f"column {self.name!r}"
+        )
+
+    @property
+    def is_variable(self) -> bool:
+        """True when the column's byte size is not fixed (String, or Array without shape)."""
+        return self.element_dtype.kind == "O" or (self.is_array and not self.shape)
+
+    @property
+    def dtype(self) -> np.dtype[np.generic]:
+        """The numpy dtype of the column in a row (object for variable columns)."""
+        if self.is_variable:
+            return np.dtype(object)
+        if self.is_array:
+            return np.dtype((self.element_dtype, self.shape))
+        return self.element_dtype
+
+
+ColumnSpec = Column | tuple[str, str] | tuple[str, str, Sequence[int]]
+
+
+def _to_column(spec: ColumnSpec) -> Column:
+    if isinstance(spec, Column):
+        return spec
+    return Column(*spec)
+
+
+def _to_columns(specs: Iterable[ColumnSpec]) -> tuple[Column, ...]:
+    return tuple(_to_column(s) for s in specs)
+
+
+@attrs.frozen
+class Layout:
+    """A named, ordered list of columns and the numpy dtype of one row.
+
+    >>> Layout("qk_stats", [("head", "UInt16"), ("norm", "Float32")]).dtype
+    dtype([('head', '<u2'), ('norm', '<f4')])
+    """
+
+    name: str
+    columns: tuple[Column, ...] = attrs.field(converter=_to_columns)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.columns:
+            raise LayoutError(f"layout {self.name!r} has no columns")
+        seen: set[str] = set()
+        for col in self.columns:
+            if col.name in seen:
+                raise LayoutError(f"layout {self.name!r}: duplicate column {col.name!r}")
+            seen.add(col.name)
+            try:
+                col.element_dtype  # noqa: B018 - validates the type eagerly
+            except LayoutError as exc:
+                raise LayoutError(f"layout {self.name!r}, {exc}") from None
+
+    @property
+    def dtype(self) -> np.dtype[np.void]:
+        """Structured dtype of one row (packed, in column order)."""
+        return np.dtype([(c.name, c.dtype) for c in self.columns])
+
+    @property
+    def is_fixed(self) -> bool:
+        """True when every column has a fixed byte size."""
+        return not any(c.is_variable for c in self.columns)
+
+    @property
+    def fixed_columns(self) -> tuple[Column, ...]:
+        """The columns before a variable tail (all of them for fixed layouts)."""
+        return self.columns if self.is_fixed else self.columns[:-1]
+
+    @property
+    def prefix_size(self) -> int:
+        """Bytes taken by the fixed columns of a payload."""
+        return int(np.dtype([(c.name, c.dtype) for c in self.fixed_columns]).itemsize)
+
+    @property
+    def tail(self) -> Column | None:
+        """The variable-length trailing ``Array(T)`` column of a payload layout, if any."""
+        return None if self.is_fixed else self.columns[-1]
+
+    def check_payload_layout(self) -> None:
+        """Raise :class:`LayoutError` unless records can carry this layout as raw bytes.
+
+        Payload layouts are fixed, or fixed columns followed by one
+        variable-length ``Array(T)`` of a fixed-size element type.
+        """
+        for col in self.columns[:-1]:
+            if col.is_variable:
+                raise LayoutError(
+                    f"layout {self.name!r}, column {col.name!r}: a variable-length column "
+                    "can only be the last column of a payload layout"
+                )
+        last = self.columns[-1]
+        if last.is_variable and (not last.is_array or last.element_dtype.kind == "O"):
+            raise LayoutError(
+                f"layout {self.name!r}, column {last.name!r}: type {last.type} has no fixed "
+                "byte encoding; payload layouts use numeric, FixedString or Array(numeric) columns"
+            )

@@ -1,0 +1,152 @@
+"""The route plan: a RoutingConfig checked against the schema, the processor
+registry and the destinations, with each route's output patterns compiled.
+
+Pure: building a plan runs nothing.  The actors layer turns a plan into a
+native route table and running actors.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from fnmatch import translate
+from typing import Literal
+
+import attrs
+from taproute.routing.errors import ConfigError, GlobMatchesNothing, UnknownDestination
+from taproute.routing.layout import Layout
+from taproute.routing.processors import REGISTRY, ProcessorKind, ProcessorRegistry, ProcessorSpec
+from taproute.routing.routes import Route, RouteMode, RoutingConfig
+from taproute.routing.schema import RecordSchema
+
+Unmatched = Literal["default", "drop"]
+
+
+@attrs.frozen
+class PlannedRoute:
+    """One checked route and what it resolved to."""
+
+    index: int
+    route: Route
+    processor: ProcessorSpec | None
+    input_layout: Layout | None
+    output_layout: Layout | None
+    pattern: re.Pattern[str] = attrs.field(repr=False)
+
+    @property
+    def name(self) -> str:
+        """The route's name."""
+        return self.route.name
+
+    def matches(self, hook_name: str) -> bool:
+        """True when ``hook_name`` matches one of the route's outputs."""
+        return self.pattern.fullmatch(hook_name) is not None
+
+
+class RoutePlan:
+    """Checked routes plus the hook-name matching rules.
+
+    Raises a :class:`~taproute.routing.errors.ConfigError` subclass naming the
+    route and the unknown processor, destination or layout.  Warns
+    (:class:`GlobMatchesNothing`) for outputs no bound hook matches, when
+    hooks are already bound; hooks bound later still resolve.
+    """
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        schema: RecordSchema,
+        *,
+        destinations: Iterable[str],
+        default_destination: str | None = None,
+        unmatched: Unmatched = "default",
+        registry: ProcessorRegistry = REGISTRY,
+        bound_names: Iterable[str] = (),
+    ) -> None:
+        known = set(destinations)
+        if unmatched not in ("default", "drop"):
+            raise ConfigError(f"unmatched must be 'default' or 'drop', got {unmatched!r}")
+        if unmatched == "default":
+            if default_destination is None:
+                raise ConfigError(
+                    "no default_destination for unmatched records; name one, or pass "
+                    "unmatched='drop' to drop (and count) records no route takes"
+                )
+            if default_destination not in known:
+                raise UnknownDestination(
+                    f"default_destination {default_destination!r} is not among the "
+                    f"destinations {sorted(known)}"
+                )
+        self.schema = schema
+        self.unmatched: Unmatched = unmatched
+        self.default_destination = default_destination if unmatched == "default" else None
+        self.routes: tuple[PlannedRoute, ...] = tuple(
+            _plan_route(i, route, schema, known, registry) for i, route in enumerate(config.routes)
+        )
+        bound = list(bound_names)
+        # With no hook bound yet every pattern "matches nothing"; the check only
+        # means something once the producer has bound its hooks.
+        for planned in self.routes if bound else ():
+            for output in planned.route.outputs:
+                regex = re.compile(translate(output))
+                if not any(regex.fullmatch(name) for name in bound):
+                    warnings.warn(
+                        f"route {planned.name!r}: output {output!r} matches no bound hook yet "
+                        f"({len(bound)} bound); hooks bound later will still match",
+                        GlobMatchesNothing,
+                        stacklevel=3,
+                    )
+
+    def routes_for(self, hook_name: str) -> tuple[int, ...]:
+        """Indices of the routes ``hook_name`` feeds, in route order."""
+        return tuple(p.index for p in self.routes if p.matches(hook_name))
+
+    @property
+    def destinations_used(self) -> list[str]:
+        """Destination names the routes and the default use, in first-use order."""
+        names = [p.route.destination for p in self.routes]
+        if self.default_destination is not None:
+            names.append(self.default_destination)
+        return list(dict.fromkeys(names))
+
+
+def _plan_route(
+    index: int, route: Route, schema: RecordSchema, known: set[str], registry: ProcessorRegistry
+) -> PlannedRoute:
+    where = f"route {route.name!r}"
+    if route.destination not in known:
+        raise UnknownDestination(
+            f"{where}: unknown destination {route.destination!r}; given {sorted(known)}"
+        )
+    pattern = re.compile("|".join(f"(?:{translate(o)})" for o in route.outputs))
+    if route.mode is RouteMode.FORWARD:
+        return PlannedRoute(index, route, None, None, None, pattern)
+    assert route.processor is not None  # Route checks this
+    try:
+        spec = registry.get(route.processor)
+    except ConfigError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+    expected = (
+        ProcessorKind.STATEFUL if route.mode is RouteMode.STATEFUL else ProcessorKind.STATELESS
+    )
+    if spec.kind is not expected:
+        raise ConfigError(
+            f"{where}: mode {route.mode.value!r} needs a {expected.value} processor, "
+            f"but {spec.name!r} is {spec.kind.value}"
+        )
+    try:
+        input_layout = None if spec.input is None else schema.layout(spec.input)
+        output_layout = schema.layout(spec.output)
+    except ConfigError as exc:
+        raise type(exc)(f"{where}, processor {spec.name!r}: {exc}") from None
+    if input_layout is not None:
+        input_layout.check_payload_layout()
+    if spec.kind is ProcessorKind.STATEFUL:
+        assert spec.key_range is not None
+        if route.workers > spec.key_range:
+            raise ConfigError(
+                f"{where}: {route.workers} owners for key_range {spec.key_range}; "
+                "at most one owner per key"
+            )
+    return PlannedRoute(index, route, spec, input_layout, output_layout, pattern)

@@ -1,0 +1,168 @@
+"""Processors, registered by name at import time.
+
+The Python form of ``DMI_REGISTER_*_PROCESSOR``::
+
+    @stateless_processor("qk_norms", input="qk", output="qk_norm")
+    def qk_norms(records: Records) -> np.ndarray: ...
+
+    @stateful_processor("running_mean", key=lambda d: d["key"] % 4096, key_range=4096,
+                        slot=SlotSpec((64,), "float64"), input="vec", output="mean")
+    def running_mean(records: Records, keys: np.ndarray, state: StateRegion) -> np.ndarray: ...
+
+A stateless processor maps a batch of records to rows of its output layout (a
+numpy structured array; ``None`` for "nothing to emit").  A stateful one also
+gets each record's key and the route's K x N :class:`StateRegion`; it may
+read and write ``state.slots[k]`` for the keys it was given, in record order.
+Processors run in worker threads: numpy releases the GIL, so they overlap.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from taproute.routing.batch import Descriptors
+from taproute.routing.errors import ConfigError, DuplicateProcessor, UnknownProcessor
+
+KeyFunction = Callable[[Descriptors], npt.ArrayLike]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def request_key(descriptors: Descriptors) -> npt.NDArray[np.int64]:
+    """The default key function: the descriptor's ``key`` field as is."""
+    return descriptors["key"]
+
+
+class ProcessorKind(enum.StrEnum):
+    """Which decorator registered a processor."""
+
+    STATELESS = "stateless"
+    STATEFUL = "stateful"
+
+
+def _positive_shape(value: Any) -> tuple[int, ...]:
+    shape = (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+    if any(v <= 0 for v in shape):
+        raise ConfigError(f"SlotSpec shape must be positive, got {shape}")
+    return shape
+
+
+@attrs.frozen
+class SlotSpec:
+    """Shape and dtype of one key's state slot (the ``N`` of K x N)."""
+
+    shape: tuple[int, ...] = attrs.field(converter=_positive_shape)
+    dtype: str = "float64"
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            np.dtype(self.dtype)
+        except TypeError as exc:
+            raise ConfigError(f"SlotSpec dtype {self.dtype!r} is not a numpy dtype") from exc
+
+
+@attrs.frozen
+class ProcessorSpec:
+    """A registered processor: its function and the layouts it reads and writes."""
+
+    name: str
+    fn: Callable[..., Any]
+    kind: ProcessorKind
+    input: str | None
+    output: str
+    key: KeyFunction | None = None
+    key_range: int | None = None
+    slot: SlotSpec | None = None
+
+
+class ProcessorRegistry:
+    """Processors by name.  Re-registering the same function (a module reload) replaces it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._specs: dict[str, ProcessorSpec] = {}
+
+    def register(self, spec: ProcessorSpec) -> None:
+        """Add ``spec``; a different function under a taken name is an error."""
+        with self._lock:
+            old = self._specs.get(spec.name)
+            if old is not None and _qualname(old.fn) != _qualname(spec.fn):
+                raise DuplicateProcessor(
+                    f"processor name {spec.name!r} is already registered by "
+                    f"{_qualname(old.fn)}; cannot register {_qualname(spec.fn)}"
+                )
+            self._specs[spec.name] = spec
+
+    def get(self, name: str) -> ProcessorSpec:
+        """The processor called ``name``."""
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise UnknownProcessor(
+                f"unknown processor {name!r}; registered: {sorted(self._specs) or 'none'}"
+            ) from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+#: The process-wide registry the decorators write to.
+REGISTRY = ProcessorRegistry()
+
+
+def stateless_processor(
+    name: str, *, input: str | None, output: str, registry: ProcessorRegistry = REGISTRY
+) -> Callable[[F], F]:
+    """Register ``fn(records) -> rows | None`` as stateless processor ``name``.
+
+    ``input`` is the payload layout it reads (``None``: any; it reads
+    descriptors only), ``output`` the layout of the rows it returns.
+    """
+
+    def decorate(fn: F) -> F:
+        registry.register(ProcessorSpec(name, fn, ProcessorKind.STATELESS, input, output))
+        return fn
+
+    return decorate
+
+
+def stateful_processor(
+    name: str,
+    *,
+    key_range: int,
+    slot: SlotSpec,
+    output: str,
+    input: str | None,
+    key: KeyFunction = request_key,
+    registry: ProcessorRegistry = REGISTRY,
+) -> Callable[[F], F]:
+    """Register ``fn(records, keys, state) -> rows | None`` as stateful processor ``name``.
+
+    ``key(descriptors)`` maps each record to a key in ``[0, key_range)``; the
+    route keeps one ``slot``-shaped state per key.
+    """
+    if not isinstance(key_range, int) or key_range <= 0:
+        raise ConfigError(
+            f"processor {name!r}: key_range must be a positive int, got {key_range!r}"
+        )
+
+    def decorate(fn: F) -> F:
+        registry.register(
+            ProcessorSpec(name, fn, ProcessorKind.STATEFUL, input, output, key, key_range, slot)
+        )
+        return fn
+
+    return decorate

@@ -1,0 +1,60 @@
+"""RecordSchema: every layout taproute knows, by name and by id.
+
+A record's descriptor carries a ``layout_id``; the schema turns it back into a
+:class:`~taproute.routing.layout.Layout`.  One schema covers payload layouts
+(what hooks capture) and output layouts (what processors return).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+from taproute.routing.errors import ConfigError, UnknownLayout
+from taproute.routing.layout import Layout
+
+
+def _to_layouts(value: Iterable[Layout] | Mapping[str, Layout]) -> tuple[Layout, ...]:
+    return tuple(value.values() if isinstance(value, Mapping) else value)
+
+
+@attrs.frozen
+class RecordSchema:
+    """Named layouts; a layout's id is its position in ``layouts``."""
+
+    layouts: tuple[Layout, ...] = attrs.field(converter=_to_layouts)
+    _by_name: dict[str, int] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        by_name: dict[str, int] = {}
+        for i, layout in enumerate(self.layouts):
+            if layout.name in by_name:
+                raise ConfigError(f"RecordSchema: duplicate layout name {layout.name!r}")
+            by_name[layout.name] = i
+        if len(self.layouts) > 0xFFFF:
+            raise ConfigError("RecordSchema: at most 65535 layouts (layout_id is 16-bit)")
+        object.__setattr__(self, "_by_name", by_name)
+
+    def layout(self, name: str) -> Layout:
+        """The layout called ``name``."""
+        return self.layouts[self.layout_id(name)]
+
+    def layout_id(self, name: str) -> int:
+        """The id records of layout ``name`` carry in their descriptor."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UnknownLayout(
+                f"unknown layout {name!r}; the schema defines {sorted(self._by_name)}"
+            ) from None
+
+    def by_id(self, layout_id: int) -> Layout:
+        """The layout with id ``layout_id``."""
+        if not 0 <= layout_id < len(self.layouts):
+            raise UnknownLayout(
+                f"unknown layout_id {layout_id}; the schema has ids 0..{len(self.layouts) - 1}"
+            )
+        return self.layouts[layout_id]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name

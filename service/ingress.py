@@ -1,0 +1,228 @@
+"""The thread-safe ingress between producer threads and the Trio loop.
+
+Producers append batches (or single records, which are coalesced into one
+batch) under a lock; the first append after the loop last looked schedules
+one wake-up with ``TrioToken.run_sync_soon``; the record worker takes
+everything queued at once.  Capacity is counted in records and bytes until
+the record worker has handed a batch on, so a blocked record worker fills
+ingress, and full ingress blocks (or refuses) the producer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Literal
+
+import numpy as np
+from taproute.actors.counters import IngressCounters
+from taproute.native import DESCRIPTOR_DTYPE
+from taproute.routing.batch import RecordBatch
+from taproute.routing.errors import IngressFull, SinkClosed
+
+WhenFull = Literal["block", "reject"]
+
+
+class Control:
+    """A flush or close request, ordered with the batches around it."""
+
+    __slots__ = ("future", "kind")
+
+    def __init__(self, kind: Literal["flush", "close"]) -> None:
+        self.kind = kind
+        self.future: Future[None] = Future()
+
+
+Item = RecordBatch | Control
+
+
+class Ingress:
+    """Bounded, thread-safe queue of batches and controls for one record worker."""
+
+    def __init__(
+        self,
+        *,
+        capacity_records: int,
+        capacity_bytes: int,
+        when_full: WhenFull,
+        coalesce_records: int,
+    ) -> None:
+        if when_full not in ("block", "reject"):
+            raise ValueError(f"when_full must be 'block' or 'reject', got {when_full!r}")
+        if capacity_records <= 0 or capacity_bytes <= 0:
+            raise ValueError("ingress capacities must be positive")
+        self.capacity_records = capacity_records
+        self.capacity_bytes = capacity_bytes
+        self.when_full = when_full
+        self.coalesce_records = coalesce_records
+        self.counters = IngressCounters()
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[Item] = deque()
+        self._records = 0
+        self._bytes = 0
+        self._pending_rows: list[tuple[int, ...]] = []
+        self._pending_payloads: list[bytes] = []
+        self._wake: Callable[[], None] | None = None
+        self._wake_pending = False
+        self._closed = False
+        self._failed: BaseException | None = None
+
+    def connect(self, wake: Callable[[], None]) -> None:
+        """Set the function that wakes the record worker (called with the lock held)."""
+        self._wake = wake
+
+    # -- producer side -----------------------------------------------------
+
+    def _wait_for_space(self, records: int, nbytes: int) -> None:
+        """With the lock held: block (or refuse) until the item fits."""
+        if self._fits(records, nbytes):
+            return
+        if self.when_full == "reject":
+            self.counters.rejected += records
+            raise IngressFull(
+                f"ingress full ({self._records}/{self.capacity_records} records, "
+                f"{self._bytes}/{self.capacity_bytes} bytes queued); {records} record(s) refused"
+            )
+        started = time.perf_counter()
+        try:
+            while not self._fits(records, nbytes):
+                self._check_open()
+                self._cond.wait()
+        finally:
+            self.counters.blocked_seconds += time.perf_counter() - started
+
+    def _fits(self, records: int, nbytes: int) -> bool:
+        if self._records == 0:
+            return True  # an oversize batch still goes, alone
+        return (
+            self._records + records <= self.capacity_records
+            and self._bytes + nbytes <= self.capacity_bytes
+        )
+
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise SinkClosed("runtime is closed; submit refused")
+
+    def _schedule_wake(self) -> None:
+        if not self._wake_pending and self._wake is not None:
+            self._wake_pending = True
+            self._wake()
+
+    def put_batch(self, batch: RecordBatch) -> None:
+        """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
+        records, nbytes = len(batch), batch.payload.nbytes
+        with self._cond:
+            self._check_open()
+            self._wait_for_space(records, nbytes)
+            self._check_open()
+            self._seal_pending()
+            self._queue.append(batch)
+            self.counters.batches += 1
+            self._account(records, nbytes)
+
+    def put_record(self, row: tuple[int, ...], payload: bytes) -> None:
+        """Queue one record (descriptor fields without offset/length, and its bytes).
+
+        Records queued this way are coalesced into one batch per wake-up.
+        """
+        with self._cond:
+            self._check_open()
+            self._wait_for_space(1, len(payload))
+            self._check_open()
+            self._pending_rows.append(row)
+            self._pending_payloads.append(payload)
+            self._account(1, len(payload))
+            if len(self._pending_rows) >= self.coalesce_records:
+                self._seal_pending()
+
+    def _account(self, records: int, nbytes: int) -> None:
+        self._records += records
+        self._bytes += nbytes
+        self.counters.submitted += records
+        self.counters.queued = self._records
+        self._schedule_wake()
+
+    def put_control(self, kind: Literal["flush", "close"]) -> Future[None]:
+        """Queue a flush or close after everything queued so far."""
+        control = Control(kind)
+        with self._cond:
+            if self._failed is not None:
+                control.future.set_exception(self._failed)
+                return control.future
+            if self._closed:
+                if kind == "close":
+                    control.future.set_result(None)
+                else:
+                    control.future.set_exception(SinkClosed("runtime is closed; flush refused"))
+                return control.future
+            if kind == "close":
+                self._closed = True
+                self._cond.notify_all()
+            self._seal_pending()
+            self._queue.append(control)
+            self._schedule_wake()
+        return control.future
+
+    def _seal_pending(self) -> None:
+        """With the lock held: turn coalesced single records into one batch."""
+        rows = self._pending_rows
+        if not rows:
+            return
+        payloads = self._pending_payloads
+        self._pending_rows, self._pending_payloads = [], []
+        desc = np.array(rows, dtype=_ROW_DTYPE)
+        full = np.empty(len(rows), dtype=DESCRIPTOR_DTYPE)
+        for name in _ROW_DTYPE.names or ():
+            full[name] = desc[name]
+        lengths = np.fromiter((len(p) for p in payloads), dtype=np.int64, count=len(payloads))
+        full["length"] = lengths
+        full["offset"][0] = 0
+        np.cumsum(lengths[:-1], out=full["offset"][1:])
+        self._queue.append(RecordBatch.from_buffer(full, b"".join(payloads)))
+        self.counters.batches += 1
+
+    # -- record worker side ------------------------------------------------
+
+    def take(self) -> list[Item]:
+        """Everything queued now, in order (the coalesced records sealed first)."""
+        with self._cond:
+            self._wake_pending = False
+            self._seal_pending()
+            items = list(self._queue)
+            self._queue.clear()
+        return items
+
+    def done(self, records: int, nbytes: int) -> None:
+        """The record worker handed a batch on: free its ingress capacity."""
+        with self._cond:
+            self._records -= records
+            self._bytes -= nbytes
+            self.counters.queued = self._records
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The loop is gone or latched a failure: wake and refuse every producer."""
+        with self._cond:
+            if self._failed is None:
+                self._failed = error
+            self._cond.notify_all()
+
+    def snapshot(self) -> IngressCounters:
+        """A detached copy of the ingress counters."""
+        with self._cond:
+            c = self.counters
+            return IngressCounters(c.submitted, c.batches, c.rejected, c.blocked_seconds, c.queued)
+
+
+#: Descriptor fields a single-record submit provides (offset/length come at seal time).
+_ROW_DTYPE = np.dtype(
+    [
+        (name, DESCRIPTOR_DTYPE.fields[name][0])  # type: ignore[index]
+        for name in ("output_id", "layout_id", "flags", "key", "step", "seq", "timestamp_ns")
+    ]
+)
