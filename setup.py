@@ -41,5 +41,4 @@ setup(
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     ),
-    entry_points={"console_scripts": ["taproute = taproute.service.cli:main"]},
 )

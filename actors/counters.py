@@ -47,14 +47,16 @@ class DestinationCounters:
 
 @attrs.define
 class IngressCounters:
-    """Producer side: records and batches accepted, refused when full, and
-    seconds producers spent blocked in ``submit``."""
+    """Producer side: records and batches accepted, records refused when full,
+    seconds producers spent blocked in ``submit``, records queued now and
+    producers blocked now."""
 
     submitted: int = 0
     batches: int = 0
     rejected: int = 0
     blocked_seconds: float = 0.0
     queued: int = 0
+    blocked_producers: int = 0
 
 
 @attrs.frozen

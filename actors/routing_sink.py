@@ -317,11 +317,20 @@ async def open_routing_sink(
     if any, is raised.
     """
     sink = RoutingSink(config, schema, destinations, default_destination, **kwargs)
+    error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         try:
             yield sink
-        except BaseException:
+        except BaseException as exc:
+            # Raised below, after the nursery, so the caller sees its own
+            # exception rather than an ExceptionGroup around it.
+            error = exc
             nursery.cancel_scope.cancel()
-            raise
-        await sink.close()
+        else:
+            try:
+                await sink.close()
+            except RoutingFailure as exc:
+                error = exc
+    if error is not None:
+        raise error

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Literal
 
+import attrs
 import numpy as np
 from taproute.actors.counters import IngressCounters
 from taproute.native import DESCRIPTOR_DTYPE
@@ -69,6 +70,7 @@ class Ingress:
         self._wake_pending = False
         self._closed = False
         self._failed: BaseException | None = None
+        self._loop_gone = False
 
     def connect(self, wake: Callable[[], None]) -> None:
         """Set the function that wakes the record worker (called with the lock held)."""
@@ -87,11 +89,13 @@ class Ingress:
                 f"{self._bytes}/{self.capacity_bytes} bytes queued); {records} record(s) refused"
             )
         started = time.perf_counter()
+        self.counters.blocked_producers += 1
         try:
             while not self._fits(records, nbytes):
                 self._check_open()
                 self._cond.wait()
         finally:
+            self.counters.blocked_producers -= 1
             self.counters.blocked_seconds += time.perf_counter() - started
 
     def _fits(self, records: int, nbytes: int) -> bool:
@@ -148,19 +152,26 @@ class Ingress:
         self._schedule_wake()
 
     def put_control(self, kind: Literal["flush", "close"]) -> Future[None]:
-        """Queue a flush or close after everything queued so far."""
+        """Queue a flush or close after everything queued so far.
+
+        A flush after a failure or close fails at once; a second close is a
+        no-op; a close after a failure still stops the loop.
+        """
         control = Control(kind)
         with self._cond:
-            if self._failed is not None:
-                control.future.set_exception(self._failed)
+            if kind == "flush" and (self._failed is not None or self._closed):
+                control.future.set_exception(
+                    self._failed or SinkClosed("runtime is closed; flush refused")
+                )
                 return control.future
-            if self._closed:
-                if kind == "close":
-                    control.future.set_result(None)
-                else:
-                    control.future.set_exception(SinkClosed("runtime is closed; flush refused"))
+            if self._loop_gone:
+                control.future.set_exception(self._failed or SinkClosed("runtime loop stopped"))
                 return control.future
             if kind == "close":
+                if self._closed:
+                    control.future.set_result(None)
+                    return control.future
+                # Close goes through even after a failure: the loop must still stop.
                 self._closed = True
                 self._cond.notify_all()
             self._seal_pending()
@@ -205,18 +216,28 @@ class Ingress:
             self.counters.queued = self._records
             self._cond.notify_all()
 
-    def fail(self, error: BaseException) -> None:
-        """The loop is gone or latched a failure: wake and refuse every producer."""
+    def fail(self, error: BaseException, *, loop_gone: bool = False) -> list[Item]:
+        """A failure was latched (or the loop is gone): wake and refuse every producer.
+
+        With ``loop_gone`` nothing will take the queue any more: it is emptied
+        and returned, and later controls fail at once.
+        """
         with self._cond:
             if self._failed is None:
                 self._failed = error
             self._cond.notify_all()
+            if not loop_gone:
+                return []
+            self._loop_gone = True
+            self._seal_pending()
+            items = list(self._queue)
+            self._queue.clear()
+            return items
 
     def snapshot(self) -> IngressCounters:
         """A detached copy of the ingress counters."""
         with self._cond:
-            c = self.counters
-            return IngressCounters(c.submitted, c.batches, c.rejected, c.blocked_seconds, c.queued)
+            return attrs.evolve(self.counters)
 
 
 #: Descriptor fields a single-record submit provides (offset/length come at seal time).

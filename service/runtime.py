@@ -102,10 +102,10 @@ class RecordRuntime:
             error = exc if isinstance(exc, Exception) else RuntimeError(f"loop stopped: {exc!r}")
             if not self._ready.is_set():
                 self._start_error = error
-            self._ingress.fail(self._latch.latch(error, where="runtime loop"))
-            for item in self._ingress.take():
+            failure = self._latch.latch(error, where="runtime loop")
+            for item in self._ingress.fail(failure, loop_gone=True):
                 if isinstance(item, Control) and not item.future.done():
-                    item.future.set_exception(self._latch.failure or error)
+                    item.future.set_exception(failure)
         finally:
             self._ready.set()
 

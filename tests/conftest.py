@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from taproute.native import make_descriptors
+from taproute.routing import RecordBatch
+
+from tests.processors import SCHEMA
+
+
+class ReleaseLog:
+    """Counts release callbacks per buffer."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def callback(self, name: str):
+        def release() -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+        return release
+
+
+@pytest.fixture
+def release_log() -> ReleaseLog:
+    return ReleaseLog()
+
+
+def vec_batch(
+    output_id: int,
+    n: int,
+    *,
+    keys=None,
+    seq_start: int = 0,
+    release=None,
+    output_ids=None,
+) -> RecordBatch:
+    """n records of the `vec` layout: record i holds [i, i+1, i+2, i+3] + seq_start."""
+    values = (np.arange(n, dtype=np.float32)[:, None] + np.arange(4) + seq_start).astype(np.float32)
+    desc = make_descriptors(
+        output_id if output_ids is None else output_ids,
+        16,
+        count=n,
+        layout_ids=SCHEMA.layout_id("vec"),
+        keys=np.arange(n) if keys is None else keys,
+        seqs=np.arange(seq_start, seq_start + n),
+    )
+    return RecordBatch.from_buffer(desc, values, release)

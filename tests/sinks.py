@@ -1,0 +1,73 @@
+"""Destination sinks with behaviour tests need: gated, failing, counting."""
+
+from __future__ import annotations
+
+import trio
+from taproute.routing import Batch, RecordBatch
+from taproute.service import CaptureSink
+
+
+class NullSink:
+    """Counts what it gets and keeps nothing (so buffers go back at once)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.batches = 0
+        self.closed = False
+        self.flushes = 0
+        self.seen_payloads: list[object] = []
+
+    async def submit(self, batch: Batch) -> None:
+        self.records += len(batch)
+        self.batches += 1
+        if isinstance(batch, RecordBatch):
+            self.seen_payloads.append(batch.payload)
+
+    async def flush(self) -> None:
+        self.flushes += 1
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class GateSink(CaptureSink):
+    """Holds every submit until ``gate`` is set (a deliberately slow destination)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = trio.Event()
+        self.entered = 0
+
+    async def submit(self, batch: Batch) -> None:
+        self.entered += 1
+        await self.gate.wait()
+        await super().submit(batch)
+
+
+class FailingSink(CaptureSink):
+    """Raises on its ``fail_on``-th submit (1-based) and every one after."""
+
+    def __init__(self, fail_on: int, message: str = "disk full") -> None:
+        super().__init__()
+        self.fail_on = fail_on
+        self.message = message
+        self.calls = 0
+
+    async def submit(self, batch: Batch) -> None:
+        self.calls += 1
+        if self.calls >= self.fail_on:
+            raise OSError(self.message)
+        await super().submit(batch)
+
+
+class GatedFailingSink(GateSink):
+    """Waits for ``gate``, then raises on every submit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    async def submit(self, batch: Batch) -> None:
+        self.entered += 1
+        await self.gate.wait()
+        raise OSError(self.message)

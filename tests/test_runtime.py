@@ -1,0 +1,236 @@
+"""The threaded runtime: producers on plain threads, the loop in its own thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import trio
+from taproute.actors import RoutingSink
+from taproute.native import make_descriptors
+from taproute.routing import (
+    IngressFull,
+    PayloadSizeMismatch,
+    Route,
+    RoutingConfig,
+    RoutingFailure,
+    SinkClosed,
+    UnboundOutputId,
+)
+from taproute.service import CaptureSink, create_record_runtime
+
+from tests.processors import SCHEMA
+from tests.sinks import FailingSink, NullSink
+
+Q = "layers.0.attn.q"
+
+
+class ThreadGateSink(CaptureSink):
+    """A slow destination whose gate a plain thread opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    async def submit(self, batch) -> None:
+        self.entered.set()
+        await trio.to_thread.run_sync(self.gate.wait)
+        await super().submit(batch)
+
+
+def eventually(predicate, timeout: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds (another thread makes it so), or fail."""
+    deadline = time.monotonic() + timeout
+    wake = threading.Event()
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        wake.wait(0.001)
+
+
+def routing_sink(destinations, routes=None, **kwargs) -> RoutingSink:
+    routes = routes if routes is not None else [Route("raw", "layers.*", "cap")]
+    kwargs.setdefault("default_destination", "cap")
+    return RoutingSink(RoutingConfig(routes), SCHEMA, destinations, **kwargs)
+
+
+def vec_payload(n: int, start: float = 0.0) -> np.ndarray:
+    return (np.arange(n * 4, dtype=np.float32) + start).reshape(n, 4)
+
+
+def test_submit_batch_shares_memory_and_releases_once():
+    threads_before = set(threading.enumerate())
+    sink = NullSink()
+    released = threading.Event()
+    calls = []
+    payload = vec_payload(64)
+    with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        desc = make_descriptors(q, 16, count=64, layout_ids=SCHEMA.layout_id("vec"))
+        runtime.submit_batch(desc, payload, release=lambda: (calls.append(1), released.set()))
+        runtime.flush(timeout=10)
+        assert released.wait(10)
+        counters = runtime.counters()
+    assert calls == [1]
+    assert np.shares_memory(sink.seen_payloads[0], payload)
+    assert counters.ingress.submitted == 64 and counters.ingress.batches == 1
+    assert counters.destinations["cap"].records == 64
+    assert set(threading.enumerate()) == threads_before  # nothing left behind
+
+
+def test_single_submits_are_coalesced_into_batches():
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": cap})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        for i in range(1000):
+            runtime.submit(q, np.full(4, i, dtype=np.float32), key=i % 3, step=7)
+        runtime.flush(timeout=10)
+    desc = cap.descriptors()
+    assert len(desc) == 1000
+    assert len(cap.record_batches) < 1000  # coalesced, never one message per record
+    assert desc["seq"].tolist() == list(range(1000))
+    assert desc["key"].tolist() == [i % 3 for i in range(1000)]
+    assert (desc["step"] == 7).all()
+    values = np.concatenate(
+        [b.payload.view(np.float32).reshape(-1, 4)[:, 0] for b in cap.record_batches]
+    )
+    assert values.tolist() == list(range(1000))
+
+
+def test_bad_batches_are_refused_and_nothing_accepted_is_lost():
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": cap})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit_batch(make_descriptors(q, 16, count=2, layout_ids=0), vec_payload(2))
+        with pytest.raises(UnboundOutputId, match="record 1 of the batch: output_id 9 was never"):
+            runtime.submit_batch(make_descriptors([q, 9], 16, layout_ids=0), vec_payload(2))
+        with pytest.raises(PayloadSizeMismatch, match="record 0 \\(hook 'layers.0.attn.q'\\)"):
+            runtime.submit_batch(make_descriptors(q, 12, count=1, layout_ids=0), b"\0" * 12)
+        with pytest.raises(PayloadSizeMismatch, match="outside the 16-byte buffer"):
+            runtime.submit_batch(make_descriptors(q, 16, count=2, layout_ids=0), vec_payload(1))
+        with pytest.raises(
+            PayloadSizeMismatch, match="payload of 8 bytes does not fit layout 'vec'"
+        ):
+            runtime.submit(q, b"\0" * 8)
+        with pytest.raises(UnboundOutputId, match="output_id 5 was never bound"):
+            runtime.submit(5, b"\0" * 16)
+        runtime.submit(q, vec_payload(1, start=100.0))
+        runtime.flush(timeout=10)
+        assert runtime.failure is None
+    assert cap.records == 3
+    with pytest.raises(SinkClosed):
+        runtime.submit(q, vec_payload(1))
+    with pytest.raises(SinkClosed):
+        runtime.submit_batch(make_descriptors(q, 16, count=1, layout_ids=0), vec_payload(1))
+
+
+def test_variable_length_payloads_are_checked_against_the_tail():
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": cap})) as runtime:
+        t = runtime.bind_hook("layers.0.tokens", layout="tokens")
+        runtime.submit(t, np.array([3], np.uint32).tobytes() + vec_payload(2).tobytes())
+        with pytest.raises(PayloadSizeMismatch, match="4 bytes \\+ a multiple of 4|does not fit"):
+            runtime.submit(t, b"\0" * 6)
+        runtime.flush(timeout=10)
+    assert cap.descriptors()["length"].tolist() == [36]
+
+
+def test_full_ingress_blocks_the_producer_until_the_destination_moves():
+    slow = ThreadGateSink()
+    runtime = create_record_runtime(
+        record_sink=routing_sink({"cap": slow}, destination_capacity=16),
+        capacity_records=32,
+    )
+    q = runtime.bind_hook(Q, layout="vec")
+    progress = []
+    finished = threading.Event()
+
+    def producer() -> None:
+        for i in range(20):
+            runtime.submit_batch(
+                make_descriptors(q, 16, count=16, layout_ids=0, seqs=np.arange(16) + 16 * i),
+                vec_payload(16),
+            )
+            progress.append(i)
+        finished.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert slow.entered.wait(10)
+    # The destination is shut: the producer ends up blocked in submit.
+    eventually(lambda: runtime.counters().ingress.blocked_producers == 1)
+    assert not finished.is_set()
+    assert len(progress) < 20
+    counters = runtime.counters()
+    assert counters.ingress.queued > 0
+    slow.gate.set()
+    assert finished.wait(10)
+    thread.join()
+    runtime.flush(timeout=10)
+    counters = runtime.counters()
+    runtime.close(timeout=10)
+    assert counters.ingress.blocked_seconds > 0
+    assert counters.ingress.rejected == 0
+    assert slow.descriptors()["seq"].tolist() == list(range(320))
+
+
+def test_reject_policy_raises_instead_of_blocking():
+    slow = ThreadGateSink()
+    runtime = create_record_runtime(
+        record_sink=routing_sink({"cap": slow}, destination_capacity=16),
+        capacity_records=32,
+        when_full="reject",
+    )
+    q = runtime.bind_hook(Q, layout="vec")
+    accepted = 0
+    with pytest.raises(IngressFull, match="ingress full .*16 record\\(s\\) refused"):
+        for _ in range(100):
+            runtime.submit_batch(make_descriptors(q, 16, count=16, layout_ids=0), vec_payload(16))
+            accepted += 1
+    assert runtime.counters().ingress.rejected == 16
+    slow.gate.set()
+    runtime.close(timeout=10)
+    assert slow.records == 16 * accepted  # every accepted record arrived
+
+
+def test_failure_surfaces_in_flush_submit_and_close():
+    failing = FailingSink(fail_on=1, message="insert refused")
+    runtime = create_record_runtime(record_sink=routing_sink({"cap": failing}))
+    q = runtime.bind_hook(Q, layout="vec")
+    runtime.submit(q, vec_payload(1))
+    with pytest.raises(RoutingFailure, match="destination 'cap', submit failed: OSError: insert"):
+        runtime.flush(timeout=10)
+    with pytest.raises(RoutingFailure, match="insert refused"):
+        runtime.submit(q, vec_payload(1))
+    with pytest.raises(RoutingFailure, match="insert refused"):
+        runtime.close(timeout=10)
+    assert "insert refused" in runtime.counters().failure
+
+
+def test_submits_from_many_threads_all_arrive():
+    sink = NullSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+
+        def producer() -> None:
+            for _ in range(500):
+                runtime.submit(q, vec_payload(1))
+
+        threads = [threading.Thread(target=producer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        runtime.flush(timeout=10)
+    assert sink.records == 2000
+
+
+def test_a_plain_sink_can_be_the_record_sink():
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=SCHEMA) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit(q, vec_payload(1))
+        runtime.flush(timeout=10)
+    assert cap.records == 1 and cap.closed
