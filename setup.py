@@ -24,14 +24,14 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],
     )
-    for name in ("_matcher", "_partition", "_lease")
+    for name in ("_matcher", "_partition", "_lease", "_validate")
 ]
 
 setup(
     packages=list(PACKAGES),
     package_dir=PACKAGES,
     package_data={
-        "taproute.native": ["*.pyi", "py.typed"],
+        "taproute.native": ["*.pyi", "*.pxi", "py.typed"],
         "taproute.routing": ["py.typed"],
         "taproute.actors": ["py.typed"],
         "taproute.service": ["py.typed"],

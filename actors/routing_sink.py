@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
-import numpy as np
 import trio
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor
 from taproute.actors.latch import FailureLatch
 from taproute.actors.pending import InFlight
 from taproute.actors.routes import ForwardRoute, RouteActor, StatefulRoute, StatelessRoute
+from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable
 from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed
@@ -112,7 +112,7 @@ class RoutingSink:
         self._default: DestinationActor | None = None
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
-        self._lock = trio.StrictFIFOLock()
+        self._lock = Turnstile()
         self._started = False
         self._closing = False
         self._stopped = trio.Event()
@@ -209,7 +209,7 @@ class RoutingSink:
         if not isinstance(batch, RecordBatch):
             raise TypeError(f"RoutingSink routes RecordBatch objects, got {type(batch).__name__}")
         async with self._lock:
-            groups = self._table.group(np.ascontiguousarray(batch.descriptors["output_id"]))
+            groups = self._table.group(batch.descriptors)
             routes = self._routes
             for index, selection in groups:
                 part = batch.select(selection)

@@ -10,6 +10,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, uint32_t
 
+include "_descriptor.pxi"
+
 cnp.import_array()
 
 #: Route index used in :meth:`RouteTable.group` results for unmatched records.
@@ -71,8 +73,8 @@ cdef class RouteTable:
         set_id = int(self._set_of[output_id])
         return () if set_id < 0 else self._sets[set_id]
 
-    def group(self, const uint32_t[::1] output_ids):
-        """Group one batch by route in a single pass over its output_ids.
+    def group(self, const Descriptor[::1] descriptors):
+        """Group one batch by route in a single pass over its descriptors' output_ids.
 
         Returns a list of ``(route_index, selection)`` pairs, in route order,
         with ``route_index == UNMATCHED`` (-1) for records no route takes.
@@ -80,18 +82,18 @@ cdef class RouteTable:
         case of a batch from one hook: no index array is built) and otherwise
         an ``intp`` array of record positions in arrival order.
         """
-        cdef Py_ssize_t n = output_ids.shape[0]
+        cdef Py_ssize_t n = descriptors.shape[0]
         if n == 0:
             return []
         cdef const int32_t[::1] set_of = self._set_of
         cdef Py_ssize_t capacity = set_of.shape[0]
         cdef Py_ssize_t i
-        cdef uint32_t oid = output_ids[0]
+        cdef uint32_t oid = descriptors[0].output_id
         cdef int32_t first = set_of[oid] if oid < capacity else -1
         cdef int32_t sid
         cdef bint uniform = True
         for i in range(1, n):
-            oid = output_ids[i]
+            oid = descriptors[i].output_id
             sid = set_of[oid] if oid < capacity else -1
             if sid != first:
                 uniform = False
@@ -100,10 +102,10 @@ cdef class RouteTable:
             if first < 0:
                 return [(UNMATCHED, None)]
             return [(r, None) for r in self._sets[first]]
-        return self._group_mixed(output_ids, set_of)
+        return self._group_mixed(descriptors, set_of)
 
-    cdef list _group_mixed(self, const uint32_t[::1] output_ids, const int32_t[::1] set_of):
-        cdef Py_ssize_t n = output_ids.shape[0]
+    cdef list _group_mixed(self, const Descriptor[::1] descriptors, const int32_t[::1] set_of):
+        cdef Py_ssize_t n = descriptors.shape[0]
         cdef Py_ssize_t capacity = set_of.shape[0]
         cdef const int32_t[::1] starts = self._set_starts
         cdef const int32_t[::1] members = self._set_routes
@@ -116,7 +118,7 @@ cdef class RouteTable:
         cdef uint32_t oid
         cdef int32_t sid
         for i in range(n):
-            oid = output_ids[i]
+            oid = descriptors[i].output_id
             sid = set_of[oid] if oid < capacity else -1
             sids[i] = sid
             if sid < 0:

@@ -35,7 +35,8 @@ def readonly_bytes(buffer: Any) -> Payload:
     return view
 
 
-def _readonly_descriptors(value: Any) -> Descriptors:
+def readonly_descriptors(value: Any) -> Descriptors:
+    """``value`` as a read-only descriptor array (a view; raises if it is not one)."""
     if not isinstance(value, np.ndarray) or value.dtype != DESCRIPTOR_DTYPE or value.ndim != 1:
         raise RecordError(
             "descriptors must be a 1-D numpy array of taproute.native.DESCRIPTOR_DTYPE "
@@ -72,9 +73,15 @@ class RecordBatch:
     submitter, who releases it when done handing the batch on.
     """
 
-    descriptors: Descriptors = attrs.field(converter=_readonly_descriptors)
+    descriptors: Descriptors = attrs.field(converter=readonly_descriptors)
     payload: Payload
     lease: BufferLease = attrs.field(factory=BufferLease)
+    #: Payload bytes the records of this batch cover (computed once if not given).
+    nbytes: int = attrs.field()
+
+    @nbytes.default
+    def _sum_lengths(self) -> int:
+        return int(self.descriptors["length"].sum())
 
     @classmethod
     def from_buffer(
@@ -88,11 +95,6 @@ class RecordBatch:
 
     def __len__(self) -> int:
         return len(self.descriptors)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes the records of this batch cover."""
-        return int(self.descriptors["length"].sum())
 
     def select(self, selection: npt.NDArray[np.intp] | None) -> RecordBatch:
         """The records at ``selection`` (``None``: this batch itself).

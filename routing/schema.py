@@ -10,8 +10,31 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import attrs
-from taproute.routing.errors import ConfigError, UnknownLayout
+import numpy as np
+import numpy.typing as npt
+from taproute.routing.errors import ConfigError, LayoutError, UnknownLayout
 from taproute.routing.layout import Layout
+
+IntArray = npt.NDArray[np.int64]
+
+
+def _payload_rules(layouts: tuple[Layout, ...]) -> tuple[IntArray, IntArray, IntArray]:
+    fixed = np.zeros(len(layouts), dtype=np.int64)
+    prefix = np.zeros(len(layouts), dtype=np.int64)
+    element = np.zeros(len(layouts), dtype=np.int64)
+    for i, layout in enumerate(layouts):
+        try:
+            layout.check_payload_layout()
+        except LayoutError:
+            fixed[i] = -1
+            continue
+        tail = layout.tail
+        if tail is None:
+            fixed[i] = layout.dtype.itemsize
+        else:
+            prefix[i] = layout.prefix_size
+            element[i] = tail.element_dtype.itemsize
+    return fixed, prefix, element
 
 
 def _to_layouts(value: Iterable[Layout] | Mapping[str, Layout]) -> tuple[Layout, ...]:
@@ -24,6 +47,12 @@ class RecordSchema:
 
     layouts: tuple[Layout, ...] = attrs.field(converter=_to_layouts)
     _by_name: dict[str, int] = attrs.field(init=False, repr=False, eq=False)
+    #: Per layout id: (fixed payload size or 0 for a variable tail or -1 for
+    #: "not a payload layout", tail prefix bytes, tail element bytes) as three
+    #: int64 arrays, the form the native batch check reads.
+    payload_rules: tuple[IntArray, IntArray, IntArray] = attrs.field(
+        init=False, repr=False, eq=False
+    )
 
     def __attrs_post_init__(self) -> None:
         by_name: dict[str, int] = {}
@@ -34,6 +63,7 @@ class RecordSchema:
         if len(self.layouts) > 0xFFFF:
             raise ConfigError("RecordSchema: at most 65535 layouts (layout_id is 16-bit)")
         object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "payload_rules", _payload_rules(self.layouts))
 
     def layout(self, name: str) -> Layout:
         """The layout called ``name``."""

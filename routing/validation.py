@@ -10,86 +10,79 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-from taproute.routing.batch import RecordBatch
+from taproute.native._validate import (
+    NOT_A_PAYLOAD_LAYOUT,
+    OK,
+    RANGE_OUTSIDE_BUFFER,
+    UNBOUND_OUTPUT_ID,
+    UNKNOWN_LAYOUT,
+    check_descriptors,
+)
+from taproute.routing.batch import Descriptors
 from taproute.routing.errors import OutputLayoutMismatch, PayloadSizeMismatch, UnboundOutputId
 from taproute.routing.layout import Layout
 from taproute.routing.schema import RecordSchema
 
+_EMPTY_RULES = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
 
 def check_batch(
-    batch: RecordBatch,
+    desc: Descriptors,
+    payload_size: int,
     *,
     bound_ids: int,
     schema: RecordSchema | None,
     hook_name: Callable[[int], str],
-) -> None:
-    """Raise if any record of ``batch`` cannot be routed.
+) -> int:
+    """Raise if any record of a batch cannot be routed; else return its payload bytes.
 
     - every output_id was bound (``< bound_ids``);
     - every payload range lies inside the buffer;
-    - with a schema: every layout_id exists, and every payload length fits
-      its layout (equal to the row size for fixed layouts; the fixed prefix
+    - with a schema: every layout_id exists and is a payload layout, and every
+      payload length fits it (the row size for fixed layouts; the fixed prefix
       plus a whole number of elements for a variable tail).
+
+    One native pass; the message names the first offending record.
     """
-    desc = batch.descriptors
-    if len(desc) == 0:
-        return
-    ids = desc["output_id"]
-    bad = np.flatnonzero(ids >= bound_ids)
-    if bad.size:
-        i = int(bad[0])
+    rules = _EMPTY_RULES if schema is None else schema.payload_rules
+    code, i, total = check_descriptors(desc, payload_size, bound_ids, *rules)
+    if code == OK:
+        return total
+    oid = int(desc["output_id"][i])
+    if code == UNBOUND_OUTPUT_ID:
         raise UnboundOutputId(
-            f"record {i} of the batch: output_id {int(ids[i])} was never bound with bind_hook "
-            f"({bound_ids} hooks bound); {bad.size} record(s) affected, batch refused"
+            f"record {i} of the batch: output_id {oid} was never bound with bind_hook "
+            f"({bound_ids} hooks bound); batch refused"
         )
-    offsets, lengths = desc["offset"], desc["length"]
-    size = len(batch.payload)
-    bad = np.flatnonzero((offsets < 0) | (lengths < 0) | (offsets + lengths > size))
-    if bad.size:
-        i = int(bad[0])
+    where = f"record {i} (hook {hook_name(oid)!r})"
+    offset, length = int(desc["offset"][i]), int(desc["length"][i])
+    if code == RANGE_OUTSIDE_BUFFER:
         raise PayloadSizeMismatch(
-            f"record {i} (hook {hook_name(int(ids[i]))!r}): payload range "
-            f"[{int(offsets[i])}, {int(offsets[i] + lengths[i])}) outside the {size}-byte buffer"
+            f"{where}: payload range [{offset}, {offset + length}) outside the "
+            f"{payload_size}-byte buffer; batch refused"
         )
-    if schema is None:
-        return
-    layout_ids = desc["layout_id"]
-    for layout_id in np.unique(layout_ids):
-        lid = int(layout_id)
-        mask = layout_ids == layout_id
-        if lid >= len(schema.layouts):
-            i = int(np.flatnonzero(mask)[0])
-            raise PayloadSizeMismatch(
-                f"record {i} (hook {hook_name(int(ids[i]))!r}): layout_id {lid} is not in the "
-                f"schema (ids 0..{len(schema.layouts) - 1})"
-            )
-        layout = schema.by_id(lid)
-        _check_lengths(layout, lengths, mask, ids, hook_name)
-
-
-def _check_lengths(
-    layout: Layout,
-    lengths: npt.NDArray[np.int64],
-    mask: npt.NDArray[np.bool_],
-    ids: npt.NDArray[np.uint32],
-    hook_name: Callable[[int], str],
-) -> None:
-    tail = layout.tail
-    if tail is None:
-        expected = layout.dtype.itemsize
-        bad = np.flatnonzero(mask & (lengths != expected))
-        rule = f"{expected} bytes"
-    else:
-        prefix, elem = layout.prefix_size, tail.element_dtype.itemsize
-        bad = np.flatnonzero(mask & ((lengths < prefix) | ((lengths - prefix) % elem != 0)))
-        rule = f"{prefix} bytes + a multiple of {elem}"
-    if bad.size:
-        i = int(bad[0])
+    assert schema is not None
+    layout_id = int(desc["layout_id"][i])
+    if code == UNKNOWN_LAYOUT:
         raise PayloadSizeMismatch(
-            f"record {i} (hook {hook_name(int(ids[i]))!r}): payload of {int(lengths[i])} bytes "
-            f"does not fit layout {layout.name!r} ({rule}); {bad.size} record(s) affected, "
+            f"{where}: layout_id {layout_id} is not in the schema "
+            f"(ids 0..{len(schema.layouts) - 1}); batch refused"
+        )
+    layout = schema.by_id(layout_id)
+    if code == NOT_A_PAYLOAD_LAYOUT:
+        raise PayloadSizeMismatch(
+            f"{where}: layout {layout.name!r} has no byte encoding and cannot be a payload; "
             "batch refused"
         )
+    tail = layout.tail
+    if tail is None:
+        rule = f"{layout.dtype.itemsize} bytes"
+    else:
+        rule = f"{layout.prefix_size} bytes + a multiple of {tail.element_dtype.itemsize}"
+    raise PayloadSizeMismatch(
+        f"{where}: payload of {length} bytes does not fit layout {layout.name!r} ({rule}); "
+        "batch refused"
+    )
 
 
 def check_rows(rows: object, layout: Layout, *, route: str, processor: str) -> npt.NDArray[np.void]:

@@ -27,7 +27,8 @@ import attrs
 import trio
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.latch import FailureLatch
-from taproute.routing.batch import RecordBatch, readonly_bytes
+from taproute.native import BufferLease
+from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import PayloadSizeMismatch, SinkClosed, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
@@ -134,19 +135,26 @@ class RecordRuntime:
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
-            for item in self._ingress.take():
-                if isinstance(item, Control):
-                    if await self._control(item):
-                        return
-                    continue
-                try:
-                    if self._latch.failure is None:
-                        await sink.submit(item)
-                except Exception as exc:
-                    self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
-                finally:
-                    item.lease.release()
-                    self._ingress.done(len(item), item.payload.nbytes)
+            # Ingress capacity is given back once per wake-up, not per batch:
+            # one lock round trip and one producer wake-up for the lot.
+            records = nbytes = 0
+            try:
+                for item in self._ingress.take():
+                    if isinstance(item, Control):
+                        if await self._control(item):
+                            return
+                        continue
+                    try:
+                        if self._latch.failure is None:
+                            await sink.submit(item)
+                    except Exception as exc:
+                        self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
+                    finally:
+                        item.lease.release()
+                        records += len(item)
+                        nbytes += item.payload.nbytes
+            finally:
+                self._ingress.done(records, nbytes)
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop."""
@@ -217,11 +225,16 @@ class RecordRuntime:
         is refused whole (and ``release`` is not called: the buffer is still
         the caller's); blocks while ingress is full.
         """
-        batch = RecordBatch.from_buffer(descriptors, payload, release)
-        check_batch(
-            batch, bound_ids=len(self.hooks), schema=self.schema, hook_name=self.hooks.name_of
+        desc = readonly_descriptors(descriptors)
+        data = readonly_bytes(payload)
+        nbytes = check_batch(
+            desc,
+            len(data),
+            bound_ids=len(self.hooks),
+            schema=self.schema,
+            hook_name=self.hooks.name_of,
         )
-        self._ingress.put_batch(batch)
+        self._ingress.put_batch(RecordBatch(desc, data, BufferLease(release), nbytes))
 
     def submit(
         self,

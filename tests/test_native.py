@@ -47,7 +47,7 @@ def test_group_matches_reference(n_routes, data):
     table = RouteTable(n_routes)
     for oid, routes in table_map.items():
         table.assign(oid, routes)
-    got = table.group(np.asarray(ids, dtype=np.uint32))
+    got = table.group(make_descriptors(ids, 0))
     expected = reference_groups({k: tuple(sorted(v)) for k, v in table_map.items()}, ids, n_routes)
     assert [r for r, _ in got] == sorted(r for r in expected if r != UNMATCHED) + (
         [UNMATCHED] if UNMATCHED in expected else []
@@ -62,7 +62,7 @@ def test_group_matches_reference(n_routes, data):
 def test_uniform_batch_builds_no_index_arrays():
     table = RouteTable(3)
     table.assign(7, [2, 0])
-    groups = table.group(np.full(1024, 7, dtype=np.uint32))
+    groups = table.group(make_descriptors(7, 0, count=1024))
     assert groups == [(0, None), (2, None)]
 
 
@@ -73,7 +73,7 @@ def test_reassign_moves_output_to_new_route_set():
     assert table.routes_of(1) == (0, 1)
     table.assign(1, [])
     assert table.routes_of(1) == ()
-    assert table.group(np.array([1], dtype=np.uint32)) == [(UNMATCHED, None)]
+    assert table.group(make_descriptors([1], 0)) == [(UNMATCHED, None)]
 
 
 def test_assign_rejects_unknown_route():

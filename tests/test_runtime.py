@@ -160,7 +160,13 @@ def test_full_ingress_blocks_the_producer_until_the_destination_moves():
     thread.start()
     assert slow.entered.wait(10)
     # The destination is shut: the producer ends up blocked in submit.
-    eventually(lambda: runtime.counters().ingress.blocked_producers == 1)
+    # (Stable only once ingress is full: earlier, the loop may still be catching up.)
+    eventually(
+        lambda: (
+            runtime.counters().ingress.blocked_producers == 1
+            and runtime.counters().ingress.queued == 32
+        )
+    )
     assert not finished.is_set()
     assert len(progress) < 20
     counters = runtime.counters()
