@@ -14,6 +14,7 @@ PACKAGES = {
     "taproute.native": "native",
     "taproute.actors": "actors",
     "taproute.service": "service",
+    "taproute.service.clickhouse": "service/clickhouse",
 }
 
 extensions = [
@@ -35,6 +36,7 @@ setup(
         "taproute.routing": ["py.typed"],
         "taproute.actors": ["py.typed"],
         "taproute.service": ["py.typed"],
+        "taproute.service.clickhouse": ["py.typed"],
     },
     ext_modules=cythonize(
         extensions,

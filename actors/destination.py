@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 import trio
+
 from taproute.actors.counters import DestinationCounters
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox

@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
+
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
 from taproute.actors.latch import FailureLatch

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import trio
+
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor
 from taproute.actors.latch import FailureLatch
@@ -117,6 +118,8 @@ class RoutingSink:
         self._closing = False
         self._stopped = trio.Event()
         self._route_actors_done = trio.Event()
+        self._destination_actors_done = trio.Event()
+        self._sinks_closed = trio.Event()
 
     # -- hook binding ------------------------------------------------------
 
@@ -137,17 +140,26 @@ class RoutingSink:
         self._started = True
         try:
             self._build_actors()
-            async with trio.open_nursery() as destinations_nursery:
+            async with trio.open_nursery() as sinks_nursery:
+                # Background tasks of the sinks this routing sink created.
                 for actor in self._destinations.values():
-                    destinations_nursery.start_soon(actor.run)
-                async with trio.open_nursery() as routes_nursery:
-                    for route in self._routes:
-                        await route.run(routes_nursery)
-                    task_status.started()
-                # Route actors have drained and exited (close() closed their mailboxes).
-                self._route_actors_done.set()
+                    run_sink = getattr(actor.sink, "run", None)
+                    if actor.owned and run_sink is not None:
+                        await sinks_nursery.start(run_sink)
+                async with trio.open_nursery() as destinations_nursery:
+                    for actor in self._destinations.values():
+                        destinations_nursery.start_soon(actor.run)
+                    async with trio.open_nursery() as routes_nursery:
+                        for route in self._routes:
+                            await route.run(routes_nursery)
+                        task_status.started()
+                    # Route actors have drained and exited (close() closed their mailboxes).
+                    self._route_actors_done.set()
+                self._destination_actors_done.set()
+                await self._sinks_closed.wait()  # close() closes the owned sinks
         finally:
             self._route_actors_done.set()
+            self._destination_actors_done.set()
             self._stopped.set()
             self._unsubscribe()
 
@@ -163,6 +175,14 @@ class RoutingSink:
                     "not a RecordSink"
                 )
             sink: RecordSink = made
+            attach_hooks = getattr(sink, "attach_hooks", None)
+            if attach_hooks is not None:
+                attach_hooks(self.hooks)
+            if not owned and getattr(sink, "running", True) is False:
+                raise ConfigError(
+                    f"destination {name!r} is a leased sink whose run() task is not running; "
+                    "start it first, or give a factory so the routing sink owns it"
+                )
             self._destinations[name] = DestinationActor(
                 name,
                 sink,
@@ -271,10 +291,14 @@ class RoutingSink:
                 await self._route_actors_done.wait()
                 for actor in self._destinations.values():
                     actor.mailbox.close()
+                await self._destination_actors_done.wait()
+                try:
+                    for actor in self._destinations.values():
+                        with suppress(RoutingFailure):  # latched; raised below
+                            await actor.close()
+                finally:
+                    self._sinks_closed.set()
                 await self._stopped.wait()
-                for actor in self._destinations.values():
-                    with suppress(RoutingFailure):  # latched; raised below
-                        await actor.close()
         self._latch.raise_if_failed()
 
     # -- observation -------------------------------------------------------

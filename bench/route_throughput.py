@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import measure, report, timed_rate
+
 from taproute.actors import RoutingSink
 from taproute.native import make_descriptors
 from taproute.routing import Batch, Layout, RecordSchema, Route, RoutingConfig

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+
 from taproute.native import DESCRIPTOR_DTYPE, BufferLease
 from taproute.routing.errors import RecordError
 

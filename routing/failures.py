@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 import attrs
+
 from taproute.routing.batch import RecordBatch
 
 logger = logging.getLogger("taproute.routing")

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
+
 from taproute.routing.errors import LayoutError
 
 _SCALARS: dict[str, str] = {

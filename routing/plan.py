@@ -14,6 +14,7 @@ from fnmatch import translate
 from typing import Literal
 
 import attrs
+
 from taproute.routing.errors import ConfigError, GlobMatchesNothing, UnknownDestination
 from taproute.routing.layout import Layout
 from taproute.routing.processors import REGISTRY, ProcessorKind, ProcessorRegistry, ProcessorSpec

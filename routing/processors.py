@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 import numpy.typing as npt
+
 from taproute.routing.batch import Descriptors
 from taproute.routing.errors import ConfigError, DuplicateProcessor, UnknownProcessor
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
 from taproute.routing.batch import Descriptors, RecordBatch
 from taproute.routing.errors import RecordError
 from taproute.routing.layout import Column, Layout

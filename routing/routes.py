@@ -6,6 +6,7 @@ import enum
 from collections.abc import Iterable
 
 import attrs
+
 from taproute.routing.errors import ConfigError, DuplicateRouteName
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 import numpy as np
 import numpy.typing as npt
+
 from taproute.routing.errors import ConfigError, LayoutError, UnknownLayout
 from taproute.routing.layout import Layout
 

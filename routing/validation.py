@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+
 from taproute.native._validate import (
     NOT_A_PAYLOAD_LAYOUT,
     OK,

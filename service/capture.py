@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
 from taproute.routing.errors import SinkClosed

@@ -19,6 +19,7 @@ from typing import Literal
 
 import attrs
 import numpy as np
+
 from taproute.actors.counters import IngressCounters
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import trio
+
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.latch import FailureLatch
 from taproute.native import BufferLease
@@ -66,6 +67,9 @@ class RecordRuntime:
         if hooks is None:
             hooks = sink_hooks if sink_hooks is not None else HookRegistry()
         self.hooks: HookRegistry = hooks
+        attach_hooks = getattr(record_sink, "attach_hooks", None)
+        if attach_hooks is not None:
+            attach_hooks(hooks)
         self.name = name
         self._ingress = Ingress(
             capacity_records=capacity_records,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
 from taproute.native import StateRegion, make_descriptors
 from taproute.routing import (
     Layout,

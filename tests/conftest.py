@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from taproute.native import make_descriptors
 from taproute.routing import RecordBatch
-
+from tests.clickhouse_backends import BACKENDS
 from tests.processors import SCHEMA
 
 
@@ -46,3 +47,30 @@ def vec_batch(
         seqs=np.arange(seq_start, seq_start + n),
     )
     return RecordBatch.from_buffer(desc, values, release)
+
+
+@pytest.fixture(scope="session")
+def chdb_transport(tmp_path_factory):
+    from taproute.service.clickhouse import ChdbTransport
+
+    transport = ChdbTransport(tmp_path_factory.mktemp("chdb"))
+    yield transport
+    transport.close()
+
+
+@pytest.fixture(scope="session")
+def server_transport():
+    from taproute.service.clickhouse import ServerTransport
+    from tests.clickhouse_backends import SERVER_URL
+
+    transport = ServerTransport(SERVER_URL)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def clickhouse(request):
+    from tests.clickhouse_backends import Backend
+
+    transport = request.getfixturevalue(f"{request.param}_transport")
+    return Backend(request.param, transport)

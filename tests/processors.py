@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
 from taproute.routing import (
     Layout,
     Records,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trio
+
 from taproute.routing import Batch, RecordBatch
 from taproute.service import CaptureSink
 

@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 from taproute.actors import RoutingSink
 from taproute.routing import (
     Column,
@@ -28,7 +29,6 @@ from taproute.routing import (
     stateless_processor,
 )
 from taproute.service import CaptureSink
-
 from tests.processors import SCHEMA
 
 

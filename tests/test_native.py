@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from taproute.native import (
     DESCRIPTOR_DTYPE,
     UNMATCHED,

@@ -8,6 +8,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from taproute.actors import open_routing_sink
 from taproute.routing import (
     HookRegistry,
@@ -20,7 +21,6 @@ from taproute.routing import (
     SinkClosed,
 )
 from taproute.service import CaptureSink
-
 from tests import processors
 from tests.conftest import vec_batch
 from tests.processors import NORM, SCHEMA, Rendezvous

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import trio
+
 from taproute.actors import RoutingSink
 from taproute.native import make_descriptors
 from taproute.routing import (
@@ -20,7 +21,6 @@ from taproute.routing import (
     UnboundOutputId,
 )
 from taproute.service import CaptureSink, create_record_runtime
-
 from tests.processors import SCHEMA
 from tests.sinks import FailingSink, NullSink
 

@@ -1,0 +1,144 @@
+"""Batches to Arrow tables, column by column: no per-row Python.
+
+Raw payload bytes are reinterpreted in place where the records lie back to
+back (a view), or gathered with one vectorised index otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from taproute.routing.batch import RecordBatch
+from taproute.routing.layout import Column, Layout
+from taproute.routing.records import Records
+from taproute.service.clickhouse.tables import TableSpec
+
+
+def _list_array(flat: npt.NDArray[np.generic], lengths: npt.NDArray[np.int64]) -> pa.Array:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(flat).ravel()))
+
+
+def _fixed_list(values: npt.NDArray[np.generic]) -> pa.Array:
+    """(n, *shape) -> Array(T) of n rows, each the flattened shape."""
+    n = len(values)
+    width = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
+    return _list_array(values.reshape(n, width), np.full(n, width, dtype=np.int64))
+
+
+def _shape_column(n: int, shapes: npt.NDArray[np.int64]) -> pa.Array:
+    """Per-row shape arrays: ``shapes`` is (n, ndim)."""
+    return _list_array(shapes.astype(np.uint32), np.full(n, shapes.shape[1], dtype=np.int64))
+
+
+def _scalar_array(values: npt.NDArray[np.generic], column: Column) -> pa.Array:
+    if values.dtype.kind == "M":
+        return pa.array(values)
+    if values.dtype.kind == "S":
+        return pa.array(values.tolist(), type=pa.binary(values.dtype.itemsize))
+    if values.dtype.kind == "O":
+        return pa.array(values.tolist(), type=pa.string())
+    return pa.array(values)
+
+
+def _value_columns(records: Records) -> dict[str, pa.Array]:
+    layout = records.layout
+    out: dict[str, pa.Array] = {}
+    n = len(records)
+    if layout.is_fixed:
+        rows = records.rows()
+        for column in layout.columns:
+            values = rows[column.name]
+            if column.is_array:
+                out[column.name] = _fixed_list(values)
+                shape = np.broadcast_to(
+                    np.asarray(column.shape, dtype=np.int64), (n, len(column.shape))
+                )
+                out[f"{column.name}_shape"] = _shape_column(n, shape)
+            else:
+                out[column.name] = _scalar_array(values, column)
+        return out
+    # Fixed prefix columns, then one variable-length tail.
+    tail = layout.tail
+    assert tail is not None
+    desc = records.descriptors
+    prefix_columns = layout.fixed_columns
+    if prefix_columns:
+        prefix_dtype = np.dtype([(c.name, c.dtype) for c in prefix_columns])
+        payload = records.batch.payload
+        index = desc["offset"][:, None] + np.arange(prefix_dtype.itemsize)
+        prefix = payload[index].reshape(-1).view(prefix_dtype)
+        for column in prefix_columns:
+            values = prefix[column.name]
+            if column.is_array:
+                out[column.name] = _fixed_list(values)
+                shape = np.broadcast_to(
+                    np.asarray(column.shape, dtype=np.int64), (n, len(column.shape))
+                )
+                out[f"{column.name}_shape"] = _shape_column(n, shape)
+            else:
+                out[column.name] = _scalar_array(values, column)
+    element = tail.element_dtype
+    counts = (desc["length"] - layout.prefix_size) // element.itemsize
+    out[tail.name] = _list_array(_gather_tails(records.batch, layout.prefix_size, element), counts)
+    out[f"{tail.name}_shape"] = _shape_column(n, counts[:, None])
+    return out
+
+
+def _gather_tails(
+    batch: RecordBatch, prefix: int, element: np.dtype[np.generic]
+) -> npt.NDArray[np.generic]:
+    """Every record's tail bytes, concatenated, as ``element`` values."""
+    desc = batch.descriptors
+    starts = desc["offset"] + prefix
+    sizes = desc["length"] - prefix
+    total = int(sizes.sum())
+    if total == 0:
+        return np.empty(0, dtype=element)
+    if prefix == 0 and bool(np.all(starts[1:] == starts[:-1] + sizes[:-1])):
+        first = int(starts[0])  # back to back: a view, no copy
+        return batch.payload[first : first + total].view(element)
+    run_starts = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
+    index = run_starts + np.arange(total)
+    return batch.payload[index].view(element)
+
+
+def raw_table(
+    batch: RecordBatch, layout: Layout, spec: TableSpec, hook_names: Sequence[str]
+) -> pa.Table:
+    """Raw records of ``layout`` as an Arrow table with ``spec``'s columns."""
+    desc = batch.descriptors
+    columns: dict[str, pa.Array] = {
+        "hook": pa.DictionaryArray.from_arrays(
+            pa.array(desc["output_id"].astype(np.int32)), pa.array(list(hook_names), pa.string())
+        ),
+        "output_id": pa.array(np.ascontiguousarray(desc["output_id"])),
+        "key": pa.array(np.ascontiguousarray(desc["key"])),
+        "step": pa.array(np.ascontiguousarray(desc["step"])),
+        "seq": pa.array(np.ascontiguousarray(desc["seq"])),
+        "timestamp": pa.array(np.ascontiguousarray(desc["timestamp_ns"]), type=pa.timestamp("ns")),
+    }
+    columns.update(_value_columns(Records(batch, layout)))
+    return pa.table({name: columns[name] for name in spec.column_names})
+
+
+def rows_table(rows: npt.NDArray[np.void], layout: Layout, spec: TableSpec) -> pa.Table:
+    """Processed rows of ``layout`` as an Arrow table, column for column."""
+    columns: dict[str, pa.Array] = {}
+    for column in layout.columns:
+        values = rows[column.name]
+        if column.is_array and column.shape:
+            columns[column.name] = _fixed_list(values)
+        elif column.is_array:  # variable arrays held as objects
+            arrays = [np.asarray(v, dtype=column.element_dtype).ravel() for v in values]
+            lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+            flat = np.concatenate(arrays) if arrays else np.empty(0, column.element_dtype)
+            columns[column.name] = _list_array(flat, lengths)
+        else:
+            columns[column.name] = _scalar_array(values, column)
+    return pa.table({name: columns[name] for name in spec.column_names})

@@ -1,0 +1,420 @@
+"""ClickHouseSink: batches rows like a log shipper and inserts them in worker
+threads, through chDB (embedded) or a server (clickhouse-connect).
+
+Delivery guarantee: every record a sink accepts is inserted at least once,
+and retries of one insert carry the same ``insert_deduplication_token``, so
+ClickHouse writes each buffered block once (within the table's
+deduplication window of 10,000 blocks).  A block that still fails after the
+retry budget is not written: the failure is latched and raised by the next
+``submit``/``flush``/``close``, never swallowed.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pyarrow as pa
+import trio
+
+from taproute.actors.latch import FailureLatch
+from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
+from taproute.routing.errors import ConfigError, SinkClosed
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.schema import RecordSchema
+from taproute.service.clickhouse.columns import raw_table, rows_table
+from taproute.service.clickhouse.tables import (
+    MissingTable,
+    TableSpec,
+    check_table,
+    raw_table_spec,
+    rows_table_spec,
+)
+from taproute.service.clickhouse.transport import ChdbTransport, ServerTransport, Transport
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class Batching:
+    """When a table's buffer is inserted: at ``max_rows`` rows, ``max_bytes``
+    bytes, or ``linger`` seconds after its first row, whichever comes first
+    (defaults in the spirit of Vector's ClickHouse sink).  At most
+    ``inserts_in_flight`` inserts run per table; past ``max_buffered_bytes``
+    buffered or in flight, ``submit`` waits."""
+
+    max_rows: int = attrs.field(default=1_000_000, validator=_positive)
+    max_bytes: int = attrs.field(default=10 * 2**20, validator=_positive)
+    linger: float = attrs.field(default=1.0, validator=_positive)
+    inserts_in_flight: int = attrs.field(default=2, validator=_positive)
+    max_buffered_bytes: int = attrs.field(default=256 * 2**20, validator=_positive)
+
+
+@attrs.frozen
+class Retry:
+    """Capped exponential backoff for transient insert errors."""
+
+    attempts: int = attrs.field(default=8, validator=_positive)
+    initial_backoff: float = attrs.field(default=0.2, validator=_positive)
+    max_backoff: float = attrs.field(default=30.0, validator=_positive)
+    multiplier: float = attrs.field(default=2.0, validator=_positive)
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failure (1-based)."""
+        return min(self.max_backoff, self.initial_backoff * self.multiplier ** (failures - 1))
+
+
+@attrs.define
+class TableCounters:
+    """Per table: rows and bytes inserted, inserts done, retries, failed
+    attempts, rows waiting in the buffer and rows being inserted now."""
+
+    table: str
+    records: int = 0
+    bytes: int = 0
+    inserts: int = 0
+    retries: int = 0
+    errors: int = 0
+    buffered_rows: int = 0
+    in_flight_rows: int = 0
+
+
+class _Buffer:
+    """What one table has accumulated since its last insert."""
+
+    __slots__ = ("bytes", "first_at", "holds", "items", "rows")
+
+    def __init__(self) -> None:
+        self.items: list[Batch] = []
+        self.holds: list[Retained] = []
+        self.rows = 0
+        self.bytes = 0
+        self.first_at = math.inf
+
+
+class ClickHouseSink:
+    """A :class:`~taproute.routing.sink.RecordSink` writing to ClickHouse tables.
+
+    ``raw`` names the payload layouts whose raw records this sink accepts
+    (table ``raw_table.format(layout=...)``, default ``raw_<layout>``);
+    ``rows`` the output layouts whose processed rows it accepts (table
+    ``rows_table.format(...)``, default the layout's name).  Every table is
+    checked at construction (``DESCRIBE TABLE``); a missing one is created
+    when ``create_tables`` is on, else :class:`MissingTable`; a column of the
+    wrong type raises :class:`SchemaMismatch` naming table, column, expected
+    and found.
+
+    Use :meth:`embedded` for chDB in a local directory, :meth:`server` for a
+    ClickHouse server.  Needs its :meth:`run` task (the runtime and routing
+    sink start it; a Trio program uses ``async with sink.running()``).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        schema: RecordSchema,
+        *,
+        raw: Iterable[str] = (),
+        rows: Iterable[str] = (),
+        create_tables: bool = False,
+        raw_table: str = "raw_{layout}",
+        rows_table: str = "{layout}",
+        hooks: HookRegistry | None = None,
+        batching: Batching | None = None,
+        retry: Retry | None = None,
+        owns_transport: bool = True,
+    ) -> None:
+        self.transport = transport
+        self.schema = schema
+        self.hooks = hooks
+        self.batching = batching or Batching()
+        self.retry = retry or Retry()
+        self._owns_transport = owns_transport
+        self._raw: dict[int, TableSpec] = {}
+        self._rows: dict[str, TableSpec] = {}
+        for name in raw:
+            layout = schema.layout(name)
+            layout.check_payload_layout()
+            self._raw[schema.layout_id(name)] = raw_table_spec(
+                layout, raw_table.format(layout=name)
+            )
+        for name in rows:
+            layout = schema.layout(name)
+            self._rows[name] = rows_table_spec(layout, rows_table.format(layout=name))
+        if not self._raw and not self._rows:
+            raise ConfigError(
+                "ClickHouseSink needs raw=[payload layouts] and/or rows=[output layouts] to write"
+            )
+        self.tables: dict[str, TableSpec] = {
+            spec.name: spec for spec in [*self._raw.values(), *self._rows.values()]
+        }
+        for spec in self.tables.values():
+            self._prepare(spec, create_tables)
+        self.counters: dict[str, TableCounters] = {n: TableCounters(n) for n in self.tables}
+        self._buffers: dict[str, _Buffer] = {n: _Buffer() for n in self.tables}
+        self._limiters = {
+            n: trio.CapacityLimiter(self.batching.inserts_in_flight) for n in self.tables
+        }
+        self._token_prefix = uuid.uuid4().hex
+        self._block_seq = 0
+        self._latch = FailureLatch()
+        self._pending_bytes = 0
+        self._in_flight = 0
+        self._space = trio.lowlevel.ParkingLot()
+        self._idle = trio.lowlevel.ParkingLot()
+        self._buffer_started = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+        self._closing = False
+        self._stopped = trio.Event()
+
+    # -- construction helpers ---------------------------------------------
+
+    @classmethod
+    def embedded(
+        cls, schema: RecordSchema, path: str | Path = "taproute-data", **kwargs: Any
+    ) -> ClickHouseSink:
+        """A sink on chDB persisted to ``path`` (tables created by default)."""
+        kwargs.setdefault("create_tables", True)
+        return cls(ChdbTransport(path), schema, **kwargs)
+
+    @classmethod
+    def server(cls, schema: RecordSchema, client_or_url: Any, **kwargs: Any) -> ClickHouseSink:
+        """A sink on a ClickHouse server, from a clickhouse-connect client or URL."""
+        return cls(ServerTransport(client_or_url), schema, **kwargs)
+
+    def _prepare(self, spec: TableSpec, create: bool) -> None:
+        found = self.transport.describe(spec.name)
+        if found is None:
+            if not create:
+                raise MissingTable(
+                    f"table {spec.name!r} does not exist in {self.transport.description}; "
+                    "create it, or pass create_tables=True"
+                )
+            self.transport.execute(spec.create_sql())
+            found = self.transport.describe(spec.name)
+            assert found is not None
+        check_table(spec, found)
+
+    def attach_hooks(self, hooks: HookRegistry) -> None:
+        """Use ``hooks`` to name raw records' hooks (the runtime and routing sink call this)."""
+        if self.hooks is not None and self.hooks is not hooks:
+            raise ConfigError("ClickHouseSink is already attached to another HookRegistry")
+        self.hooks = hooks
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the linger timer and the insert tasks until :meth:`close`."""
+        if self._nursery is not None:
+            raise RuntimeError("ClickHouseSink.run() can only be started once")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._linger_timer)
+                task_status.started()
+                await self._stopped.wait()
+                nursery.cancel_scope.cancel()  # only the timer is left: close drained inserts
+        finally:
+            self._stopped.set()
+
+    @property
+    def running(self) -> bool:
+        """True between the start of :meth:`run` and :meth:`close`."""
+        return self._nursery is not None and not self._stopped.is_set()
+
+    async def _linger_timer(self) -> None:
+        while True:
+            due = min((b.first_at for b in self._buffers.values()), default=math.inf)
+            if due == math.inf:
+                await self._buffer_started.park()
+                continue
+            due += self.batching.linger
+            if trio.current_time() < due:
+                with trio.move_on_at(due):
+                    await self._buffer_started.park()
+                continue
+            for table, buffer in self._buffers.items():
+                if buffer.first_at + self.batching.linger <= trio.current_time():
+                    self._seal(table)
+
+    # -- RecordSink -----------------------------------------------------------
+
+    async def submit(self, batch: Batch) -> None:
+        """Buffer ``batch`` for its table; waits while too much is buffered."""
+        self._latch.raise_if_failed()
+        if self._closing:
+            raise SinkClosed("ClickHouseSink is closed")
+        if self._nursery is None:
+            raise RuntimeError("ClickHouseSink is not running: start its run() task first")
+        while self._pending_bytes >= self.batching.max_buffered_bytes:
+            await self._space.park()
+            self._latch.raise_if_failed()
+        if isinstance(batch, RowBatch):
+            spec = self._rows.get(batch.layout_name)
+            if spec is None:
+                raise ConfigError(
+                    f"ClickHouseSink got rows of layout {batch.layout_name!r} from route "
+                    f"{batch.route!r}; it writes rows of {sorted(self._rows)}"
+                )
+            self._add(spec.name, batch, None)
+            return
+        layout_ids = batch.descriptors["layout_id"]
+        first = int(layout_ids[0]) if len(batch) else 0
+        if len(batch) == 0:
+            return
+        if bool(np.all(layout_ids == first)):
+            parts = [(first, batch)]
+        else:
+            parts = [
+                (int(lid), batch.select(np.flatnonzero(layout_ids == lid)))
+                for lid in np.unique(layout_ids)
+            ]
+        for layout_id, part in parts:
+            spec = self._raw.get(layout_id)
+            if spec is None:
+                raise ConfigError(
+                    f"ClickHouseSink got raw records of layout "
+                    f"{self.schema.by_id(layout_id).name!r}; it writes raw "
+                    f"{sorted(self.schema.by_id(i).name for i in self._raw)}"
+                )
+            self._add(spec.name, part, part.retain())
+
+    def _add(self, table: str, batch: Batch, hold: Retained | None) -> None:
+        buffer = self._buffers[table]
+        if not buffer.items:
+            buffer.first_at = trio.current_time()
+            self._buffer_started.unpark_all()
+        buffer.items.append(batch)
+        if hold is not None:
+            buffer.holds.append(hold)
+        buffer.rows += len(batch)
+        buffer.bytes += batch.nbytes
+        self._pending_bytes += batch.nbytes
+        self.counters[table].buffered_rows += len(batch)
+        if buffer.rows >= self.batching.max_rows or buffer.bytes >= self.batching.max_bytes:
+            self._seal(table)
+
+    def _seal(self, table: str) -> None:
+        """Hand the table's buffer to an insert task."""
+        buffer = self._buffers[table]
+        if not buffer.items:
+            return
+        self._buffers[table] = _Buffer()
+        counters = self.counters[table]
+        counters.buffered_rows -= buffer.rows
+        counters.in_flight_rows += buffer.rows
+        self._block_seq += 1
+        token = f"{self._token_prefix}-{self._block_seq}"
+        self._in_flight += 1
+        assert self._nursery is not None
+        self._nursery.start_soon(self._insert, table, buffer, token)
+
+    async def _insert(self, table: str, buffer: _Buffer, token: str) -> None:
+        counters = self.counters[table]
+        try:
+            async with self._limiters[table]:
+                failures = 0
+                while True:
+                    try:
+                        await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
+                    except Exception as exc:
+                        failures += 1
+                        counters.errors += 1
+                        if failures < self.retry.attempts and self.transport.is_transient(exc):
+                            counters.retries += 1
+                            await trio.sleep(self.retry.backoff(failures))
+                            continue
+                        self._latch.latch(
+                            exc,
+                            destination=f"clickhouse table {table!r}",
+                            where=f"insert of {buffer.rows} rows after {failures} attempt(s)",
+                        )
+                        return
+                    counters.inserts += 1
+                    counters.records += buffer.rows
+                    counters.bytes += buffer.bytes
+                    return
+        finally:
+            counters.in_flight_rows -= buffer.rows
+            self._pending_bytes -= buffer.bytes
+            for hold in buffer.holds:
+                hold.release()
+            self._in_flight -= 1
+            self._space.unpark_all()
+            if self._in_flight == 0:
+                self._idle.unpark_all()
+
+    def _insert_blocking(self, table: str, buffer: _Buffer, token: str) -> None:
+        """Runs in a worker thread: build the Arrow table and insert it."""
+        spec = self.tables[table]
+        parts: list[pa.Table] = []
+        if spec.raw:
+            names = self.hooks.names() if self.hooks is not None else []
+            for item in buffer.items:
+                assert isinstance(item, RecordBatch)
+                layout = self.schema.by_id(int(item.descriptors["layout_id"][0]))
+                if len(names) <= int(item.descriptors["output_id"].max()):
+                    raise ConfigError(
+                        "ClickHouseSink has no hook names for these records: give it the "
+                        "HookRegistry the producer binds hooks in (hooks=...)"
+                    )
+                parts.append(raw_table(item, layout, spec, names))
+        else:
+            for item in buffer.items:
+                assert isinstance(item, RowBatch)
+                parts.append(rows_table(item.rows, self.schema.layout(item.layout_name), spec))
+        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        self.transport.insert(table, data, dedup_token=token)
+
+    async def flush(self) -> None:
+        """Insert everything buffered; return once every insert is done, or raise."""
+        self._latch.raise_if_failed()
+        if self._nursery is None:
+            raise RuntimeError("ClickHouseSink is not running: start its run() task first")
+        for table in list(self._buffers):
+            self._seal(table)
+        while self._in_flight:
+            await self._idle.park()
+        self._latch.raise_if_failed()
+
+    async def close(self) -> None:
+        """Flush, stop the background task, release the transport; idempotent."""
+        if self._closing:
+            await self._stopped.wait()
+            return
+        try:
+            if self._nursery is not None:
+                await self.flush()
+        finally:
+            self._closing = True
+            self._stopped.set()
+            for table, buffer in self._buffers.items():  # only left after a failure
+                self.counters[table].buffered_rows -= buffer.rows
+                for hold in buffer.holds:
+                    hold.release()
+            self._buffers = {n: _Buffer() for n in self.tables}
+            if self._owns_transport:
+                await trio.to_thread.run_sync(self.transport.close)
+
+    # -- observation ----------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The latched failure, or None."""
+        return self._latch.failure
+
+    def table_counters(self) -> dict[str, TableCounters]:
+        """A detached copy of every table's counters."""
+        return {name: attrs.evolve(c) for name, c in self.counters.items()}
+
+    def query(self, sql: str) -> pa.Table:
+        """Run a query on the same ClickHouse (blocking; for tests, notebooks, the CLI)."""
+        return self.transport.query(sql)

@@ -1,0 +1,113 @@
+"""How layouts become ClickHouse tables, and the check that a table fits.
+
+Raw records (forwarded or unmatched) land in one table per payload layout:
+the descriptor columns, then the layout's columns, each ``Array`` column
+flattened with its shape beside it (``values``, ``values_shape``).  Processed
+rows land in one table per output layout, column for column.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from taproute.routing.errors import ConfigError
+from taproute.routing.layout import Layout
+
+
+class SchemaMismatch(ConfigError):
+    """A destination table's columns disagree with the layout it receives."""
+
+
+class MissingTable(ConfigError):
+    """A destination table does not exist and ``create_tables`` is off."""
+
+
+@attrs.frozen
+class TableColumn:
+    """A column as ClickHouse declares it."""
+
+    name: str
+    type: str
+
+
+#: The descriptor part of every raw table, in order.
+DESCRIPTOR_COLUMNS: tuple[TableColumn, ...] = (
+    TableColumn("hook", "LowCardinality(String)"),
+    TableColumn("output_id", "UInt32"),
+    TableColumn("key", "Int64"),
+    TableColumn("step", "Int64"),
+    TableColumn("seq", "Int64"),
+    TableColumn("timestamp", "DateTime64(9)"),
+)
+
+
+@attrs.frozen
+class TableSpec:
+    """A table a ClickHouse sink writes: its name, columns and sort key."""
+
+    name: str
+    columns: tuple[TableColumn, ...]
+    order_by: str
+    raw: bool
+
+    def create_sql(self) -> str:
+        """``CREATE TABLE IF NOT EXISTS``: MergeTree, with a deduplication window
+        so that a retried insert (same token) is not written twice."""
+        cols = ",\n  ".join(f"`{c.name}` {c.type}" for c in self.columns)
+        return (
+            f"CREATE TABLE IF NOT EXISTS `{self.name}` (\n  {cols}\n) ENGINE = MergeTree "
+            f"ORDER BY {self.order_by} SETTINGS non_replicated_deduplication_window = 10000"
+        )
+
+    @property
+    def column_names(self) -> list[str]:
+        """Column names in insert order."""
+        return [c.name for c in self.columns]
+
+
+def raw_table_spec(layout: Layout, name: str) -> TableSpec:
+    """The table raw records of ``layout`` go to."""
+    columns = list(DESCRIPTOR_COLUMNS)
+    for column in layout.columns:
+        if column.is_array:
+            columns.append(TableColumn(column.name, column.type))
+            columns.append(TableColumn(f"{column.name}_shape", "Array(UInt32)"))
+        else:
+            columns.append(TableColumn(column.name, column.type))
+    return TableSpec(name, tuple(columns), "(hook, key, step, seq)", raw=True)
+
+
+def rows_table_spec(layout: Layout, name: str) -> TableSpec:
+    """The table processed rows of ``layout`` go to (multi-dimensional arrays flattened)."""
+    columns = tuple(TableColumn(c.name, c.type) for c in layout.columns)
+    return TableSpec(name, columns, "tuple()", raw=False)
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def normalize_type(ch_type: str) -> str:
+    """A type as ClickHouse prints it, for comparison (``DateTime64(9, 'UTC')`` stays distinct)."""
+    return _SPACES.sub("", ch_type).replace("'", "")
+
+
+def check_table(spec: TableSpec, found: list[tuple[str, str]]) -> None:
+    """Raise :class:`SchemaMismatch` unless every column of ``spec`` exists with its type.
+
+    Extra columns in the table are fine (they take their defaults).
+    """
+    found_types = {name: ch_type for name, ch_type in found}
+    for column in spec.columns:
+        actual = found_types.get(column.name)
+        if actual is None:
+            raise SchemaMismatch(
+                f"table {spec.name!r}: column {column.name!r} expected {column.type}, "
+                f"found no such column (table has {sorted(found_types)})"
+            )
+        if normalize_type(actual) != normalize_type(column.type):
+            raise SchemaMismatch(
+                f"table {spec.name!r}: column {column.name!r} expected {column.type}, "
+                f"found {actual}"
+            )

@@ -1,0 +1,201 @@
+"""The two ways to reach ClickHouse: chDB in-process, or a server through
+clickhouse-connect.  Everything above this (batching, schema checks,
+retries, counters) is shared; only these few calls differ.
+
+Transport methods block; the sink calls them from worker threads, never on
+the Trio loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from taproute.routing.errors import ConfigError
+
+
+class Transport(Protocol):
+    """What a ClickHouse sink needs from a connection."""
+
+    #: Where the data lives, for messages ("chDB at ./taproute-data", a URL).
+    description: str
+
+    def describe(self, table: str) -> list[tuple[str, str]] | None:
+        """``(name, type)`` of each column of ``table``, or None if it does not exist."""
+        ...
+
+    def execute(self, sql: str) -> None:
+        """Run a statement (DDL)."""
+        ...
+
+    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
+        """Insert ``data`` into ``table``; a repeat with the same token is not written twice."""
+        ...
+
+    def query(self, sql: str) -> pa.Table:
+        """Run a query and return its result as an Arrow table."""
+        ...
+
+    def is_transient(self, error: BaseException) -> bool:
+        """True when retrying the same call may succeed."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection."""
+        ...
+
+
+def _is_unknown_table(error: BaseException) -> bool:
+    text = str(error)
+    return "UNKNOWN_TABLE" in text or "Code: 60." in text
+
+
+class _SharedSession:
+    """chDB runs one embedded server per process, on one data directory at a
+    time: transports on the same directory share one session (and its lock)."""
+
+    lock = threading.Lock()
+    path: Path | None = None
+    session: Any = None
+    users = 0
+    query_lock = threading.Lock()
+
+    @classmethod
+    def acquire(cls, path: Path) -> Any:
+        from chdb import session
+
+        with cls.lock:
+            if cls.session is not None and cls.path != path:
+                raise ConfigError(
+                    f"chDB already has {cls.path} open in this process and allows one data "
+                    f"directory at a time; close every sink on it before opening {path}"
+                )
+            if cls.session is None:
+                cls.session = session.Session(str(path))
+                cls.path = path
+            cls.users += 1
+            return cls.session
+
+    @classmethod
+    def release(cls) -> None:
+        with cls.lock:
+            cls.users -= 1
+            if cls.users == 0 and cls.session is not None:
+                cls.session.close()
+                cls.session = None
+                cls.path = None
+
+
+class ChdbTransport:
+    """The ClickHouse engine in this process (chDB), persisted to ``path``.
+
+    Transports on one directory share its session; calls are serialised (a
+    chDB session serves one thread at a time).
+    """
+
+    def __init__(self, path: str | Path = "taproute-data") -> None:
+        self.path = Path(path).resolve()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.description = f"chDB at {self.path}"
+        self._session = _SharedSession.acquire(self.path)
+        self._lock = _SharedSession.query_lock
+        self._closed = False
+
+    def describe(self, table: str) -> list[tuple[str, str]] | None:
+        try:
+            result = self.query(f"DESCRIBE TABLE `{table}`")
+        except Exception as exc:
+            if _is_unknown_table(exc):
+                return None
+            raise
+        names = result.column("name").to_pylist()
+        return list(zip(names, result.column("type").to_pylist(), strict=True))
+
+    def execute(self, sql: str) -> None:
+        with self._lock:
+            self._session.query(sql)
+
+    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
+        columns = ", ".join(f"`{name}`" for name in data.column_names)
+        # chDB's Python() table function reads the Arrow table named here from
+        # this frame's locals: no serialisation, no per-row work.
+        arrow_input = data  # noqa: F841 - referenced by name in the SQL below
+        sql = (
+            f"INSERT INTO `{table}` ({columns}) "
+            f"SETTINGS insert_deduplication_token = '{dedup_token}' "
+            f"SELECT {columns} FROM Python(arrow_input)"
+        )
+        with self._lock:
+            self._session.query(sql)
+
+    def query(self, sql: str) -> pa.Table:
+        with self._lock:
+            result = self._session.query(sql, "Arrow")
+        payload = result.bytes()
+        if not payload:
+            return pa.table({})
+        return pa.ipc.open_file(pa.BufferReader(payload)).read_all()
+
+    def is_transient(self, error: BaseException) -> bool:
+        # An in-process engine has no connection to lose; only OS-level
+        # trouble (disk momentarily full, interrupted I/O) may clear up.
+        return isinstance(error, (OSError, TimeoutError))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _SharedSession.release()
+
+
+class ServerTransport:
+    """A ClickHouse server through clickhouse-connect.
+
+    Give a client, or a URL (``http://user:pass@host:8123/db``).  Inserts send
+    Arrow straight through (``insert_arrow``): columnar, no per-row Python.
+    """
+
+    def __init__(self, client_or_url: Any) -> None:
+        import clickhouse_connect
+
+        if isinstance(client_or_url, str):
+            self.client = clickhouse_connect.get_client(dsn=client_or_url)
+            self.description = f"ClickHouse server at {client_or_url.split('@')[-1]}"
+        else:
+            self.client = client_or_url
+            self.description = "ClickHouse server (clickhouse-connect client)"
+
+    def describe(self, table: str) -> list[tuple[str, str]] | None:
+        try:
+            result = self.client.query(f"DESCRIBE TABLE `{table}`")
+        except Exception as exc:
+            if _is_unknown_table(exc):
+                return None
+            raise
+        return [(str(row[0]), str(row[1])) for row in result.result_rows]
+
+    def execute(self, sql: str) -> None:
+        self.client.command(sql)
+
+    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
+        self.client.insert_arrow(table, data, settings={"insert_deduplication_token": dedup_token})
+
+    def query(self, sql: str) -> pa.Table:
+        result: pa.Table = self.client.query_arrow(sql)
+        return result
+
+    def is_transient(self, error: BaseException) -> bool:
+        from clickhouse_connect.driver.exceptions import OperationalError
+
+        if isinstance(error, (OperationalError, OSError, TimeoutError)):
+            return True
+        text = str(error)
+        # HTTP 5xx from the server or a proxy in front of it.
+        return any(f"HTTPDriver for {proto}" in text for proto in ("http", "https")) and any(
+            f" {code}" in text for code in ("500", "502", "503", "504")
+        )
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,367 @@
+"""ClickHouse destinations end to end: rows land exactly, schemas are checked,
+failures are retried without duplicates, and routed == direct."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from taproute.actors import open_routing_sink
+from taproute.native import make_descriptors
+from taproute.routing import (
+    HookRegistry,
+    Layout,
+    RecordBatch,
+    Records,
+    RecordSchema,
+    Route,
+    RoutingConfig,
+    RoutingFailure,
+    stateless_processor,
+)
+from taproute.service import create_record_runtime
+from taproute.service.clickhouse import Batching, MissingTable, Retry, SchemaMismatch
+
+VEC = Layout("vec", [("values", "Array(Float32)", (4,))])
+TOKENS = Layout("tokens", [("position", "UInt32"), ("hidden", "Array(Float32)")])
+EVENT = Layout(
+    "event",
+    [
+        ("request", "UInt64"),
+        ("small", "Int8"),
+        ("score", "Float64"),
+        ("label", "LowCardinality(String)"),
+        ("note", "String"),
+        ("at", "DateTime64(6)"),
+        ("vec", "Array(Float32)", (3,)),
+    ],
+)
+SCHEMA = RecordSchema([VEC, TOKENS, EVENT])
+LABELS = np.array(["low", "mid", "high"], dtype=object)
+
+
+@stateless_processor("ch.events", input="vec", output="event")
+def events(records: Records) -> np.ndarray:
+    values = records.rows()["values"]
+    desc = records.descriptors
+    rows = np.empty(len(records), dtype=EVENT.dtype)
+    rows["request"] = desc["key"]
+    rows["small"] = (desc["seq"] % 100 - 50).astype(np.int8)
+    rows["score"] = values.sum(axis=1)
+    rows["label"] = LABELS[desc["seq"] % 3]
+    rows["note"] = np.array([f"seq={s} é" for s in desc["seq"].tolist()], dtype=object)
+    rows["at"] = (desc["timestamp_ns"] // 1000).astype("datetime64[us]")
+    rows["vec"] = values[:, :3]
+    return rows
+
+
+def vec_batch(output_id: int, n: int, start: int = 0) -> RecordBatch:
+    values = (np.arange(start, start + n, dtype=np.float32)[:, None] + np.arange(4)).astype(
+        np.float32
+    )
+    desc = make_descriptors(
+        output_id,
+        16,
+        count=n,
+        layout_ids=SCHEMA.layout_id("vec"),
+        keys=np.arange(start, start + n) % 7,
+        steps=np.arange(start, start + n) * 10,
+        seqs=np.arange(start, start + n),
+        timestamps_ns=1_700_000_000_000_000_000 + np.arange(start, start + n) * 1_000,
+    )
+    return RecordBatch.from_buffer(desc, values)
+
+
+def table_rows(clickhouse, sql: str) -> list[dict]:
+    return clickhouse.query(sql).to_pylist()
+
+
+async def test_raw_only_route_lands_exact_rows(clickhouse):
+    hooks = HookRegistry()
+    q = hooks.bind("layers.0.attn.q", layout="vec")
+    k = hooks.bind("layers.0.attn.k", layout="vec")
+    config = RoutingConfig([Route("raw", "layers.*", "ch")])
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"ch": lambda: clickhouse.sink(SCHEMA, raw=["vec"])},
+        unmatched="drop",
+        hooks=hooks,
+    ) as sink:
+        await sink.submit(vec_batch(q, 5))
+        await sink.submit(vec_batch(k, 3, start=5))
+        await sink.flush()
+    rows = table_rows(
+        clickhouse,
+        "SELECT hook, output_id, key, step, seq, toUnixTimestamp64Nano(timestamp) AS ts, "
+        "values, values_shape FROM {p}_raw_vec ORDER BY seq",
+    )
+    assert len(rows) == 8
+    for i, row in enumerate(rows):
+        assert row == {
+            "hook": "layers.0.attn.q" if i < 5 else "layers.0.attn.k",
+            "output_id": q if i < 5 else k,
+            "key": i % 7,
+            "step": i * 10,
+            "seq": i,
+            "ts": 1_700_000_000_000_000_000 + i * 1_000,
+            "values": [float(i + j) for j in range(4)],
+            "values_shape": [4],
+        }
+    by_hook = table_rows(
+        clickhouse,
+        "SELECT hook, avg(arrayAvg(values)) AS mean FROM {p}_raw_vec GROUP BY hook ORDER BY hook",
+    )
+    assert by_hook == [
+        {"hook": "layers.0.attn.k", "mean": pytest.approx(7.5)},
+        {"hook": "layers.0.attn.q", "mean": pytest.approx(3.5)},
+    ]
+
+
+async def test_processed_rows_land_column_for_column(clickhouse):
+    hooks = HookRegistry()
+    q = hooks.bind("layers.0.attn.q", layout="vec")
+    config = RoutingConfig([Route("events", "*", "ch", mode="stateless", processor="ch.events")])
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"ch": lambda: clickhouse.sink(SCHEMA, rows=["event"])},
+        unmatched="drop",
+        hooks=hooks,
+    ) as sink:
+        batch = vec_batch(q, 6)
+        await sink.submit(batch)
+        await sink.flush()
+    expected = events(Records(batch, VEC))
+    rows = table_rows(
+        clickhouse,
+        "SELECT request, small, score, label, note, toUnixTimestamp64Micro(at) AS at_us, vec "
+        "FROM {p}_event ORDER BY request, small",
+    )
+    got = sorted(rows, key=lambda r: (r["request"], r["small"]))
+    want = sorted(
+        (
+            {
+                "request": int(r["request"]),
+                "small": int(r["small"]),
+                "score": float(r["score"]),
+                "label": r["label"],
+                "note": r["note"],
+                "at_us": int(r["at"].astype("int64")),
+                "vec": [float(v) for v in r["vec"]],
+            }
+            for r in expected
+        ),
+        key=lambda r: (r["request"], r["small"]),
+    )
+    assert got == want
+    types = {r["name"]: r["type"] for r in table_rows(clickhouse, "DESCRIBE TABLE {p}_event")}
+    assert types["label"] == "LowCardinality(String)" and types["at"] == "DateTime64(6)"
+
+
+async def test_fan_out_raw_and_processed_into_one_sink(clickhouse):
+    hooks = HookRegistry()
+    q = hooks.bind("layers.0.attn.q", layout="vec")
+    t = hooks.bind("layers.0.tokens", layout="tokens")
+    config = RoutingConfig(
+        [
+            Route("raw", "layers.*", "ch"),
+            Route("events", "*.q", "ch", mode="stateless", processor="ch.events"),
+        ]
+    )
+    token_payload = b"".join(
+        np.array([p], np.uint32).tobytes() + np.arange(p, dtype=np.float32).tobytes()
+        for p in (1, 3, 0)
+    )
+    tokens = RecordBatch.from_buffer(
+        make_descriptors(t, [8, 16, 4], layout_ids=SCHEMA.layout_id("tokens")), token_payload
+    )
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"ch": lambda: clickhouse.sink(SCHEMA, raw=["vec", "tokens"], rows=["event"])},
+        unmatched="drop",
+        hooks=hooks,
+    ) as sink:
+        await sink.submit(vec_batch(q, 4))
+        await sink.submit(tokens)
+        await sink.flush()
+        counters = sink.counters()
+    assert counters.routes["raw"].emitted == 7
+    assert table_rows(clickhouse, "SELECT count() AS n FROM {p}_raw_vec") == [{"n": 4}]
+    assert table_rows(clickhouse, "SELECT count() AS n FROM {p}_event") == [{"n": 4}]
+    assert table_rows(
+        clickhouse, "SELECT position, hidden, hidden_shape FROM {p}_raw_tokens ORDER BY seq"
+    ) == [
+        {"position": 1, "hidden": [0.0], "hidden_shape": [1]},
+        {"position": 3, "hidden": [0.0, 1.0, 2.0], "hidden_shape": [3]},
+        {"position": 0, "hidden": [], "hidden_shape": [0]},
+    ]
+
+
+async def test_mismatched_column_fails_construction_naming_it(clickhouse):
+    table = clickhouse.raw("vec")
+    clickhouse.transport.execute(
+        f"CREATE TABLE {table} (hook LowCardinality(String), output_id UInt32, key Int64, "
+        "step Int64, seq Int64, timestamp DateTime64(9), values Array(Float64), "
+        "values_shape Array(UInt32)) ENGINE = MergeTree ORDER BY tuple()"
+    )
+    with pytest.raises(SchemaMismatch) as caught:
+        clickhouse.sink(SCHEMA, raw=["vec"])
+    assert str(caught.value) == (
+        f"table {table!r}: column 'values' expected Array(Float32), found Array(Float64)"
+    )
+
+
+async def test_missing_table_without_create_tables(clickhouse):
+    with pytest.raises(MissingTable, match=f"table '{clickhouse.rows('event')}' does not exist"):
+        clickhouse.sink(SCHEMA, rows=["event"], create_tables=False)
+    clickhouse.sink(SCHEMA, rows=["event"], create_tables=True)
+    assert table_rows(clickhouse, "SELECT count() AS n FROM {p}_event") == [{"n": 0}]
+
+
+class FlakyTransport:
+    """The real transport, with the first ``failures`` inserts raising *after*
+    ClickHouse stored the rows (a timeout on the reply): the worst case for
+    duplicates."""
+
+    def __init__(self, inner, failures: int, error: type[Exception] = ConnectionError) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.error = error
+        self.description = inner.description
+        self.tokens: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def insert(self, table, data, *, dedup_token):
+        self.inner.insert(table, data, dedup_token=dedup_token)
+        with self._lock:
+            self.tokens.append(dedup_token)
+            if self.failures > 0:
+                self.failures -= 1
+                raise self.error("reply lost after the insert was stored")
+
+    def is_transient(self, error):
+        return isinstance(error, ConnectionError)
+
+
+async def test_failing_then_recovering_destination_loses_and_duplicates_nothing(
+    clickhouse, autojump_clock
+):
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    flaky = FlakyTransport(clickhouse.transport, failures=3)
+    ch = clickhouse.sink(
+        SCHEMA, flaky, raw=["vec"], hooks=hooks, retry=Retry(attempts=5, initial_backoff=1.0)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        for i in range(4):
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        started = trio.current_time()
+        await ch.flush()
+        waited = trio.current_time() - started
+        await ch.close()
+    counters = ch.table_counters()[clickhouse.raw("vec")]
+    assert counters.retries == 3 and counters.errors == 3 and counters.inserts == 1
+    assert counters.records == 40 and counters.buffered_rows == counters.in_flight_rows == 0
+    assert len(set(flaky.tokens)) == 1 and len(flaky.tokens) == 4  # one block, same token
+    assert waited == pytest.approx(1.0 + 2.0 + 4.0)  # capped exponential backoff
+    seqs = table_rows(clickhouse, "SELECT seq FROM {p}_raw_vec ORDER BY seq")
+    assert [r["seq"] for r in seqs] == list(range(40))
+
+
+async def test_exhausted_retries_latch_a_failure_naming_the_table(clickhouse, autojump_clock):
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    flaky = FlakyTransport(clickhouse.transport, failures=100)
+    ch = clickhouse.sink(SCHEMA, flaky, raw=["vec"], hooks=hooks, retry=Retry(attempts=3))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        await ch.submit(vec_batch(q, 2))
+        with pytest.raises(RoutingFailure) as caught:
+            await ch.flush()
+        with pytest.raises(RoutingFailure):
+            await ch.submit(vec_batch(q, 2))
+        with pytest.raises(RoutingFailure):
+            await ch.close()
+    assert f"clickhouse table '{clickhouse.raw('vec')}'" in str(caught.value)
+    assert "insert of 2 rows after 3 attempt(s)" in str(caught.value)
+    assert isinstance(caught.value.cause, ConnectionError)
+
+
+async def test_non_transient_error_is_not_retried(clickhouse, autojump_clock):
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    flaky = FlakyTransport(clickhouse.transport, failures=1, error=ValueError)
+    ch = clickhouse.sink(SCHEMA, flaky, raw=["vec"], hooks=hooks)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        await ch.submit(vec_batch(q, 2))
+        with pytest.raises(RoutingFailure, match="after 1 attempt"):
+            await ch.flush()
+        nursery.cancel_scope.cancel()
+    assert ch.table_counters()[clickhouse.raw("vec")].retries == 0
+
+
+async def test_batches_by_rows_and_by_linger_time(clickhouse, mock_clock):
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    ch = clickhouse.sink(
+        SCHEMA, raw=["vec"], hooks=hooks, batching=Batching(max_rows=25, linger=2.0)
+    )
+    table = clickhouse.raw("vec")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        for i in range(3):  # 30 rows: sealed at the third batch (>= 25 rows)
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        assert ch.counters[table].buffered_rows == 0
+        assert ch.counters[table].in_flight_rows == 30
+        await ch.submit(vec_batch(q, 5, start=30))
+        await trio.testing.wait_all_tasks_blocked()
+        assert ch.counters[table].buffered_rows == 5  # waits for more, or for linger
+        mock_clock.jump(2.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ch.counters[table].buffered_rows == 0  # the linger timer sealed it
+        await ch.flush()
+        await ch.close()
+    assert ch.counters[table].inserts == 2 and ch.counters[table].records == 35
+
+
+def test_routed_and_direct_sinks_write_identical_tables(clickhouse):
+    """Parity: RoutingSink with a raw-only route vs the sink straight under the runtime."""
+
+    def produce(runtime) -> None:
+        q = runtime.bind_hook("layers.0.attn.q", layout="vec")
+        k = runtime.bind_hook("layers.1.attn.q", layout="vec")
+        for i in range(20):
+            batch = vec_batch(q if i % 2 else k, 16, start=16 * i)
+            runtime.submit_batch(batch.descriptors, batch.payload)
+        runtime.flush(timeout=30)
+
+    from taproute.actors import RoutingSink
+
+    direct_backend = type(clickhouse)(clickhouse.name, clickhouse.transport)
+    direct_sink = direct_backend.sink(SCHEMA, raw=["vec"])
+    with create_record_runtime(record_sink=direct_sink) as runtime:
+        produce(runtime)
+    routed = RoutingSink(
+        RoutingConfig([Route("raw", "layers.*", "ch")]),
+        SCHEMA,
+        {"ch": lambda: clickhouse.sink(SCHEMA, raw=["vec"])},
+        unmatched="drop",
+    )
+    with create_record_runtime(record_sink=routed) as runtime:
+        produce(runtime)
+    columns = "hook, output_id, key, step, seq, timestamp, values, values_shape"
+    a = clickhouse.query(f"SELECT {columns} FROM {direct_backend.raw('vec')} ORDER BY seq")
+    b = clickhouse.query(f"SELECT {columns} FROM {{p}}_raw_vec ORDER BY seq")
+    assert a.num_rows == 320
+    assert a.equals(b)
