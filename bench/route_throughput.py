@@ -18,14 +18,9 @@ forwarded bytes allocated.
 from __future__ import annotations
 
 import argparse
-import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from harness import measure, report, timed_rate
 
 from taproute.actors import RoutingSink
