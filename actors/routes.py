@@ -9,6 +9,7 @@ in worker threads under the route's own ``CapacityLimiter``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -41,8 +42,10 @@ class RouteActor:
         latch: FailureLatch,
         in_flight: InFlight,
         on_failure: FailureHandler,
+        hook_name: Callable[[int], str] | None = None,
     ) -> None:
         self.planned = planned
+        self._hook_name = hook_name
         self.name = planned.name
         self.destination = destination
         self.counters = RouteCounters(
@@ -132,7 +135,9 @@ class RouteActor:
         """
         planned = self.planned
         assert planned.processor is not None
-        records = Records(batch, planned.input_layout) if planned.input_layout else batch
+        records = (
+            Records(batch, planned.input_layout, self._hook_name) if planned.input_layout else batch
+        )
         try:
             result = await trio.to_thread.run_sync(
                 planned.processor.fn, records, *args, limiter=self.limiter

@@ -201,6 +201,7 @@ class RoutingSink:
                     latch=self._latch,
                     in_flight=self._in_flight,
                     on_failure=self._on_failure,
+                    hook_name=self.hooks.name_of,
                 )
             )
         if self.plan.default_destination is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -17,11 +19,20 @@ class Records:
     views when the payload allows; every array is read-only.
     """
 
-    __slots__ = ("_batch", "layout")
+    __slots__ = ("_batch", "_hook_name", "layout")
 
-    def __init__(self, batch: RecordBatch, layout: Layout) -> None:
+    def __init__(
+        self, batch: RecordBatch, layout: Layout, hook_name: Callable[[int], str] | None = None
+    ) -> None:
         self._batch = batch
         self.layout = layout
+        self._hook_name = hook_name
+
+    def hook_name(self, index: int) -> str:
+        """The hook name record ``index`` was captured under."""
+        if self._hook_name is None:
+            raise LookupError("these records come without hook names")
+        return self._hook_name(int(self._batch.descriptors["output_id"][index]))
 
     def __len__(self) -> int:
         return len(self._batch)

@@ -35,6 +35,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch
+from taproute.service.http import HttpConfig, build_app, serve_http
 from taproute.service.ingress import Control, Ingress, WhenFull
 
 
@@ -56,8 +57,12 @@ class RecordRuntime:
         when_full: WhenFull = "block",
         coalesce_records: int = 4096,
         name: str = "taproute",
+        http: HttpConfig | None = None,
     ) -> None:
         self.record_sink = record_sink
+        self.http = http
+        #: The URLs the HTTP endpoint listens on, once started (empty without one).
+        self.http_urls: list[str] = []
         self.schema: RecordSchema | None = (
             schema if schema is not None else getattr(record_sink, "schema", None)
         )
@@ -122,8 +127,12 @@ class RecordRuntime:
             run = getattr(self.record_sink, "run", None)
             if run is not None:
                 await nursery.start(run)
+            if self.http is not None:
+                app = build_app(self._snapshot_in_loop)
+                self.http_urls = await nursery.start(serve_http, app, self.http)
             self._ready.set()
             await self._record_worker()
+            nursery.cancel_scope.cancel()  # the sink is closed; stop the HTTP server
 
     def _schedule_wake(self) -> None:
         # Called by producers with the ingress lock held.
@@ -313,20 +322,19 @@ class RecordRuntime:
         return self._latch.failure
 
     def counters(self) -> RouterSnapshot:
-        """Ingress counters plus the record sink's (when it keeps any)."""
+        """Ingress counters plus the record sink's (when it keeps any); any thread."""
+        loop_running = self._thread is not None and self._thread.is_alive()
+        if not loop_running or threading.current_thread() is self._thread:
+            return self._snapshot_in_loop()
+        try:
+            return trio.from_thread.run_sync(self._snapshot_in_loop, trio_token=self._token)
+        except trio.RunFinishedError:
+            return self._snapshot_in_loop()
+
+    def _snapshot_in_loop(self) -> RouterSnapshot:
         ingress = self._ingress.snapshot()
         sink_counters = getattr(self.record_sink, "counters", None)
-        snapshot: RouterSnapshot | None = None
-        if callable(sink_counters):
-            if self._token is not None and self._thread is not None and self._thread.is_alive():
-                try:
-                    snapshot = trio.from_thread.run_sync(sink_counters, trio_token=self._token)
-                except trio.RunFinishedError:
-                    snapshot = sink_counters()
-            else:
-                snapshot = sink_counters()
-        if snapshot is None:
-            snapshot = RouterSnapshot({}, {}, 0, 0)
+        snapshot = sink_counters() if callable(sink_counters) else RouterSnapshot({}, {}, 0, 0)
         failure = self._latch.failure or getattr(self.record_sink, "failure", None)
         return attrs.evolve(
             snapshot,
@@ -345,6 +353,7 @@ def create_record_runtime(
     when_full: WhenFull = "block",
     coalesce_records: int = 4096,
     name: str = "taproute",
+    http: HttpConfig | None = None,
 ) -> RecordRuntime:
     """Start a :class:`RecordRuntime` around ``record_sink`` and return it.
 
@@ -352,6 +361,8 @@ def create_record_runtime(
     ``submit`` blocks (``when_full="block"``, the default) or raises
     :class:`~taproute.routing.errors.IngressFull` (``"reject"``).  The schema
     and hook registry default to the sink's own (a ``RoutingSink`` has both).
+    With ``http``, ``/metrics``, ``/status`` and ``/healthz`` are served from
+    the same loop (see ``runtime.http_urls``).
     """
     return RecordRuntime(
         record_sink,
@@ -362,6 +373,7 @@ def create_record_runtime(
         when_full=when_full,
         coalesce_records=coalesce_records,
         name=name,
+        http=http,
     ).start()
 
 

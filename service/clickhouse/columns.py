@@ -18,10 +18,16 @@ from taproute.routing.records import Records
 from taproute.service.clickhouse.tables import TableSpec
 
 
+def _arrow(values: npt.NDArray[np.generic]) -> pa.Array:
+    """A numpy column as Arrow: zero-copy when it is contiguous and aligned
+    (fields of packed rows may not be; Arrow consumers want aligned buffers)."""
+    return pa.array(np.require(values, requirements=["C", "A"]))
+
+
 def _list_array(flat: npt.NDArray[np.generic], lengths: npt.NDArray[np.int64]) -> pa.Array:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(flat).ravel()))
+    return pa.ListArray.from_arrays(pa.array(offsets), _arrow(flat.reshape(-1)))
 
 
 def _fixed_list(values: npt.NDArray[np.generic]) -> pa.Array:
@@ -38,12 +44,12 @@ def _shape_column(n: int, shapes: npt.NDArray[np.int64]) -> pa.Array:
 
 def _scalar_array(values: npt.NDArray[np.generic], column: Column) -> pa.Array:
     if values.dtype.kind == "M":
-        return pa.array(values)
+        return _arrow(values)
     if values.dtype.kind == "S":
         return pa.array(values.tolist(), type=pa.binary(values.dtype.itemsize))
     if values.dtype.kind == "O":
         return pa.array(values.tolist(), type=pa.string())
-    return pa.array(values)
+    return _arrow(values)
 
 
 def _value_columns(records: Records) -> dict[str, pa.Array]:
@@ -117,11 +123,11 @@ def raw_table(
         "hook": pa.DictionaryArray.from_arrays(
             pa.array(desc["output_id"].astype(np.int32)), pa.array(list(hook_names), pa.string())
         ),
-        "output_id": pa.array(np.ascontiguousarray(desc["output_id"])),
-        "key": pa.array(np.ascontiguousarray(desc["key"])),
-        "step": pa.array(np.ascontiguousarray(desc["step"])),
-        "seq": pa.array(np.ascontiguousarray(desc["seq"])),
-        "timestamp": pa.array(np.ascontiguousarray(desc["timestamp_ns"]), type=pa.timestamp("ns")),
+        "output_id": _arrow(desc["output_id"]),
+        "key": _arrow(desc["key"]),
+        "step": _arrow(desc["step"]),
+        "seq": _arrow(desc["seq"]),
+        "timestamp": _arrow(desc["timestamp_ns"]).cast(pa.timestamp("ns")),
     }
     columns.update(_value_columns(Records(batch, layout)))
     return pa.table({name: columns[name] for name in spec.column_names})

@@ -1,0 +1,96 @@
+"""/metrics, /status and /healthz over a real socket on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from taproute.actors import RoutingSink
+from taproute.routing import Route, RoutingConfig, RoutingFailure
+from taproute.service import create_record_runtime
+from taproute.service.http import HttpConfig
+from tests.processors import SCHEMA
+from tests.sinks import FailingSink, NullSink
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_metrics_status_and_health_over_http():
+    sink = RoutingSink(
+        RoutingConfig(
+            [
+                Route("raw", "layers.*", "cap"),
+                Route("norms", "layers.*", "cap", mode="stateless", processor="test.norms"),
+            ]
+        ),
+        SCHEMA,
+        {"cap": NullSink()},
+        unmatched="drop",
+    )
+    with create_record_runtime(record_sink=sink, http=HttpConfig(port=0)) as runtime:
+        (url,) = runtime.http_urls
+        assert url.startswith("http://127.0.0.1:")
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        for i in range(10):
+            runtime.submit(q, np.full(4, i, np.float32))
+        runtime.flush()
+
+        status, body = get(f"{url}/metrics")
+        assert status == 200
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body)
+            for s in family.samples
+        }
+        labels = (("destination", "cap"), ("mode", "forward"), ("route", "raw"))
+        assert samples[("taproute_route_processed_records_total", labels)] == 10
+        assert samples[("taproute_destination_sent_records_total", (("destination", "cap"),))] == 20
+        assert samples[("taproute_ingress_submitted_records_total", ())] == 10
+        assert samples[("taproute_failure_latched", ())] == 0
+
+        status, body = get(f"{url}/status")
+        assert status == 200
+        snapshot = json.loads(body)
+        assert snapshot["routes"]["norms"]["processed"] == 10
+        assert snapshot["ingress"]["submitted"] == 10 and snapshot["failure"] is None
+
+        assert get(f"{url}/healthz") == (200, '{"status":"ok"}')
+        assert get(f"{url}/nope")[0] == 404
+    # The server stopped with the runtime.
+    status = None
+    try:
+        urllib.request.urlopen(f"{url}/healthz", timeout=2)
+    except OSError as error:
+        status = error
+    assert status is not None
+
+
+def test_healthz_reports_a_latched_failure():
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "*", "bad")]),
+        SCHEMA,
+        {"bad": FailingSink(fail_on=1, message="disk full")},
+        unmatched="drop",
+    )
+    runtime = create_record_runtime(record_sink=sink, http=HttpConfig(port=0))
+    (url,) = runtime.http_urls
+    q = runtime.bind_hook("x", layout="vec")
+    runtime.submit(q, np.zeros(4, np.float32))
+    with pytest.raises(RoutingFailure):
+        runtime.flush()
+    status, body = get(f"{url}/healthz")
+    assert status == 503
+    assert json.loads(body)["failure"].endswith("OSError: disk full")
+    with pytest.raises(RoutingFailure):
+        runtime.close()
