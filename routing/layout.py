@@ -67,6 +67,10 @@ def _array_element(ch_type: str) -> str | None:
     return None
 
 
+def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
 @attrs.frozen
 class Column:
     """One named, typed column.
@@ -78,7 +82,7 @@ class Column:
 
     name: str = attrs.field()
     type: str = attrs.field()
-    shape: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    shape: tuple[int, ...] = attrs.field(default=(), converter=_to_shape)
 
     @name.validator
     def _check_name(self, _: object, value: str) -> None:

@@ -118,17 +118,30 @@ class Ingress:
             self._wake_pending = True
             self._wake()
 
-    def put_batch(self, batch: RecordBatch) -> None:
-        """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
-        records, nbytes = len(batch), batch.payload.nbytes
+    def try_put_batch(self, batch: RecordBatch) -> bool:
+        """Queue ``batch`` if it fits now; False (nothing queued) when it would wait."""
         with self._cond:
             self._check_open()
-            self._wait_for_space(records, nbytes)
-            self._check_open()
-            self._seal_pending()
-            self._queue.append(batch)
-            self.counters.batches += 1
-            self._account(records, nbytes)
+            if self.when_full == "block" and not self._fits(len(batch), batch.payload.nbytes):
+                return False
+            self._put_locked(batch)
+            return True
+
+    def put_batch(self, batch: RecordBatch) -> None:
+        """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
+        with self._cond:
+            self._put_locked(batch)
+
+    def _put_locked(self, batch: RecordBatch) -> None:
+        """With the lock held: wait for space (or refuse), then queue ``batch``."""
+        records, nbytes = len(batch), batch.payload.nbytes
+        self._check_open()
+        self._wait_for_space(records, nbytes)
+        self._check_open()
+        self._seal_pending()
+        self._queue.append(batch)
+        self.counters.batches += 1
+        self._account(records, nbytes)
 
     def put_record(self, row: tuple[int, ...], payload: bytes) -> None:
         """Queue one record (descriptor fields without offset/length, and its bytes).

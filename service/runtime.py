@@ -188,6 +188,10 @@ class RecordRuntime:
             control.future.set_result(None)
         return control.kind == "close"
 
+    def stop(self, timeout: float | None = None) -> None:
+        """Same as :meth:`close` (the service-object spelling)."""
+        self.close(timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Drain, flush and close the sink, stop the loop and join its thread.
 
@@ -238,6 +242,28 @@ class RecordRuntime:
         is refused whole (and ``release`` is not called: the buffer is still
         the caller's); blocks while ingress is full.
         """
+        self._ingress.put_batch(self._checked_batch(descriptors, payload, release))
+
+    async def asubmit_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> None:
+        """``submit_batch`` for asyncio servers: never blocks the event loop.
+
+        When ingress has room the batch is queued at once; when it is full,
+        the wait happens in a worker thread while the event loop runs on.
+        """
+        import asyncio
+
+        batch = self._checked_batch(descriptors, payload, release)
+        if not self._ingress.try_put_batch(batch):
+            await asyncio.get_running_loop().run_in_executor(None, self._ingress.put_batch, batch)
+
+    def _checked_batch(
+        self, descriptors: Any, payload: Any, release: Callable[[], object] | None
+    ) -> RecordBatch:
         desc = readonly_descriptors(descriptors)
         data = readonly_bytes(payload)
         nbytes = check_batch(
@@ -247,7 +273,7 @@ class RecordRuntime:
             schema=self.schema,
             hook_name=self.hooks.name_of,
         )
-        self._ingress.put_batch(RecordBatch(desc, data, BufferLease(release), nbytes))
+        return RecordBatch(desc, data, BufferLease(release), nbytes)
 
     def submit(
         self,

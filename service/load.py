@@ -1,0 +1,112 @@
+"""``taproute run``: drive a configured router from a synthetic producer at a
+given rate for a given time, serving HTTP, with a progress line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+import numpy as np
+import numpy.typing as npt
+
+from taproute.actors import RouterSnapshot
+from taproute.native import make_descriptors
+from taproute.routing.layout import Layout
+from taproute.service.config import ProducerHook, ServiceConfig
+from taproute.service.http import HttpConfig
+from taproute.service.runtime import create_record_runtime
+
+
+def synthetic_payload(
+    layout: Layout, hook: ProducerHook, rng: np.random.Generator
+) -> tuple[npt.NDArray[np.uint8], int]:
+    """``hook.batch`` records of ``layout`` with random values; (buffer, record bytes)."""
+    if layout.tail is None:
+        rows = np.zeros(hook.batch, dtype=layout.dtype)
+        for column in layout.columns:
+            field = rows[column.name]
+            if field.dtype.kind in "fiu":
+                field[...] = rng.standard_normal(field.shape) * 10
+        return rows.view(np.uint8).reshape(-1), layout.dtype.itemsize
+    element = layout.tail.element_dtype
+    record = layout.prefix_size + hook.elements * element.itemsize
+    buffer = np.zeros(hook.batch * record, dtype=np.uint8)
+    for i in range(hook.batch):
+        start = i * record + layout.prefix_size
+        values = rng.standard_normal(hook.elements).astype(element)
+        buffer[start : start + values.nbytes] = values.view(np.uint8)
+    return buffer, record
+
+
+def run_load(
+    config: ServiceConfig,
+    *,
+    rate: float,
+    duration: float,
+    seed: int = 0,
+    out: TextIO = sys.stdout,
+) -> RouterSnapshot:
+    """Submit ``rate`` records/s for ``duration`` seconds; return the final counters."""
+    if not config.producer.hooks:
+        raise ValueError(
+            f"{config.source}: [[producer.hooks]] names no hook to generate records for"
+        )
+    sink, runtime_kwargs = config.build()
+    if runtime_kwargs["http"] is None:
+        runtime_kwargs["http"] = HttpConfig()
+    schema = sink.schema
+    rng = np.random.default_rng(seed)
+    with create_record_runtime(record_sink=sink, **runtime_kwargs) as runtime:
+        feeds = []
+        for hook in config.producer.hooks:
+            output_id = runtime.bind_hook(hook.name, layout=hook.layout)
+            payload, record = synthetic_payload(schema.layout(hook.layout), hook, rng)
+            feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
+        print(f"serving {', '.join(f'{u}/metrics' for u in runtime.http_urls)}", file=out)
+        started = time.monotonic()
+        submitted = 0
+        seq = 0
+        next_report = started + 0.5
+        while (now := time.monotonic()) - started < duration:
+            due = rate * (now - started)
+            if submitted >= due:
+                time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
+                continue
+            output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
+            descriptors = make_descriptors(
+                output_id,
+                record,
+                count=batch,
+                layout_ids=layout_id,
+                keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
+                seqs=np.arange(seq * batch, (seq + 1) * batch),
+            )
+            runtime.submit_batch(descriptors, payload)
+            submitted += batch
+            seq += 1
+            if now >= next_report:
+                _progress(out, now - started, duration, submitted, runtime.counters())
+                next_report = now + 0.5
+        runtime.flush()
+        counters = runtime.counters()
+        _progress(out, duration, duration, submitted, counters)
+        print(file=out)
+    return counters
+
+
+def _progress(
+    out: TextIO, elapsed: float, duration: float, submitted: int, counters: RouterSnapshot
+) -> None:
+    width = 30
+    done = min(1.0, elapsed / duration)
+    bar = "#" * int(done * width) + "." * (width - int(done * width))
+    blocked = counters.ingress.blocked_seconds if counters.ingress else 0.0
+    delivered = sum(d.records for d in counters.destinations.values())
+    failed = sum(r.failed for r in counters.routes.values())
+    rate = submitted / elapsed if elapsed > 0 else 0.0
+    out.write(
+        f"\r[{bar}] {done:4.0%} {submitted:>10,} records {rate:>10,.0f}/s "
+        f"delivered {delivered:,} failed {failed:,} blocked {blocked:.2f}s"
+    )
+    out.flush()
