@@ -17,7 +17,10 @@ class RouteCounters:
     by the route and not yet done (waiting or being processed); ``processed``:
     input records done; ``emitted``: records (forward) or rows (processed)
     handed to the destination; ``failed``: input records that failed;
-    ``valid_slots``: stateful routes' slots holding state (else None).
+    ``valid_slots``: stateful routes' slots holding state (else None);
+    ``parked``: records waiting for a retry or behind a failing key;
+    ``retries``: retries made; ``recovered``: records processed after failing;
+    ``failures_by_code``: failed records per failure code (each attempt counts).
     """
 
     name: str
@@ -29,6 +32,11 @@ class RouteCounters:
     emitted: int = 0
     failed: int = 0
     valid_slots: int | None = None
+    parked: int = 0
+    retries: int = 0
+    recovered: int = 0
+    declined: int = 0
+    failures_by_code: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.define

@@ -26,7 +26,16 @@ from taproute.routing.errors import (
     UnknownLayout,
     UnknownProcessor,
 )
-from taproute.routing.failures import FailureHandler, RecordFailure, log_failure
+from taproute.routing.failures import (
+    Failed,
+    FailureCode,
+    FailureHandler,
+    FailurePolicy,
+    InvalidInput,
+    ProcessorFailed,
+    RecordFailure,
+    log_failure,
+)
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Column, Layout
 from taproute.routing.plan import PlannedRoute, RoutePlan
@@ -53,17 +62,22 @@ __all__ = [
     "ConfigError",
     "DuplicateProcessor",
     "DuplicateRouteName",
+    "Failed",
+    "FailureCode",
     "FailureHandler",
+    "FailurePolicy",
     "GlobMatchesNothing",
     "HookBindingError",
     "HookRegistry",
     "IngressFull",
+    "InvalidInput",
     "KeyOutOfRange",
     "Layout",
     "LayoutError",
     "OutputLayoutMismatch",
     "PayloadSizeMismatch",
     "PlannedRoute",
+    "ProcessorFailed",
     "ProcessorKind",
     "ProcessorRegistry",
     "ProcessorSpec",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from taproute.routing.errors import ConfigError, DuplicateRouteName
+from taproute.routing.failures import FailurePolicy
 
 
 class RouteMode(enum.StrEnum):
@@ -23,6 +26,9 @@ class RouteMode(enum.StrEnum):
     FORWARD = "forward"
     STATELESS = "stateless"
     STATEFUL = "stateful"
+
+
+Predicate = Callable[[npt.NDArray[np.void]], "npt.ArrayLike | tuple[npt.ArrayLike, str]"]
 
 
 def _to_outputs(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -51,6 +57,10 @@ class Route:
     capacity: int = attrs.field(default=65_536, validator=_positive)
     capacity_bytes: int = attrs.field(default=256 * 2**20, validator=_positive)
     workers: int = attrs.field(default=1, validator=_positive)
+    failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy)
+    #: ``predicate(descriptors) -> bool array`` (True: the route takes the
+    #: record), or ``(bool array, reason)`` naming why it declined the rest.
+    predicate: Predicate | None = attrs.field(default=None, eq=False)
 
     @name.validator
     def _check_name(self, _: object, value: str) -> None:

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from taproute.actors import open_routing_sink
 from taproute.routing import (
+    FailureCode,
+    FailurePolicy,
     HookRegistry,
     KeyOutOfRange,
     OutputLayoutMismatch,
@@ -172,8 +174,12 @@ async def test_bad_output_is_a_route_failure_not_a_write():
     assert out.batches == []
     assert counters.routes["bad"].failed == 4
     assert counters.routes["bad"].processed == 0
+    assert counters.routes["bad"].failures_by_code == {"handler_invalid": 8}  # batch, then each
     assert sink.failure is None  # per-record failures are not latched
-    (failure,) = failures
+    # Not retried; isolated record by record, each given up on its own.
+    assert [len(f.records) for f in failures] == [1, 1, 1, 1]
+    failure = failures[0]
+    assert failure.code is FailureCode.HANDLER_INVALID and failure.attempts == 1
     assert isinstance(failure.error, OutputLayoutMismatch)
     assert str(failure.error) == (
         "route 'bad', processor 'test.wrong_layout', output layout 'norm': column 'norm' "
@@ -200,9 +206,12 @@ async def test_processor_exception_is_counted_and_router_keeps_going():
         counters = sink.counters()
     assert counters.routes["boom"].failed == 2
     assert len(out.rows("ok")) == 3
-    assert "route 'boom', processor 'test.raises': 2 record(s) failed: ValueError" in (
-        failures[0].message
+    assert [f.code for f in failures] == [FailureCode.HANDLER_PANIC] * 2
+    assert failures[0].message == (
+        "route 'boom', processor 'test.raises': 1 record(s) given up after 1 attempt(s) "
+        "[handler_panic]: ValueError: malformed input"
     )
+    assert 'raise ValueError("malformed input")' in failures[0].traceback
 
 
 async def test_key_outside_range_fails_those_records_only():
@@ -220,6 +229,7 @@ async def test_key_outside_range_fails_those_records_only():
         await sink.flush()
         counters = sink.counters()
     (failure,) = failures
+    assert failure.code is FailureCode.POLICY_INVALID
     assert isinstance(failure.error, KeyOutOfRange)
     assert "key 99 of record 1 is outside [0, 16); 2 record(s)" in str(failure.error)
     assert failure.records.descriptors["seq"].tolist() == [1, 3]
@@ -334,8 +344,20 @@ async def test_full_destination_blocks_the_record_worker_and_drops_nothing(autoj
 async def test_full_route_mailbox_counts_backlog_then_drains(autojump_clock):
     hooks, (q,) = hooks_with(Q)
     slow = GateSink()
+    # No deadline: the autojump clock would otherwise jump past it while a
+    # processor thread runs.
     config = RoutingConfig(
-        [Route("norms", Q, "slow", mode="stateless", processor="test.norms", capacity=10)]
+        [
+            Route(
+                "norms",
+                Q,
+                "slow",
+                mode="stateless",
+                processor="test.norms",
+                capacity=10,
+                failure_policy=FailurePolicy(deadline=0),
+            )
+        ]
     )
     async with (
         open_routing_sink(
