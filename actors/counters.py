@@ -20,7 +20,8 @@ class RouteCounters:
     ``valid_slots``: stateful routes' slots holding state (else None);
     ``parked``: records waiting for a retry or behind a failing key;
     ``retries``: retries made; ``recovered``: records processed after failing;
-    ``failures_by_code``: failed records per failure code (each attempt counts).
+    ``failures_by_code``: failed records per failure code (each attempt counts);
+    ``declined``/``last_decline``: records the route's predicate declined, and why.
     """
 
     name: str
@@ -36,6 +37,7 @@ class RouteCounters:
     retries: int = 0
     recovered: int = 0
     declined: int = 0
+    last_decline: str | None = None
     failures_by_code: dict[str, int] = attrs.Factory(dict)
 
 

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import trio
 
 from taproute.actors.counters import RouterSnapshot
@@ -36,6 +38,7 @@ from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.routes import RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
+from taproute.routing.trace import TraceResult, evaluate_predicate, trace
 
 #: A destination given as a sink is leased; given as a factory, the routing
 #: sink creates it at start and closes it at close.
@@ -114,6 +117,7 @@ class RoutingSink:
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
         self._lock = Turnstile()
+        self._has_predicates = any(p.route.predicate is not None for p in self.plan.routes)
         self._started = False
         self._closing = False
         self._stopped = trio.Event()
@@ -231,6 +235,8 @@ class RoutingSink:
             raise TypeError(f"RoutingSink routes RecordBatch objects, got {type(batch).__name__}")
         async with self._lock:
             groups = self._table.group(batch.descriptors)
+            if self._has_predicates:
+                groups = self._apply_predicates(batch, groups)
             routes = self._routes
             for index, selection in groups:
                 part = batch.select(selection)
@@ -238,6 +244,49 @@ class RoutingSink:
                     await self._unmatched(part)
                 else:
                     await routes[index].dispatch(part)
+
+    def _apply_predicates(
+        self, batch: RecordBatch, groups: list[tuple[int, npt.NDArray[np.intp] | None]]
+    ) -> list[tuple[int, npt.NDArray[np.intp] | None]]:
+        """Narrow each group by its route's predicate; what no route takes is unmatched."""
+        n = len(batch)
+        taken = np.zeros(n, dtype=bool)
+        unmatched: list[npt.NDArray[np.intp]] = []
+        narrowed: list[tuple[int, npt.NDArray[np.intp] | None]] = []
+        for index, selection in groups:
+            positions = np.arange(n) if selection is None else selection
+            if index == UNMATCHED:
+                unmatched.append(positions)
+                continue
+            route = self._routes[index]
+            if route.planned.route.predicate is not None:
+                try:
+                    mask, reason = evaluate_predicate(route.planned, batch.descriptors[positions])
+                except Exception as exc:  # a broken predicate is a bug: stop loudly
+                    raise self._latch.latch(exc, route=route.name, where="route predicate") from exc
+                declined = int(len(mask) - mask.sum())
+                if declined:
+                    route.counters.declined += declined
+                    route.counters.last_decline = reason
+                positions = positions[mask]
+            if len(positions):
+                taken[positions] = True
+                narrowed.append((index, positions))
+        routed_nowhere = np.flatnonzero(~taken)
+        if len(routed_nowhere):
+            narrowed.append((UNMATCHED, routed_nowhere))
+        return narrowed
+
+    def trace(self, hook: str, **fields: Any) -> TraceResult:
+        """Where a record of ``hook`` with these descriptor fields would go, and why.
+
+        A dry run: route predicates run, nothing else (no processor, no write).
+        """
+        layout = fields.pop("layout", None)
+        if layout is not None:
+            fields["layout_id"] = self.schema.layout_id(layout)
+        bound = self.hooks.id_of(hook)
+        return trace(self.plan, hook, output_id=bound or 0, **fields)
 
     async def _unmatched(self, batch: RecordBatch) -> None:
         if self._default is None:

@@ -6,6 +6,7 @@ Trio loop thread, so handlers read counters without crossing threads.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +22,31 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from taproute.actors.counters import RouterSnapshot
+from taproute.routing.errors import IngressFull
+from taproute.service.dead_letters import DeadLetter, DeadLetterNotFound, DeadLetterStore
 from taproute.service.metrics import SnapshotCollector
 
 
 @attrs.frozen
 class HttpConfig:
-    """Where the HTTP endpoint listens (port 0: any free port)."""
+    """Where the HTTP endpoint listens (port 0: any free port).
+
+    ``token``: the bearer token mutating endpoints (dead-letter skip and
+    reroute) require; without one they are refused.
+    """
 
     host: str = "127.0.0.1"
     port: int = 9464
+    token: str | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen
+class Controls:
+    """What the operator endpoints act on."""
+
+    store: DeadLetterStore
+    reroute: Callable[[int], DeadLetter]
+    token: str | None = attrs.field(repr=False)
 
 
 def snapshot_as_json(snapshot: RouterSnapshot) -> dict[str, Any]:
@@ -37,8 +54,13 @@ def snapshot_as_json(snapshot: RouterSnapshot) -> dict[str, Any]:
     return attrs.asdict(snapshot)
 
 
-def build_app(snapshot: Callable[[], RouterSnapshot]) -> Starlette:
-    """The ASGI app over a snapshot function."""
+def build_app(
+    snapshot: Callable[[], RouterSnapshot],
+    *,
+    controls: Controls | None = None,
+    trace: Callable[..., Any] | None = None,
+) -> Starlette:
+    """The ASGI app over a snapshot function (and the operator controls, if given)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
 
@@ -54,13 +76,114 @@ def build_app(snapshot: Callable[[], RouterSnapshot]) -> Starlette:
             return JSONResponse({"status": "failed", "failure": failure}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    return Starlette(
-        routes=[
-            Route("/metrics", metrics),
-            Route("/status", status),
-            Route("/healthz", healthz),
-        ]
-    )
+    routes = [
+        Route("/metrics", metrics),
+        Route("/status", status),
+        Route("/healthz", healthz),
+    ]
+    if controls is not None:
+        routes += _dead_letter_routes(controls)
+    if trace is not None:
+        routes.append(Route("/trace", _trace_endpoint(trace), methods=["POST"]))
+    return Starlette(routes=routes)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _dead_letter_routes(controls: Controls) -> list[Route]:
+    store = controls.store
+
+    def authorized(request: Request) -> JSONResponse | None:
+        if controls.token is None:
+            return _error(403, "mutating endpoints are disabled: no token is configured")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given, f"Bearer {controls.token}"):
+            return _error(401, "a valid 'Authorization: Bearer <token>' header is required")
+        return None
+
+    def letter_id(request: Request) -> int | JSONResponse:
+        raw = request.path_params["letter_id"]
+        try:
+            return int(raw)
+        except ValueError:
+            return _error(400, f"dead letter id must be an integer, got {raw!r}")
+
+    async def list_letters(request: Request) -> JSONResponse:
+        query = request.query_params
+        try:
+            older_than = float(query["older_than"]) if "older_than" in query else None
+        except ValueError:
+            return _error(400, f"older_than must be seconds, got {query['older_than']!r}")
+        state = query.get("state", "dead")
+        if state not in ("dead", "skipped", "rerouted", "all"):
+            return _error(400, f"state must be dead, skipped, rerouted or all, got {state!r}")
+        letters = await trio.to_thread.run_sync(
+            lambda: store.list(
+                route=query.get("route"),
+                code=query.get("code"),
+                older_than=older_than,
+                state=None if state == "all" else state,  # type: ignore[arg-type]
+            )
+        )
+        return JSONResponse([letter.summary() for letter in letters])
+
+    async def show(request: Request) -> JSONResponse:
+        ident = letter_id(request)
+        if isinstance(ident, JSONResponse):
+            return ident
+        try:
+            letter = await trio.to_thread.run_sync(store.get, ident)
+        except DeadLetterNotFound as exc:
+            return _error(404, str(exc))
+        body = letter.summary()
+        body["traceback"] = letter.traceback
+        body["payload_bytes"] = len(letter.payload or b"")
+        return JSONResponse(body)
+
+    def mutation(action: Callable[[int], DeadLetter]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> JSONResponse:
+            refused = authorized(request)
+            if refused is not None:
+                return refused
+            ident = letter_id(request)
+            if isinstance(ident, JSONResponse):
+                return ident
+            try:
+                letter = await trio.to_thread.run_sync(action, ident)
+            except DeadLetterNotFound as exc:
+                return _error(404, str(exc))
+            except IngressFull as exc:
+                return _error(503, str(exc))
+            return JSONResponse(letter.summary())
+
+        return endpoint
+
+    return [
+        Route("/dead-letters", list_letters),
+        Route("/dead-letters/{letter_id}", show),
+        Route("/dead-letters/{letter_id}/skip", mutation(store.skip), methods=["POST"]),
+        Route("/dead-letters/{letter_id}/reroute", mutation(controls.reroute), methods=["POST"]),
+    ]
+
+
+def _trace_endpoint(trace: Callable[..., Any]) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, 'the body must be JSON: {"hook": ..., "key": ...}')
+        if not isinstance(body, dict) or not isinstance(body.get("hook"), str):
+            return _error(400, 'the body must name the hook: {"hook": "layers.0.q", ...}')
+        fields = {k: v for k, v in body.items() if k != "hook"}
+        try:
+            result = trace(body["hook"], **fields)
+        except (TypeError, ValueError) as exc:
+            return _error(400, str(exc))
+        return JSONResponse(attrs.asdict(result))
+
+    return endpoint
 
 
 async def serve_http(

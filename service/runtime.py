@@ -28,14 +28,21 @@ import trio
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.latch import FailureLatch
-from taproute.native import BufferLease
+from taproute.native import BufferLease, make_descriptors
 from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
-from taproute.routing.errors import PayloadSizeMismatch, SinkClosed, UnboundOutputId
+from taproute.routing.errors import (
+    ConfigError,
+    IngressFull,
+    PayloadSizeMismatch,
+    SinkClosed,
+    UnboundOutputId,
+)
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch
-from taproute.service.http import HttpConfig, build_app, serve_http
+from taproute.service.dead_letters import DeadLetter, DeadLetterStore
+from taproute.service.http import Controls, HttpConfig, build_app, serve_http
 from taproute.service.ingress import Control, Ingress, WhenFull
 
 
@@ -58,9 +65,12 @@ class RecordRuntime:
         coalesce_records: int = 4096,
         name: str = "taproute",
         http: HttpConfig | None = None,
+        dead_letters: DeadLetterStore | None = None,
     ) -> None:
         self.record_sink = record_sink
         self.http = http
+        #: Where the routing sink's given-up records are kept (for the controls).
+        self.dead_letters = dead_letters
         #: The URLs the HTTP endpoint listens on, once started (empty without one).
         self.http_urls: list[str] = []
         self.schema: RecordSchema | None = (
@@ -128,7 +138,11 @@ class RecordRuntime:
             if run is not None:
                 await nursery.start(run)
             if self.http is not None:
-                app = build_app(self._snapshot_in_loop)
+                app = build_app(
+                    self._snapshot_in_loop,
+                    controls=self._controls(),
+                    trace=getattr(self.record_sink, "trace", None),
+                )
                 self.http_urls = await nursery.start(serve_http, app, self.http)
             self._ready.set()
             await self._record_worker()
@@ -187,6 +201,49 @@ class RecordRuntime:
         else:
             control.future.set_result(None)
         return control.kind == "close"
+
+    # -- operator controls -------------------------------------------------
+
+    def reroute(self, letter_id: int) -> DeadLetter:
+        """Feed dead letter ``letter_id`` through routing again, as new input (any thread
+        but the loop's; blocks while ingress is full).  A skipped or already rerouted
+        letter goes again as a copy."""
+        store, batch = self._letter_batch(letter_id)
+        self._ingress.put_batch(batch)
+        return store.mark_rerouted(letter_id)
+
+    def _letter_batch(self, letter_id: int) -> tuple[DeadLetterStore, RecordBatch]:
+        store = self.dead_letters
+        if store is None:
+            raise ConfigError("this runtime has no dead-letter store (dead_letters=...)")
+        letter = store.get(letter_id)
+        assert letter.payload is not None
+        output_id = self.hooks.bind(letter.hook)
+        descriptors = make_descriptors(
+            output_id,
+            len(letter.payload),
+            layout_ids=letter.layout_id,
+            keys=letter.key,
+            steps=letter.step,
+            seqs=letter.seq,
+            timestamps_ns=letter.timestamp_ns,
+        )
+        return store, self._checked_batch(descriptors, letter.payload, None)
+
+    def _controls(self) -> Controls | None:
+        store = self.dead_letters
+        if store is None:
+            return None
+        assert self.http is not None
+
+        def reroute_now(letter_id: int) -> DeadLetter:
+            # Called from the loop thread: never wait for ingress room there.
+            _, batch = self._letter_batch(letter_id)
+            if not self._ingress.try_put_batch(batch):
+                raise IngressFull("ingress is full; reroute refused, try again")
+            return store.mark_rerouted(letter_id)
+
+        return Controls(store, reroute_now, self.http.token)
 
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""
@@ -380,6 +437,7 @@ def create_record_runtime(
     coalesce_records: int = 4096,
     name: str = "taproute",
     http: HttpConfig | None = None,
+    dead_letters: DeadLetterStore | None = None,
 ) -> RecordRuntime:
     """Start a :class:`RecordRuntime` around ``record_sink`` and return it.
 
@@ -388,7 +446,9 @@ def create_record_runtime(
     :class:`~taproute.routing.errors.IngressFull` (``"reject"``).  The schema
     and hook registry default to the sink's own (a ``RoutingSink`` has both).
     With ``http``, ``/metrics``, ``/status`` and ``/healthz`` are served from
-    the same loop (see ``runtime.http_urls``).
+    the same loop (see ``runtime.http_urls``); with ``dead_letters`` (the
+    store the routing sink's ``on_failure`` writes to) also the dead-letter
+    controls.
     """
     return RecordRuntime(
         record_sink,
@@ -400,6 +460,7 @@ def create_record_runtime(
         coalesce_records=coalesce_records,
         name=name,
         http=http,
+        dead_letters=dead_letters,
     ).start()
 
 

@@ -1,0 +1,239 @@
+"""The dead-letter store: records a route gave up on, durable in SQLite.
+
+Each record is one row: its descriptor and payload (so it can be fed through
+routing again), the route, failure code, error text, traceback, attempts and
+first/last failure time.  Operators list and show them, *skip* them (handled,
+never retried) or *reroute* them (fed through routing again as new input;
+skipped or already rerouted letters go again as a copy).  The file survives
+restarts; writes happen in worker threads, never on the Trio loop.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import trio
+
+from taproute.routing.errors import TaprouteError
+from taproute.routing.failures import RecordFailure
+from taproute.routing.hooks import HookRegistry
+
+State = Literal["dead", "skipped", "rerouted"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    route TEXT NOT NULL,
+    processor TEXT,
+    code TEXT NOT NULL,
+    error TEXT NOT NULL,
+    traceback TEXT,
+    attempts INTEGER NOT NULL,
+    first_failure_at REAL NOT NULL,
+    last_failure_at REAL NOT NULL,
+    hook TEXT NOT NULL,
+    layout_id INTEGER NOT NULL,
+    key INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    timestamp_ns INTEGER NOT NULL,
+    payload BLOB NOT NULL,
+    state TEXT NOT NULL DEFAULT 'dead',
+    handled_at REAL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_by_route ON dead_letters (route, code, state);
+"""
+
+_COLUMNS = (
+    "id, route, processor, code, error, traceback, attempts, first_failure_at, "
+    "last_failure_at, hook, layout_id, key, step, seq, timestamp_ns, state, handled_at"
+)
+
+
+class DeadLetterNotFound(TaprouteError, LookupError):
+    """No dead letter with that id."""
+
+
+@attrs.frozen
+class DeadLetter:
+    """One given-up record and why (``payload`` only when asked for)."""
+
+    id: int
+    route: str
+    processor: str | None
+    code: str
+    error: str
+    traceback: str | None
+    attempts: int
+    first_failure_at: float
+    last_failure_at: float
+    hook: str
+    layout_id: int
+    key: int
+    step: int
+    seq: int
+    timestamp_ns: int
+    state: State
+    handled_at: float | None
+    payload: bytes | None = None
+
+    def summary(self) -> dict[str, object]:
+        """JSON-able fields, without payload and traceback."""
+        return {k: v for k, v in attrs.asdict(self).items() if k not in ("payload", "traceback")}
+
+
+class DeadLetterStore:
+    """Dead letters in one SQLite file (thread-safe; one connection, one lock).
+
+    ``hooks`` names the hooks of the records it stores (the routing sink
+    attaches its registry).
+    """
+
+    def __init__(self, path: str | Path, hooks: HookRegistry | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.hooks = hooks
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def attach_hooks(self, hooks: HookRegistry) -> None:
+        """Name hooks from ``hooks`` (the routing sink calls this)."""
+        self.hooks = hooks
+
+    def put(self, failure: RecordFailure) -> list[int]:
+        """Store every record of ``failure`` durably (one transaction); returns the ids."""
+        batch = failure.records
+        desc = batch.descriptors
+        names = self.hooks.names() if self.hooks is not None else []
+        rows = []
+        for i in range(len(batch)):
+            output_id = int(desc["output_id"][i])
+            rows.append(
+                (
+                    failure.route,
+                    failure.processor,
+                    failure.code.value,
+                    f"{type(failure.error).__name__}: {failure.error}",
+                    failure.traceback,
+                    failure.attempts,
+                    failure.first_failure_at,
+                    failure.last_failure_at,
+                    names[output_id] if output_id < len(names) else f"#{output_id}",
+                    int(desc["layout_id"][i]),
+                    int(desc["key"][i]),
+                    int(desc["step"][i]),
+                    int(desc["seq"][i]),
+                    int(desc["timestamp_ns"][i]),
+                    batch.payload_of(i).tobytes(),
+                )
+            )
+        with self._transaction() as db:
+            first = db.execute("SELECT COALESCE(MAX(id), 0) FROM dead_letters").fetchone()[0]
+            db.executemany(
+                "INSERT INTO dead_letters (route, processor, code, error, traceback, attempts, "
+                "first_failure_at, last_failure_at, hook, layout_id, key, step, seq, "
+                "timestamp_ns, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        return list(range(first + 1, first + 1 + len(rows)))
+
+    async def handle(self, failure: RecordFailure) -> None:
+        """The routing sink's failure handler: store, in a worker thread."""
+        await trio.to_thread.run_sync(self.put, failure)
+
+    def list(
+        self,
+        *,
+        route: str | None = None,
+        code: str | None = None,
+        older_than: float | None = None,
+        state: State | None = "dead",
+        limit: int = 1000,
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first, filtered by route, code, age (seconds) and state."""
+        where: list[str] = []
+        args: list[object] = []
+        if route is not None:
+            where.append("route = ?")
+            args.append(route)
+        if code is not None:
+            where.append("code = ?")
+            args.append(code)
+        if older_than is not None:
+            where.append("last_failure_at <= ?")
+            args.append(time.time() - older_than)
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        sql = f"SELECT {_COLUMNS} FROM dead_letters"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(sql, (*args, limit)).fetchall()
+        return [DeadLetter(*row) for row in rows]
+
+    def get(self, letter_id: int) -> DeadLetter:
+        """One dead letter, with its payload."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_COLUMNS}, payload FROM dead_letters WHERE id = ?", (letter_id,)
+            ).fetchone()
+        if row is None:
+            raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+        return DeadLetter(*row)
+
+    def _set_state(self, letter_id: int, state: State) -> DeadLetter:
+        with self._transaction() as db:
+            updated = db.execute(
+                "UPDATE dead_letters SET state = ?, handled_at = ? WHERE id = ?",
+                (state, time.time(), letter_id),
+            ).rowcount
+        if not updated:
+            raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+        return self.get(letter_id)
+
+    def skip(self, letter_id: int) -> DeadLetter:
+        """Mark handled: it is never retried."""
+        return self._set_state(letter_id, "skipped")
+
+    def mark_rerouted(self, letter_id: int) -> DeadLetter:
+        """Record that the letter was fed through routing again."""
+        return self._set_state(letter_id, "rerouted")
+
+    def counts(self, *, older_than: float | None = None) -> dict[tuple[str, str], int]:
+        """Dead (unhandled) letters per (route, code), optionally only the older ones."""
+        sql = "SELECT route, code, count(*) FROM dead_letters WHERE state = 'dead'"
+        args: tuple[float, ...] = ()
+        if older_than is not None:
+            sql += " AND last_failure_at <= ?"
+            args = (time.time() - older_than,)
+        with self._lock:
+            rows = self._db.execute(sql + " GROUP BY route, code ORDER BY route, code", args)
+            return {(route, code): n for route, code, n in rows.fetchall()}
+
+    def close(self) -> None:
+        """Close the database file."""
+        with self._lock:
+            self._db.close()
