@@ -494,6 +494,8 @@ class StatefulRoute(RouteActor):
                     await self._retry_key(held, message.key)
                 except Exception as exc:
                     self._latch.latch(exc, route=self.name, where="stateful owner")
+                finally:
+                    self._in_flight.done()
                 continue
             batch, keys = message
             try:
@@ -585,16 +587,15 @@ class StatefulRoute(RouteActor):
 
     async def _retry(self, item: Any) -> None:
         key: int = item
-        owner = self._owner_of(key)
         # Through the owner's mailbox, so the owner alone touches its held keys.
-        mailbox = self.owner_mailboxes[owner]
+        # In flight until the owner has handled it, so a flush waits for it.
         self._in_flight.add()
         try:
-            await mailbox.send(_RetryKey(key), records=0, nbytes=0)
+            await self.owner_mailboxes[self._owner_of(key)].send(
+                _RetryKey(key), records=0, nbytes=0
+            )
         except trio.ClosedResourceError:
-            pass  # closing: the owner gives up what it holds
-        finally:
-            self._in_flight.done()
+            self._in_flight.done()  # closing: the owner gives up what it holds
 
     async def _retry_key(self, held: dict[int, deque[Attempt]], key: int) -> None:
         """Try a held key's head again, then the records that waited behind it."""
