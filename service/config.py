@@ -19,6 +19,9 @@ key path), then built into a running router.
     path = "taproute-data"                   # chDB; or url = "http://host:8123/db"
     raw = ["query"]
 
+    [dead_letters]
+    path = "dead-letters.sqlite"             # default: beside the first chDB destination
+
     [routing]
     unmatched = "drop"                       # or default_destination = "..."
 
@@ -27,6 +30,7 @@ key path), then built into a running router.
 
     [http]
     port = 9464
+    token = "..."                            # required by the mutating endpoints
 
     [[producer.hooks]]                       # what `taproute run` generates
     name = "layers.0.attn.q"
@@ -47,11 +51,14 @@ from cattrs.errors import IterableValidationError, IterableValidationNote
 
 from taproute.actors import RoutingSink
 from taproute.routing.errors import ConfigError, TaprouteError
+from taproute.routing.failures import log_failure
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Column, Layout
 from taproute.routing.routes import Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.service.clickhouse import Batching, ClickHouseSink, Retry
+from taproute.service.dead_letters import DeadLetterStore
 from taproute.service.http import HttpConfig
 
 
@@ -138,6 +145,14 @@ class IngressOptions:
 class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 9464
+    token: str | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen
+class DeadLetterOptions:
+    """Where given-up records are kept (default: beside the first chDB destination)."""
+
+    path: str | None = None
 
 
 @attrs.frozen
@@ -166,6 +181,7 @@ class ServiceConfig:
     routing: RoutingOptions = attrs.Factory(RoutingOptions)
     ingress: IngressOptions = attrs.Factory(IngressOptions)
     http: HttpOptions | None = None
+    dead_letters: DeadLetterOptions = attrs.Factory(DeadLetterOptions)
     producer: ProducerConfig = attrs.Factory(ProducerConfig)
     source: Path = attrs.field(default=Path("<config>"), eq=False)
 
@@ -229,10 +245,31 @@ class ServiceConfig:
             for name, dest in self.destinations.items()
         }
 
+    def dead_letter_path(self) -> Path | None:
+        """The dead-letter file: configured, else beside the first chDB destination."""
+        if self.dead_letters.path is not None:
+            return self._relative(self.dead_letters.path)
+        for dest in self.destinations.values():
+            if dest.path is not None:
+                data = self._relative(dest.path)
+                return data.with_name(data.name + "-dead-letters.sqlite")
+        return None
+
+    def _relative(self, path: str) -> Path:
+        candidate = Path(path)
+        return candidate if candidate.is_absolute() else self.source.parent / candidate
+
+    def open_dead_letters(self, hooks: HookRegistry | None = None) -> DeadLetterStore | None:
+        """The dead-letter store, if this config has one."""
+        path = self.dead_letter_path()
+        return None if path is None else DeadLetterStore(path, hooks=hooks)
+
     def build(self) -> tuple[RoutingSink, dict[str, Any]]:
         """The routing sink and the keyword arguments for ``create_record_runtime``."""
         self.import_processors()
         schema = self.schema()
+        hooks = HookRegistry()
+        store = self.open_dead_letters(hooks)
         try:
             sink = RoutingSink(
                 self.routing_config(),
@@ -240,6 +277,8 @@ class ServiceConfig:
                 self.destination_factories(schema),
                 self.routing.default_destination,
                 unmatched=self.routing.unmatched,
+                hooks=hooks,
+                on_failure=log_failure if store is None else store.handle,
             )
         except ConfigFileError:
             raise
@@ -249,7 +288,10 @@ class ServiceConfig:
             "capacity_records": self.ingress.capacity_records,
             "capacity_bytes": self.ingress.capacity_bytes,
             "when_full": self.ingress.when_full,
-            "http": None if self.http is None else HttpConfig(self.http.host, self.http.port),
+            "http": None
+            if self.http is None
+            else HttpConfig(self.http.host, self.http.port, self.http.token),
+            "dead_letters": store,
         }
         return sink, runtime_kwargs
 

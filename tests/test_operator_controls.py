@@ -1,0 +1,209 @@
+"""Operator controls over HTTP (real socket, bearer token) and the CLI, and the doctor."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from taproute.actors import RoutingSink
+from taproute.routing import (
+    FailureCode,
+    HookRegistry,
+    RecordFailure,
+    Route,
+    RoutingConfig,
+)
+from taproute.service import CaptureSink, create_record_runtime
+from taproute.service.cli import main
+from taproute.service.dead_letters import DeadLetterStore
+from taproute.service.http import HttpConfig
+from tests.conftest import vec_batch
+from tests.failing_processors import SCRIPT
+from tests.processors import SCHEMA
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(autouse=True)
+def fresh_script():
+    SCRIPT.reset()
+
+
+def request(url: str, method: str = "GET", token: str | None = None) -> tuple[int, object]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_dead_letter_controls_over_http_need_the_token(tmp_path):
+    hooks = HookRegistry()
+    store = DeadLetterStore(tmp_path / "dead.sqlite", hooks=hooks)
+    out = CaptureSink()
+    sink = RoutingSink(
+        RoutingConfig(
+            [Route("r", "*", "out", mode="stateless", processor="fail.invalid_when_broken")]
+        ),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=store.handle,
+    )
+    SCRIPT.broken = True
+    with create_record_runtime(
+        record_sink=sink, http=HttpConfig(port=0, token=TOKEN), dead_letters=store
+    ) as runtime:
+        (url,) = runtime.http_urls
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        batch = vec_batch(q, 3)
+        runtime.submit_batch(batch.descriptors, batch.payload)
+        runtime.flush()
+
+        status, letters = request(f"{url}/dead-letters")
+        assert status == 200 and [d["seq"] for d in letters] == [0, 1, 2]
+        assert {d["code"] for d in letters} == {"handler_invalid"}
+        first, second = letters[0]["id"], letters[1]["id"]
+        status, shown = request(f"{url}/dead-letters/{first}")
+        assert status == 200 and shown["payload_bytes"] == 16 and shown["route"] == "r"
+        assert request(f"{url}/dead-letters?route=other")[1] == []
+        assert request(f"{url}/dead-letters/999")[0] == 404
+
+        # Mutations need the bearer token.
+        assert request(f"{url}/dead-letters/{first}/skip", "POST")[0] == 401
+        assert request(f"{url}/dead-letters/{first}/skip", "POST", token="wrong")[0] == 401
+        status, body = request(f"{url}/dead-letters/{first}/skip", "POST", token=TOKEN)
+        assert status == 200 and body["state"] == "skipped"
+
+        SCRIPT.broken = False  # fixed: reroute goes through routing again
+        status, body = request(f"{url}/dead-letters/{second}/reroute", "POST", token=TOKEN)
+        assert status == 200 and body["state"] == "rerouted"
+        runtime.flush()
+        assert [d["seq"] for d in request(f"{url}/dead-letters")[1]] == [2]
+
+        assert request(f"{url}/trace", "POST")[0] == 400  # no body: refused, not crashed
+    assert out.rows("r")["seq"].tolist() == [1]
+    store.close()
+
+
+def test_mutations_are_refused_when_no_token_is_configured(tmp_path):
+    store = DeadLetterStore(tmp_path / "dead.sqlite")
+    with create_record_runtime(
+        record_sink=CaptureSink(), schema=SCHEMA, http=HttpConfig(port=0), dead_letters=store
+    ) as runtime:
+        (url,) = runtime.http_urls
+        status, body = request(f"{url}/dead-letters/1/skip", "POST", token="anything")
+        assert status == 403 and "no token is configured" in body["error"]
+    store.close()
+
+
+def config_text(chdb_path, dead_path, prefix: str) -> str:
+    return f"""
+processors = ["tests.failing_processors"]
+
+[[layouts]]
+name = "vec"
+columns = [{{ name = "values", type = "Array(Float32)", shape = [4] }}]
+
+[[layouts]]
+name = "norm"
+columns = [
+  {{ name = "key", type = "Int64" }},
+  {{ name = "seq", type = "Int64" }},
+  {{ name = "norm", type = "Float32" }},
+]
+
+[[routes]]
+name = "checked"
+outputs = ["layers.*"]
+mode = "stateless"
+processor = "fail.invalid_when_broken"
+destination = "ch"
+
+[[routes]]
+name = "raw"
+outputs = ["layers.0.*"]
+destination = "ch"
+
+[destinations.ch]
+path = "{chdb_path}"
+raw = ["vec"]
+rows = ["norm"]
+raw_table = "{prefix}_raw_{{layout}}"
+rows_table = "{prefix}_{{layout}}"
+
+[routing]
+unmatched = "drop"
+
+[dead_letters]
+path = "{dead_path}"
+"""
+
+
+def test_cli_lists_shows_skips_and_reroutes_and_doctor_warns(tmp_path, chdb_transport, capsys):
+    dead = tmp_path / "dead.sqlite"
+    prefix = "cli" + uuid.uuid4().hex[:8]
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(chdb_transport.path, dead, prefix))
+    # Two records given up a while ago (as a crashed run would have left them).
+    store = DeadLetterStore(dead, hooks=HookRegistry())
+    store.hooks.bind("layers.0.q")
+    long_ago = time.time() - 1200
+    store.put(
+        RecordFailure(
+            "checked",
+            "fail.invalid_when_broken",
+            ValueError("values out of range"),
+            vec_batch(0, 2),
+            FailureCode.HANDLER_INVALID,
+            1,
+            long_ago,
+            long_ago,
+        )
+    )
+    store.close()
+
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: 2 dead letter(s) older than 10 minutes" in out
+    assert "route checked, handler_invalid: 2" in out
+
+    assert main(["dead-letters", "list", "--config", str(path)]) == 0
+    listing = capsys.readouterr().out
+    assert "2 dead letter(s)" in listing and "ValueError: values out of range" in listing
+    assert main(["dead-letters", "show", "1", "--config", str(path)]) == 0
+    assert "payload: 16 bytes" in capsys.readouterr().out
+    assert main(["dead-letters", "skip", "1", "--config", str(path)]) == 0
+    assert main(["dead-letters", "reroute", "2", "--config", str(path)]) == 0
+    assert "dead letter 2 rerouted" in capsys.readouterr().out
+    rows = chdb_transport.query(f"SELECT seq FROM `{prefix}_norm`").to_pylist()
+    assert rows == [{"seq": 1}]
+    assert main(["dead-letters", "list", "--config", str(path), "--state", "all"]) == 0
+    assert "2 dead letter(s)" in capsys.readouterr().out
+    assert main(["check", "--config", str(path)]) == 0
+    assert "WARNING" not in capsys.readouterr().out  # nothing unhandled is left
+    assert main(["dead-letters", "show", "9", "--config", str(path)]) == 1
+    assert "no dead letter with id 9" in capsys.readouterr().err
+
+
+def test_cli_trace_prints_verdicts(tmp_path, chdb_transport, capsys):
+    path = tmp_path / "router.toml"
+    path.write_text(
+        config_text(chdb_transport.path, tmp_path / "d.sqlite", "tr" + uuid.uuid4().hex[:6])
+    )
+    assert main(["trace", "--config", str(path), "--hook", "layers.1.k", "--key", "7"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "trace layers.1.k key=7"
+    assert out[1].split() == ["checked", "match", "->", "ch"]
+    assert out[2].split() == ["raw", "not_reached", "->", "ch"]
+    assert out[3].strip() == "=> ch"
+    assert main(["trace", "--config", str(path), "--hook", "mlp.0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].strip() == "=> dropped"
