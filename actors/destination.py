@@ -7,6 +7,8 @@ its in-flight count removed, so buffers go back and flush never hangs.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import attrs
 import trio
 
@@ -14,12 +16,16 @@ from taproute.actors.counters import DestinationCounters
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.pending import InFlight
-from taproute.routing.batch import Batch, RecordBatch
+from taproute.routing.batch import Batch, RecordBatch, RowBatch
+from taproute.routing.errors import SinkClosed
 from taproute.routing.sink import RecordSink
 
 #: A destination actor drains queued batches without a scheduler trip for each
 #: (a hop costs more than the work); it still yields this often.
 _YIELD_EVERY = 64
+
+#: Called with (route, batch, error) for raw records a closed destination refused.
+Undeliverable = Callable[[str, RecordBatch, BaseException], Awaitable[None]]
 
 #: (route name or None for unmatched records, batch)
 DestinationMessage = tuple[str | None, Batch]
@@ -42,6 +48,7 @@ class DestinationActor:
         in_flight: InFlight,
         capacity_records: int,
         capacity_bytes: int,
+        undeliverable: Undeliverable | None = None,
     ) -> None:
         self.name = name
         self.sink = sink
@@ -49,6 +56,7 @@ class DestinationActor:
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
+        self._undeliverable = undeliverable
         self.mailbox: Mailbox[DestinationMessage] = Mailbox(
             f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
         )
@@ -80,6 +88,14 @@ class DestinationActor:
                 return
             try:
                 await self.sink.submit(batch)
+            except SinkClosed as exc:
+                # The destination is gone: a per-record failure of the route
+                # (binding_invalid, dead-lettered), not a failure of the router.
+                self.counters.errors += 1
+                if self._undeliverable is None or route is None or isinstance(batch, RowBatch):
+                    self._latch.latch(exc, route=route, destination=self.name, where="submit")
+                else:
+                    await self._undeliverable(route, batch, exc)
             except Exception as exc:
                 self.counters.errors += 1
                 self._latch.latch(exc, route=route, destination=self.name, where="submit")

@@ -217,6 +217,16 @@ class RouteActor:
         if attempt.failures:
             self.counters.recovered += len(attempt.batch)
 
+    async def undeliverable(self, batch: RecordBatch, error: BaseException) -> None:
+        """Give up records this route's destination refused because it is closed."""
+        attempt = Attempt(batch)
+        attempt.failed(FailureCode.BINDING_INVALID, error, None)
+        by_code = self.counters.failures_by_code
+        by_code[FailureCode.BINDING_INVALID.value] = by_code.get(
+            FailureCode.BINDING_INVALID.value, 0
+        ) + len(batch)
+        await self._give_up(attempt)
+
     def _note_failure(self, attempt: Attempt, outcome: _Outcome) -> None:
         assert outcome.code is not None and outcome.error is not None
         attempt.failed(outcome.code, outcome.error, outcome.traceback)

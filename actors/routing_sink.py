@@ -195,6 +195,7 @@ class RoutingSink:
                 in_flight=self._in_flight,
                 capacity_records=capacity,
                 capacity_bytes=capacity_bytes,
+                undeliverable=self._undeliverable,
             )
         for planned in self.plan.routes:
             kind = _ROUTE_KINDS[planned.route.mode]
@@ -210,6 +211,13 @@ class RoutingSink:
             )
         if self.plan.default_destination is not None:
             self._default = self._destinations[self.plan.default_destination]
+
+    async def _undeliverable(self, route: str, batch: RecordBatch, error: BaseException) -> None:
+        for actor in self._routes:
+            if actor.name == route:
+                await actor.undeliverable(batch, error)
+                return
+        self._latch.latch(error, route=route, where="destination refused records")
 
     def _check_open(self) -> None:
         self._latch.raise_if_failed()

@@ -367,3 +367,27 @@ def test_accounting_is_exact_under_random_faults(tmp_path):
     assert delivered + dead + dropped == total
     assert dead >= len({s for s in SCRIPT.bad_seqs if s % 5 != 4})
     store.close()
+
+
+async def test_a_closed_destination_dead_letters_its_records_as_binding_invalid():
+    hooks, q = hooks_with_q()
+    gone = CaptureSink()
+    await gone.close()  # the destination went away
+    failures: list[RecordFailure] = []
+    async with open_routing_sink(
+        RoutingConfig([Route("raw", Q, "gone")]),
+        SCHEMA,
+        {"gone": gone},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=failures.append,
+    ) as sink:
+        await sink.submit(vec_batch(q, 3))
+        await sink.flush()
+        assert sink.failure is None  # the router keeps going
+        counters = sink.counters()
+    (failure,) = failures
+    assert failure.code is FailureCode.BINDING_INVALID and len(failure.records) == 3
+    assert "SinkClosed" in failure.message
+    assert counters.routes["raw"].failed == 3
+    assert counters.destinations["gone"].errors == 1
