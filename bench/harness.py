@@ -57,3 +57,62 @@ def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def profile_top(run: Callable[[], object], limit: int = 8) -> list[str]:
+    """What dominates one call of ``run``: the top functions by own time (cProfile).
+
+    Threads other than the caller's are not profiled; the routing loop thread
+    shows up as time spent waiting in the caller.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+    lines = []
+    for (filename, line, name), (_, calls, own, cumulative, _) in list(stats.stats.items()):
+        lines.append(
+            (
+                own,
+                f"{own:8.3f}s own {cumulative:8.3f}s cum {calls:>8} calls  "
+                f"{Path(filename).name}:{line}({name})",
+            )
+        )
+    lines.sort(reverse=True)
+    return [text for _, text in lines[:limit]]
+
+
+def profile_threads(run: Callable[[], object], limit: int = 10) -> list[str]:
+    """What dominates one call of ``run`` across *all* threads (the routing
+    loop's included): yappi, CPU clock, top functions by own time."""
+    import yappi
+
+    yappi.clear_stats()
+    yappi.set_clock_type("cpu")
+    yappi.start(builtins=True)
+    try:
+        run()
+    finally:
+        yappi.stop()
+    stats = yappi.get_func_stats()
+    stats.sort("tsub", "desc")
+    lines = []
+    for entry in list(stats)[:limit]:
+        lines.append(
+            f"{entry.tsub:8.3f}s own {entry.ttot:8.3f}s cum {entry.ncall:>8} calls  "
+            f"{Path(entry.module).name}:{entry.lineno}({entry.name})"
+        )
+    return lines
+
+
+def targets_report(targets: dict[str, bool]) -> dict[str, str]:
+    """``{"name": "met" | "MISSED"}`` for a JSON line."""
+    return {name: "met" if ok else "MISSED" for name, ok in targets.items()}

@@ -4,12 +4,14 @@
 - :class:`RouteTable`: output_id -> route set, one-pass grouping of a batch.
 - :func:`partition_keys`: key -> owner partitioning of a stateful route.
 - :class:`BufferLease`: lease counting of shared read-only record buffers.
-- :class:`StateRegion`: the K x N state array of a stateful route.
+- :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
+  stateful route and its GIL-free batch update.
 """
 
 from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
+from taproute.native._state import scatter_add
 from taproute.native.descriptor import DESCRIPTOR_DTYPE, make_descriptors
 from taproute.native.state import StateRegion
 
@@ -23,4 +25,5 @@ __all__ = [
     "make_descriptors",
     "owner_of",
     "partition_keys",
+    "scatter_add",
 ]

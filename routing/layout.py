@@ -10,6 +10,7 @@ decides.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 
@@ -89,12 +90,12 @@ class Column:
         if not isinstance(value, str) or not value.isidentifier():
             raise LayoutError(f"column name must be an identifier, got {value!r}")
 
-    @property
+    @functools.cached_property
     def is_array(self) -> bool:
         """True for ``Array(T)`` columns."""
         return _array_element(self.type) is not None
 
-    @property
+    @functools.cached_property
     def element_dtype(self) -> np.dtype[np.generic]:
         """The numpy dtype of one value (of one array element for arrays)."""
         inner = _array_element(self.type)
@@ -102,12 +103,12 @@ class Column:
             inner if inner is not None else self.type, where=f"column {self.name!r}"
         )
 
-    @property
+    @functools.cached_property
     def is_variable(self) -> bool:
         """True when the column's byte size is not fixed (String, or Array without shape)."""
         return self.element_dtype.kind == "O" or (self.is_array and not self.shape)
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype[np.generic]:
         """The numpy dtype of the column in a row (object for variable columns)."""
         if self.is_variable:
@@ -154,27 +155,27 @@ class Layout:
             except LayoutError as exc:
                 raise LayoutError(f"layout {self.name!r}, {exc}") from None
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype[np.void]:
         """Structured dtype of one row (packed, in column order)."""
         return np.dtype([(c.name, c.dtype) for c in self.columns])
 
-    @property
+    @functools.cached_property
     def is_fixed(self) -> bool:
         """True when every column has a fixed byte size."""
         return not any(c.is_variable for c in self.columns)
 
-    @property
+    @functools.cached_property
     def fixed_columns(self) -> tuple[Column, ...]:
         """The columns before a variable tail (all of them for fixed layouts)."""
         return self.columns if self.is_fixed else self.columns[:-1]
 
-    @property
+    @functools.cached_property
     def prefix_size(self) -> int:
         """Bytes taken by the fixed columns of a payload."""
         return int(np.dtype([(c.name, c.dtype) for c in self.fixed_columns]).itemsize)
 
-    @property
+    @functools.cached_property
     def tail(self) -> Column | None:
         """The variable-length trailing ``Array(T)`` column of a payload layout, if any."""
         return None if self.is_fixed else self.columns[-1]

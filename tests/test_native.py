@@ -133,3 +133,21 @@ def test_make_descriptors_packs_payloads_back_to_back():
     assert desc["key"].tolist() == [5, 5, 5]
     assert desc["seq"].tolist() == [0, 1, 2]
     assert (desc["timestamp_ns"] > 0).all()
+
+
+def test_scatter_add_matches_numpy_add_at_and_checks_keys():
+    from taproute.native import scatter_add
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 10, 200)
+    values = rng.standard_normal((200, 3)).astype(np.float32)
+    region = np.zeros((10, 4))
+    expected = np.zeros((10, 3))
+    np.add.at(expected, keys, values)
+    scatter_add(region[:, :3], keys, values)  # a column slice of a wider region
+    np.testing.assert_allclose(region[:, :3], expected, rtol=1e-6)
+    assert (region[:, 3] == 0).all()
+    with pytest.raises(IndexError, match="key 10 of row 0 outside"):
+        scatter_add(region[:, :3], np.array([10]), values[:1])
+    with pytest.raises(ValueError, match="2 keys but 1 value rows"):
+        scatter_add(region[:, :3], np.array([1, 2]), values[:1])
