@@ -163,3 +163,14 @@ def test_run_drives_the_router_at_a_rate_and_serves_http(tmp_path, chdb_transpor
     table = f"{prefix}_raw_vec"
     rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
     assert rows == submitted
+
+
+def test_the_shipped_load_test_config_is_valid(tmp_path):
+    shipped = Path(__file__).resolve().parent.parent / "bench" / "synthetic.toml"
+    copy = tmp_path / "synthetic.toml"  # relative paths then resolve under tmp_path
+    copy.write_text(shipped.read_text())
+    config = load_config(copy)
+    sink, runtime_kwargs = config.build()
+    assert [r.name for r in config.routes] == ["raw", "head_norms"]
+    assert sink.trace("encoder.layer.3.attention.self.query").destinations == ["clickhouse"]
+    runtime_kwargs["dead_letters"].close()

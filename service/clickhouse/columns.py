@@ -52,22 +52,29 @@ def _scalar_array(values: npt.NDArray[np.generic], column: Column) -> pa.Array:
     return _arrow(values)
 
 
+def _fixed_columns(
+    rows: npt.NDArray[np.void], columns: tuple[Column, ...], out: dict[str, pa.Array]
+) -> None:
+    """Fixed-size columns of ``rows``; each Array column with its shape beside it."""
+    n = len(rows)
+    for column in columns:
+        values = rows[column.name]
+        if column.is_array:
+            out[column.name] = _fixed_list(values)
+            shape = np.broadcast_to(
+                np.asarray(column.shape, dtype=np.int64), (n, len(column.shape))
+            )
+            out[f"{column.name}_shape"] = _shape_column(n, shape)
+        else:
+            out[column.name] = _scalar_array(values, column)
+
+
 def _value_columns(records: Records) -> dict[str, pa.Array]:
     layout = records.layout
     out: dict[str, pa.Array] = {}
     n = len(records)
     if layout.is_fixed:
-        rows = records.rows()
-        for column in layout.columns:
-            values = rows[column.name]
-            if column.is_array:
-                out[column.name] = _fixed_list(values)
-                shape = np.broadcast_to(
-                    np.asarray(column.shape, dtype=np.int64), (n, len(column.shape))
-                )
-                out[f"{column.name}_shape"] = _shape_column(n, shape)
-            else:
-                out[column.name] = _scalar_array(values, column)
+        _fixed_columns(records.rows(), layout.columns, out)
         return out
     # Fixed prefix columns, then one variable-length tail.
     tail = layout.tail
@@ -76,19 +83,9 @@ def _value_columns(records: Records) -> dict[str, pa.Array]:
     prefix_columns = layout.fixed_columns
     if prefix_columns:
         prefix_dtype = np.dtype([(c.name, c.dtype) for c in prefix_columns])
-        payload = records.batch.payload
         index = desc["offset"][:, None] + np.arange(prefix_dtype.itemsize)
-        prefix = payload[index].reshape(-1).view(prefix_dtype)
-        for column in prefix_columns:
-            values = prefix[column.name]
-            if column.is_array:
-                out[column.name] = _fixed_list(values)
-                shape = np.broadcast_to(
-                    np.asarray(column.shape, dtype=np.int64), (n, len(column.shape))
-                )
-                out[f"{column.name}_shape"] = _shape_column(n, shape)
-            else:
-                out[column.name] = _scalar_array(values, column)
+        prefix = records.batch.payload[index].reshape(-1).view(prefix_dtype)
+        _fixed_columns(prefix, prefix_columns, out)
     element = tail.element_dtype
     counts = (desc["length"] - layout.prefix_size) // element.itemsize
     out[tail.name] = _list_array(_gather_tails(records.batch, layout.prefix_size, element), counts)
