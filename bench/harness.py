@@ -19,6 +19,22 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+class NullSink:
+    """A destination that counts records and does nothing else (async, like every sink)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    async def submit(self, batch: Any) -> None:
+        self.records += len(batch)
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
 def measure(run: Callable[[], float], *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
     """Call ``run`` (which returns a rate, e.g. records/s) and summarise.
 

@@ -21,32 +21,16 @@ import argparse
 import tracemalloc
 
 import numpy as np
-from harness import measure, report, timed_rate
+from harness import NullSink, measure, report, timed_rate
 
 from taproute.actors import RoutingSink
 from taproute.native import make_descriptors
-from taproute.routing import Batch, Layout, RecordSchema, Route, RoutingConfig
+from taproute.routing import Layout, RecordSchema, Route, RoutingConfig
 from taproute.service import create_record_runtime
 
 RECORD = 1024
 PER_BATCH = 1024
 SCHEMA = RecordSchema([Layout("kib", [("bytes", "Array(UInt8)", (RECORD,))])])
-
-
-class NullSink:
-    """Counts records and does nothing else."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    async def submit(self, batch: Batch) -> None:
-        self.records += len(batch)
-
-    async def flush(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 class PlainNullSink:

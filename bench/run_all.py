@@ -126,23 +126,36 @@ def charts() -> None:
         )
     ax.axhline(2.0, color="#c53030", linestyle="--", label="p99 target")
     ax.set_xticks(range(3), ["p50", "p99", "p99.9"])
-    ax.set_ylabel("ms, submit -> destination")
-    ax.set_title("Latency at 50% of capacity (HDR histogram)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "latency.png", dpi=110)
-    plt.close(fig)
+    _save(
+        fig,
+        ax,
+        "Latency at 50% of capacity (HDR histogram)",
+        "ms, submit -> destination",
+        RESULTS / "latency.png",
+    )
     sc = load("scaling")
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for mode, curve in sc["records_per_s"].items():
         ax.plot([int(n) for n in curve], list(curve.values()), marker="o", label=mode)
     ax.set_xticks([1, 2, 4])
     ax.set_xlabel(f"workers / owners ({sc['cpu_count']} cores)")
-    ax.set_ylabel("records/s")
-    ax.set_title("Scaling with a GIL-releasing numpy processor")
+    _save(
+        fig,
+        ax,
+        "Scaling with a GIL-releasing numpy processor",
+        "records/s",
+        RESULTS / "scaling.png",
+    )
+
+
+def _save(fig: Any, ax: Any, title: str, ylabel: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "scaling.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

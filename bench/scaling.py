@@ -13,7 +13,7 @@ import os
 import time
 
 import numpy as np
-from harness import measure, report, targets_report
+from harness import NullSink, measure, report, targets_report
 
 from taproute.actors import RoutingSink
 from taproute.native import StateRegion, make_descriptors, scatter_add
@@ -72,7 +72,7 @@ def rate(mode: str, workers: int, batches: int) -> float:
     router = RoutingSink(
         RoutingConfig([Route("r", "*", "d", mode=mode, processor=processor, workers=workers)]),
         SCHEMA,
-        {"d": _Null()},
+        {"d": NullSink()},
         unmatched="drop",
     )
     payload = np.random.default_rng(0).standard_normal(PER_BATCH * FLOATS, dtype=np.float32)
@@ -89,17 +89,6 @@ def rate(mode: str, workers: int, batches: int) -> float:
         processed = runtime.counters().routes["r"].processed
     assert processed == batches * PER_BATCH
     return processed / elapsed
-
-
-class _Null:
-    async def submit(self, batch: object) -> None:
-        pass
-
-    async def flush(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 def main() -> None:
