@@ -90,6 +90,18 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
         assert [d["seq"] for d in request(f"{url}/dead-letters")[1]] == [2]
 
         assert request(f"{url}/trace", "POST")[0] == 400  # no body: refused, not crashed
+        traced = urllib.request.Request(
+            f"{url}/trace",
+            method="POST",
+            data=json.dumps({"hook": "mlp.0", "key": 3}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(traced, timeout=10) as response:
+            verdicts = json.loads(response.read())
+        assert verdicts["verdicts"] == [
+            {"route": "r", "verdict": "match", "destination": "out", "reason": None}
+        ]
+        assert verdicts["destinations"] == ["out"] and verdicts["dropped"] is False
     assert out.rows("r")["seq"].tolist() == [1]
     store.close()
 
