@@ -73,7 +73,20 @@ def _routes(snap: RouterSnapshot) -> Iterator[Metric]:
             "taproute_route_emitted_records", "Records or rows a route sent on.", labels=labels
         ),
         "failed": CounterMetricFamily(
-            "taproute_route_failed_records", "Input records a route failed.", labels=labels
+            "taproute_route_failed_records",
+            "Input records a route gave up on (dead-lettered).",
+            labels=labels,
+        ),
+        "retries": CounterMetricFamily(
+            "taproute_route_retries", "Retries of parked records.", labels=labels
+        ),
+        "recovered": CounterMetricFamily(
+            "taproute_route_recovered_records", "Records processed after failing.", labels=labels
+        ),
+        "declined": CounterMetricFamily(
+            "taproute_route_declined_records",
+            "Records the route's predicate declined.",
+            labels=labels,
         ),
     }
     gauges = {
@@ -83,7 +96,17 @@ def _routes(snap: RouterSnapshot) -> Iterator[Metric]:
         "backlog": GaugeMetricFamily(
             "taproute_route_backlog_records", "Records accepted and not done.", labels=labels
         ),
+        "parked": GaugeMetricFamily(
+            "taproute_route_parked_records",
+            "Records waiting for a retry or behind a failing key.",
+            labels=labels,
+        ),
     }
+    failures = CounterMetricFamily(
+        "taproute_route_failures",
+        "Failed processing attempts, in records, by failure code.",
+        labels=[*labels, "code"],
+    )
     slots = GaugeMetricFamily(
         "taproute_route_valid_slots", "State slots holding state (stateful routes).", labels=labels
     )
@@ -95,9 +118,12 @@ def _routes(snap: RouterSnapshot) -> Iterator[Metric]:
             gauge.add_metric(values, getattr(route, field))
         if route.valid_slots is not None:
             slots.add_metric(values, route.valid_slots)
+        for code, count in sorted(route.failures_by_code.items()):
+            failures.add_metric([*values, code], count)
     yield from counters.values()
     yield from gauges.values()
     yield slots
+    yield failures
 
 
 def _destinations(snap: RouterSnapshot) -> Iterator[Metric]:

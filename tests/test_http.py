@@ -76,6 +76,47 @@ def test_metrics_status_and_health_over_http():
     assert status is not None
 
 
+def test_failures_are_exported_by_code():
+    from taproute.routing import FailurePolicy
+
+    sink = RoutingSink(
+        RoutingConfig(
+            [
+                Route(
+                    "boom",
+                    "*",
+                    "cap",
+                    mode="stateless",
+                    processor="test.raises",
+                    failure_policy=FailurePolicy(max_failures=1, failure_window=0),
+                )
+            ]
+        ),
+        SCHEMA,
+        {"cap": NullSink()},
+        unmatched="drop",
+    )
+    with create_record_runtime(record_sink=sink, http=HttpConfig(port=0)) as runtime:
+        (url,) = runtime.http_urls
+        q = runtime.bind_hook("x", layout="vec")
+        runtime.submit(q, np.zeros(4, np.float32))
+        runtime.flush()
+        _, body = get(f"{url}/metrics")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+    labels = (
+        ("code", "handler_panic"),
+        ("destination", "cap"),
+        ("mode", "stateless"),
+        ("route", "boom"),
+    )
+    assert samples[("taproute_route_failures_total", labels)] == 1
+    assert samples[("taproute_route_failed_records_total", labels[1:])] == 1
+
+
 def test_healthz_reports_a_latched_failure():
     sink = RoutingSink(
         RoutingConfig([Route("raw", "*", "bad")]),
