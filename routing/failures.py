@@ -80,8 +80,10 @@ class FailurePolicy:
     given up only once it has failed ``max_failures`` times *and*
     ``failure_window`` seconds have passed since its first failure.  A
     non-retryable failure is given up at once.  Processors run under
-    ``deadline`` seconds (0: no deadline); at most ``max_parked_records`` wait for a retry (or
-    behind a failing key) per route before the route applies backpressure.
+    ``deadline`` seconds (0: no deadline).  Once ``max_parked_records`` wait for
+    a retry (or behind a failing key) on a route, the route takes no new
+    records until room frees up (backpressure); records already in its
+    mailboxes still join, so the bound is that plus the route's ``capacity``.
     """
 
     deadline: float = attrs.field(default=5.0, validator=_non_negative)

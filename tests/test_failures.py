@@ -391,3 +391,43 @@ async def test_a_closed_destination_dead_letters_its_records_as_binding_invalid(
     assert "SinkClosed" in failure.message
     assert counters.routes["raw"].failed == 3
     assert counters.destinations["gone"].errors == 1
+
+
+async def test_parked_records_are_bounded_and_apply_backpressure(mock_clock):
+    hooks, q = hooks_with_q()
+    SCRIPT.failures_left[3] = 1
+    policy = FailurePolicy(deadline=0, max_parked_records=2, initial_backoff=2)
+    route = Route(
+        "keyed",
+        Q,
+        "out",
+        mode="stateful",
+        processor="fail.keyed_log",
+        failure_policy=policy,
+        capacity=1,
+    )
+    submitted = 0
+    async with open_routing_sink(
+        RoutingConfig([route]), SCHEMA, {"out": NullSink()}, unmatched="drop", hooks=hooks
+    ) as sink:
+
+        async def producer() -> None:
+            nonlocal submitted
+            for seq in range(4):  # all key 3: the first fails, the rest wait behind it
+                await sink.submit(vec_batch(q, 1, keys=[3], seq_start=seq))
+                submitted += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer)
+            while sink.counters().routes["keyed"].parked < 3:
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.lowlevel.checkpoint()
+            await trio.testing.wait_all_tasks_blocked()
+            # At the bound the route takes no more: 2 parked + the 1 its mailbox
+            # already held; the producer waits for room instead of adding more.
+            assert sink.counters().routes["keyed"].parked == 3
+            assert submitted == 3
+            mock_clock.jump(2)  # the retry succeeds; the held records drain; room again
+        await sink.flush()
+    assert submitted == 4
+    assert SCRIPT.log == [(3, 0), (3, 1), (3, 2), (3, 3)]
