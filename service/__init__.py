@@ -12,6 +12,9 @@ from taproute.actors import RouterSnapshot, RoutingSink, open_routing_sink
 from taproute.native import DESCRIPTOR_DTYPE, make_descriptors
 from taproute.routing import (
     Column,
+    Failed,
+    FailurePolicy,
+    InvalidInput,
     Layout,
     RecordBatch,
     Records,
@@ -26,12 +29,21 @@ from taproute.routing import (
     stateless_processor,
 )
 from taproute.service.capture import CaptureSink
+from taproute.service.clickhouse import ClickHouseSink
+from taproute.service.dead_letters import DeadLetterStore
+from taproute.service.http import HttpConfig
 from taproute.service.runtime import RecordRuntime, create_record_runtime
 
 __all__ = [
     "DESCRIPTOR_DTYPE",
     "CaptureSink",
+    "ClickHouseSink",
     "Column",
+    "DeadLetterStore",
+    "Failed",
+    "FailurePolicy",
+    "HttpConfig",
+    "InvalidInput",
     "Layout",
     "RecordBatch",
     "RecordRuntime",
