@@ -219,19 +219,23 @@ class RouteActor:
 
     async def undeliverable(self, batch: RecordBatch, error: BaseException) -> None:
         """Give up records this route's destination refused because it is closed."""
-        attempt = Attempt(batch)
-        attempt.failed(FailureCode.BINDING_INVALID, error, None)
-        by_code = self.counters.failures_by_code
-        by_code[FailureCode.BINDING_INVALID.value] = by_code.get(
-            FailureCode.BINDING_INVALID.value, 0
-        ) + len(batch)
+        await self._reject(Attempt(batch), FailureCode.BINDING_INVALID, error)
+
+    async def _reject(self, attempt: Attempt, code: FailureCode, error: BaseException) -> None:
+        """Fail ``attempt`` for a reason no retry can cure, and give it up at once."""
+        attempt.failed(code, error, None)
+        self._count_failure(attempt)
         await self._give_up(attempt)
 
     def _note_failure(self, attempt: Attempt, outcome: _Outcome) -> None:
         assert outcome.code is not None and outcome.error is not None
         attempt.failed(outcome.code, outcome.error, outcome.traceback)
+        self._count_failure(attempt)
+
+    def _count_failure(self, attempt: Attempt) -> None:
+        assert attempt.code is not None
         by_code = self.counters.failures_by_code
-        by_code[outcome.code.value] = by_code.get(outcome.code.value, 0) + len(attempt.batch)
+        by_code[attempt.code.value] = by_code.get(attempt.code.value, 0) + len(attempt.batch)
 
     async def _give_up(self, attempt: Attempt) -> None:
         """Hand ``attempt`` to the failure handler; a handler error is latched."""
@@ -391,15 +395,12 @@ class StatelessRoute(RouteActor):
 
     async def _retry(self, item: Any) -> None:
         attempt: Attempt = item
-        hold, attempt.hold = attempt.hold, None
         try:
             await self._enqueue(self.mailbox, attempt, attempt.batch)
         finally:
-            if hold is not None:
-                hold.release()
-                self.counters.parked -= len(attempt.batch)
-                if self._room:
-                    self._room.unpark_all()
+            # The mailbox message now holds the buffer; no worker can see the
+            # attempt before this runs (no checkpoint after the send).
+            self._unhold(attempt)
 
     async def _shutdown_parked(self) -> None:
         while self._parked:
@@ -447,35 +448,24 @@ class StatefulRoute(RouteActor):
         try:
             keys = self._keys(batch)
         except Exception as exc:
-            attempt = Attempt(batch)
-            attempt.failed(FailureCode.POLICY_INVALID, exc, None)
-            self._count_failure(attempt)
-            await self._give_up(attempt)
+            await self._reject(Attempt(batch), FailureCode.POLICY_INVALID, exc)
             return
         per_owner, bad = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
         if bad is not None:
             first = int(bad[0])
-            attempt = Attempt(batch.select(bad), keys[bad])
-            attempt.failed(
+            await self._reject(
+                Attempt(batch.select(bad), keys[bad]),
                 FailureCode.POLICY_INVALID,
                 KeyOutOfRange(
                     f"route {self.name!r}: key {int(keys[first])} of record {first} is outside "
                     f"[0, {self.key_range}); {len(bad)} record(s) not processed"
                 ),
-                None,
             )
-            self._count_failure(attempt)
-            await self._give_up(attempt)
         for owner, selection in enumerate(per_owner):
             if selection is None:
                 continue
             part = batch if len(selection) == len(batch) else batch.select(selection)
             await self._enqueue(self.owner_mailboxes[owner], (part, keys[selection]), part)
-
-    def _count_failure(self, attempt: Attempt) -> None:
-        assert attempt.code is not None
-        by_code = self.counters.failures_by_code
-        by_code[attempt.code.value] = by_code.get(attempt.code.value, 0) + len(attempt.batch)
 
     def _keys(self, batch: RecordBatch) -> Keys:
         assert self.key_function is not None
