@@ -2,20 +2,30 @@
 and compiles the Cython hot path in ``native/``.
 
 Nothing is importable as a bare ``routing`` or ``service``: every folder is
-installed under ``taproute.``.
+installed under ``taproute.``.  Subpackages are found by walking the folders
+(every directory with an ``__init__.py``), so a new one needs no edit here.
 """
+
+from pathlib import Path
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-PACKAGES = {
-    "taproute.routing": "routing",
-    "taproute.native": "native",
-    "taproute.actors": "actors",
-    "taproute.service": "service",
-    "taproute.service.clickhouse": "service/clickhouse",
-}
+TOP_LEVEL = ("routing", "native", "actors", "service")
+
+
+def _packages() -> dict[str, str]:
+    """``taproute.<dotted path>`` -> folder, for every package under the four folders."""
+    found = {}
+    for top in TOP_LEVEL:
+        for init in sorted(Path(top).rglob("__init__.py")):
+            folder = init.parent.as_posix()
+            found["taproute." + folder.replace("/", ".")] = folder
+    return found
+
+
+PACKAGES = _packages()
 
 extensions = [
     Extension(
@@ -31,13 +41,7 @@ extensions = [
 setup(
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    package_data={
-        "taproute.native": ["*.pyi", "*.pxi", "py.typed"],
-        "taproute.routing": ["py.typed"],
-        "taproute.actors": ["py.typed"],
-        "taproute.service": ["py.typed"],
-        "taproute.service.clickhouse": ["py.typed"],
-    },
+    package_data={name: ["py.typed", "*.pyi", "*.pxi"] for name in PACKAGES},
     ext_modules=cythonize(
         extensions,
         language_level=3,

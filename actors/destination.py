@@ -13,9 +13,9 @@ import attrs
 import trio
 
 from taproute.actors.counters import DestinationCounters
+from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
-from taproute.actors.pending import InFlight
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.errors import SinkClosed
 from taproute.routing.sink import RecordSink

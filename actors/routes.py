@@ -34,9 +34,9 @@ import trio
 
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
+from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
-from taproute.actors.pending import InFlight
 from taproute.native import StateRegion, partition_keys
 from taproute.routing.batch import RecordBatch, Retained, RowBatch
 from taproute.routing.errors import KeyOutOfRange, OutputLayoutMismatch

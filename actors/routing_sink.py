@@ -24,8 +24,8 @@ import trio
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor
+from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
-from taproute.actors.pending import InFlight
 from taproute.actors.routes import ForwardRoute, RouteActor, StatefulRoute, StatelessRoute
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable

@@ -30,9 +30,9 @@ from taproute.routing import (
     RoutingConfig,
 )
 from taproute.service import create_record_runtime
-from taproute.service.clickhouse import Batching, ChdbTransport, ClickHouseSink
-from taproute.service.clickhouse.columns import raw_table
-from taproute.service.clickhouse.tables import raw_table_spec
+from taproute.service.sinks.clickhouse import Batching, ChdbTransport, ClickHouseSink
+from taproute.service.sinks.clickhouse.columns import raw_table
+from taproute.service.sinks.clickhouse.tables import raw_table_spec
 
 FLOATS = 256  # 1 KiB payload per record
 PER_BATCH = 1024

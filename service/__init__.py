@@ -1,4 +1,10 @@
-"""How taproute is hosted and reached: the runtime and the destinations.
+"""taproute's public face: everything an embedding program imports.
+
+The service itself is shelved by role (see the README's layout table):
+``host/`` (the runtime thread, ingress, config files, HTTP, the command),
+``sinks/`` (capture and ClickHouse destinations), ``ops/`` (dead letters and
+operator controls), ``capture/`` (PyTorch hooks; needs torch, so it is imported
+as :mod:`taproute.service.capture`, not from here) and ``demo/``.
 
 The one import an embedding program needs::
 
@@ -28,14 +34,21 @@ from taproute.routing import (
     stateful_processor,
     stateless_processor,
 )
-from taproute.service.capture import CaptureSink
-from taproute.service.clickhouse import ClickHouseSink
-from taproute.service.dead_letters import DeadLetterStore
-from taproute.service.http import HttpConfig
-from taproute.service.runtime import RecordRuntime, create_record_runtime
+from taproute.service.host.http import HttpConfig
+from taproute.service.host.runtime import RecordRuntime, create_record_runtime
+from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.sinks.capture import CaptureSink
+from taproute.service.sinks.clickhouse import (
+    Batching,
+    ClickHouseSink,
+    MissingTable,
+    Retry,
+    SchemaMismatch,
+)
 
 __all__ = [
     "DESCRIPTOR_DTYPE",
+    "Batching",
     "CaptureSink",
     "ClickHouseSink",
     "Column",
@@ -45,10 +58,12 @@ __all__ = [
     "HttpConfig",
     "InvalidInput",
     "Layout",
+    "MissingTable",
     "RecordBatch",
     "RecordRuntime",
     "RecordSchema",
     "RecordSink",
+    "Retry",
     "Records",
     "Route",
     "RouteMode",
@@ -56,6 +71,7 @@ __all__ = [
     "RoutingConfig",
     "RoutingSink",
     "RowBatch",
+    "SchemaMismatch",
     "SlotSpec",
     "create_record_runtime",
     "make_descriptors",

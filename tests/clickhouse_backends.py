@@ -16,7 +16,7 @@ import attrs
 import pyarrow as pa
 
 from taproute.routing import RecordSchema
-from taproute.service.clickhouse import ClickHouseSink, Transport
+from taproute.service.sinks.clickhouse import ClickHouseSink, Transport
 
 SERVER_URL = os.environ.get("TAPROUTE_CLICKHOUSE_URL")
 BACKENDS = ["chdb", *(["server"] if SERVER_URL else [])]

@@ -51,7 +51,7 @@ def vec_batch(
 
 @pytest.fixture(scope="session")
 def chdb_transport(tmp_path_factory):
-    from taproute.service.clickhouse import ChdbTransport
+    from taproute.service.sinks.clickhouse import ChdbTransport
 
     transport = ChdbTransport(tmp_path_factory.mktemp("chdb"))
     yield transport
@@ -60,7 +60,7 @@ def chdb_transport(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server_transport():
-    from taproute.service.clickhouse import ServerTransport
+    from taproute.service.sinks.clickhouse import ServerTransport
     from tests.clickhouse_backends import SERVER_URL
 
     transport = ServerTransport(SERVER_URL)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from taproute.service import demo, minilm
-from taproute.service.cli import main
+from taproute.service.demo import minilm, processors, run
+from taproute.service.host.cli import main
 
 SENTENCES = 24
 
@@ -18,7 +18,7 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
     text = out.splitlines()
     header = next(i for i, line in enumerate(text) if line.startswith("route"))
     routes = {line.split()[0]: line.split() for line in text[header + 1 : header + 4]}
-    hooks_per_sentence = demo.LAYERS * 3  # query, key and hidden state of each layer
+    hooks_per_sentence = processors.LAYERS * 3  # query, key and hidden state of each layer
     assert routes["raw"][1:] == ["forward", *[str(SENTENCES * hooks_per_sentence)] * 2, "0"]
     assert routes["head_norms"][1:] == ["stateless", *[str(SENTENCES * 12)] * 2, "0"]
     assert routes["unit_stats"][1:3] == ["stateful", str(SENTENCES * 6)]
@@ -34,7 +34,7 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
 
     # The raw capture is exactly what the module computed, padding cut off.
     model, tokenizer = minilm.load()
-    ids, mask = minilm.encode(tokenizer, demo.sentences(SENTENCES)[:16])
+    ids, mask = minilm.encode(tokenizer, run.sentences(SENTENCES)[:16])
     captured: dict[str, torch.Tensor] = {}
     handle = model.encoder.layer[2].attention.self.query.register_forward_hook(
         lambda _m, _i, out: captured.setdefault("q", out.detach().clone())
@@ -60,6 +60,6 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
     total_tokens = sum(
         int(m.sum())
         for start in range(0, SENTENCES, 16)
-        for m in [minilm.encode(tokenizer, demo.sentences(SENTENCES)[start : start + 16])[1]]
+        for m in [minilm.encode(tokenizer, run.sentences(SENTENCES)[start : start + 16])[1]]
     )
     assert stats["count"] == total_tokens

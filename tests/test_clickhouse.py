@@ -23,8 +23,7 @@ from taproute.routing import (
     RoutingFailure,
     stateless_processor,
 )
-from taproute.service import create_record_runtime
-from taproute.service.clickhouse import Batching, MissingTable, Retry, SchemaMismatch
+from taproute.service import Batching, MissingTable, Retry, SchemaMismatch, create_record_runtime
 
 VEC = Layout("vec", [("values", "Array(Float32)", (4,))])
 TOKENS = Layout("tokens", [("position", "UInt32"), ("hidden", "Array(Float32)")])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from taproute.service.cli import main
-from taproute.service.config import ConfigFileError, load_config
-from taproute.service.load import run_load
+from taproute.service.host.cli import main
+from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.host.loadgen import run_load
 
 BASE = """
 processors = ["tests.processors"]

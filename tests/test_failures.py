@@ -20,8 +20,7 @@ from taproute.routing import (
     Route,
     RoutingConfig,
 )
-from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.dead_letters import DeadLetterStore
+from taproute.service import CaptureSink, DeadLetterStore, create_record_runtime
 from tests.conftest import vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA

@@ -12,8 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from taproute.actors import RoutingSink
 from taproute.routing import Route, RoutingConfig, RoutingFailure
-from taproute.service import create_record_runtime
-from taproute.service.http import HttpConfig
+from taproute.service import HttpConfig, create_record_runtime
 from tests.processors import SCHEMA
 from tests.sinks import FailingSink, NullSink
 

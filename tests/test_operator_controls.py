@@ -18,10 +18,8 @@ from taproute.routing import (
     Route,
     RoutingConfig,
 )
-from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.cli import main
-from taproute.service.dead_letters import DeadLetterStore
-from taproute.service.http import HttpConfig
+from taproute.service import CaptureSink, DeadLetterStore, HttpConfig, create_record_runtime
+from taproute.service.host.cli import main
 from tests.conftest import vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA

@@ -10,7 +10,7 @@ from torch import nn
 from taproute.actors import RoutingSink
 from taproute.routing import ConfigError, Layout, RecordSchema, Route, RoutingConfig
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.torch_hooks import HostBufferPool, bind_modules, capture_context
+from taproute.service.capture import HostBufferPool, bind_modules, capture_context
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])

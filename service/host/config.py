@@ -57,9 +57,9 @@ from taproute.routing.layout import Column, Layout
 from taproute.routing.routes import Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
-from taproute.service.clickhouse import Batching, ClickHouseSink, Retry
-from taproute.service.dead_letters import DeadLetterStore
-from taproute.service.http import HttpConfig
+from taproute.service.host.http import HttpConfig
+from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
 
 
 class ConfigFileError(ConfigError):

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from taproute.routing.errors import TaprouteError
-from taproute.service.config import ConfigFileError, ServiceConfig, load_config
-from taproute.service.dead_letters import DeadLetterStore
-from taproute.service.http import HttpConfig
+from taproute.service.host.config import ConfigFileError, ServiceConfig, load_config
+from taproute.service.host.http import HttpConfig
+from taproute.service.ops.dead_letters import DeadLetterStore
 
 #: Dead letters older than this are reported by ``taproute check``.
 STALE_DEAD_LETTER_SECONDS = 600.0
@@ -21,7 +21,7 @@ STALE_DEAD_LETTER_SECONDS = 600.0
 
 def demo(sentences: int, data: Path, serve: bool, port: int) -> int:
     """Run all-MiniLM-L6-v2 with its captures routed into chDB (see taproute.service.demo)."""
-    from taproute.service import demo as minilm_demo
+    from taproute.service.demo import run as minilm_demo
 
     http = HttpConfig(port=port) if serve else None
     minilm_demo.run(data=data, count=sentences, http=http, serve_forever=serve)
@@ -53,7 +53,7 @@ def check(path: Path) -> int:
 
 def run(path: Path, rate: float, duration: float) -> int:
     """Drive the configured router from a synthetic producer while serving HTTP."""
-    from taproute.service.load import run_load
+    from taproute.service.host.loadgen import run_load
 
     counters = run_load(load_config(path), rate=rate, duration=duration)
     for route in counters.routes.values():
@@ -125,7 +125,7 @@ def dead_letters(args: argparse.Namespace) -> int:
 
 def _reroute_offline(config: ServiceConfig, letter_id: int) -> int:
     """Reroute through a router built from the config (the service must not be running)."""
-    from taproute.service.runtime import create_record_runtime
+    from taproute.service.host.runtime import create_record_runtime
 
     sink, runtime_kwargs = config.build()
     runtime_kwargs["http"] = None

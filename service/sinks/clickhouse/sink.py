@@ -27,15 +27,15 @@ from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
-from taproute.service.clickhouse.columns import raw_table, rows_table
-from taproute.service.clickhouse.tables import (
+from taproute.service.sinks.clickhouse.columns import raw_table, rows_table
+from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     TableSpec,
     check_table,
     raw_table_spec,
     rows_table_spec,
 )
-from taproute.service.clickhouse.transport import ChdbTransport, ServerTransport, Transport
+from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:

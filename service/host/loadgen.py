@@ -13,9 +13,9 @@ import numpy.typing as npt
 from taproute.actors import RouterSnapshot
 from taproute.native import make_descriptors
 from taproute.routing.layout import Layout
-from taproute.service.config import ProducerHook, ServiceConfig
-from taproute.service.http import HttpConfig
-from taproute.service.runtime import create_record_runtime
+from taproute.service.host.config import ProducerHook, ServiceConfig
+from taproute.service.host.http import HttpConfig
+from taproute.service.host.runtime import create_record_runtime
 
 
 def synthetic_payload(

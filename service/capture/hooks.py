@@ -31,7 +31,7 @@ from taproute.routing.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from taproute.service.runtime import RecordRuntime
+    from taproute.service.host.runtime import RecordRuntime
 
 
 @attrs.frozen

@@ -41,9 +41,9 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch
-from taproute.service.dead_letters import DeadLetter, DeadLetterStore
-from taproute.service.http import Controls, HttpConfig, build_app, serve_http
-from taproute.service.ingress import Control, Ingress, WhenFull
+from taproute.service.host.http import Controls, HttpConfig, build_app, serve_http
+from taproute.service.host.ingress import Control, Ingress, WhenFull
+from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
 
 
 class RecordRuntime:

@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.routing.errors import IngressFull
-from taproute.service.dead_letters import DeadLetter, DeadLetterNotFound, DeadLetterStore
-from taproute.service.metrics import SnapshotCollector
+from taproute.service.host.metrics import SnapshotCollector
+from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound, DeadLetterStore
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ import pyarrow as pa
 from taproute.routing.batch import RecordBatch
 from taproute.routing.layout import Column, Layout
 from taproute.routing.records import Records
-from taproute.service.clickhouse.tables import TableSpec
+from taproute.service.sinks.clickhouse.tables import TableSpec
 
 
 def _arrow(values: npt.NDArray[np.generic]) -> pa.Array:

@@ -1,14 +1,14 @@
 """ClickHouse destinations: chDB embedded, or a server through clickhouse-connect."""
 
-from taproute.service.clickhouse.sink import Batching, ClickHouseSink, Retry, TableCounters
-from taproute.service.clickhouse.tables import (
+from taproute.service.sinks.clickhouse.sink import Batching, ClickHouseSink, Retry, TableCounters
+from taproute.service.sinks.clickhouse.tables import (
     DESCRIPTOR_COLUMNS,
     MissingTable,
     SchemaMismatch,
     TableColumn,
     TableSpec,
 )
-from taproute.service.clickhouse.transport import ChdbTransport, ServerTransport, Transport
+from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
 
 __all__ = [
     "DESCRIPTOR_COLUMNS",

@@ -1,0 +1,1 @@
+"""Operators' tools: the SQLite dead-letter store and the controls over it."""

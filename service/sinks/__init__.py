@@ -1,0 +1,1 @@
+"""Destinations: the capture sink, ClickHouse (chDB embedded or a server)."""
