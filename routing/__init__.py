@@ -51,7 +51,7 @@ from taproute.routing.processors import (
 )
 from taproute.routing.records import Records
 from taproute.routing.routes import Route, RouteMode, RoutingConfig
-from taproute.routing.schema import RecordSchema
+from taproute.routing.schema import RecordSchema, SizeRule
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch, check_rows
 
@@ -95,6 +95,7 @@ __all__ = [
     "RoutingFailure",
     "RowBatch",
     "SinkClosed",
+    "SizeRule",
     "SlotSpec",
     "TaprouteError",
     "UnboundOutputId",

@@ -13,7 +13,12 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from taproute.routing.errors import ConfigError, LayoutError, UnknownLayout
+from taproute.routing.errors import (
+    ConfigError,
+    LayoutError,
+    PayloadSizeMismatch,
+    UnknownLayout,
+)
 from taproute.routing.layout import Layout
 
 IntArray = npt.NDArray[np.int64]
@@ -36,6 +41,51 @@ def _payload_rules(layouts: tuple[Layout, ...]) -> tuple[IntArray, IntArray, Int
             prefix[i] = layout.prefix_size
             element[i] = tail.element_dtype.itemsize
     return fixed, prefix, element
+
+
+@attrs.frozen
+class SizeRule:
+    """What size one record's payload of a layout may have.
+
+    ``fixed`` bytes exactly, or (``fixed`` 0) ``prefix`` bytes followed by
+    whole ``element``-byte tail elements.  A plain tuple view, :attr:`parts`,
+    is what the runtime caches per hook for its single-record fast path.
+    """
+
+    layout_id: int
+    layout: str
+    fixed: int
+    prefix: int = 0
+    element: int = 0
+
+    @property
+    def parts(self) -> tuple[int, int, int, int]:
+        """(layout_id, fixed, prefix, element): the rule as plain ints."""
+        return (self.layout_id, self.fixed, self.prefix, self.element)
+
+    def fits(self, size: int) -> bool:
+        """True when a payload of ``size`` bytes is one record of this layout."""
+        return fits(self.fixed, self.prefix, self.element, size)
+
+    def check(self, size: int, *, hook: str) -> None:
+        """Raise :class:`PayloadSizeMismatch` unless ``size`` fits (``hook`` names the source)."""
+        if not self.fits(size):
+            raise self.mismatch(size, hook=hook)
+
+    def mismatch(self, size: int, *, hook: str) -> PayloadSizeMismatch:
+        """The error for a payload of ``size`` bytes that does not fit."""
+        return PayloadSizeMismatch(
+            f"hook {hook!r}: payload of {size} bytes does not fit layout {self.layout!r}"
+        )
+
+
+def fits(fixed: int, prefix: int, element: int, size: int) -> bool:
+    """The single-record size rule on plain ints (see :class:`SizeRule`)."""
+    if fixed:
+        return size == fixed
+    if element:
+        return size >= prefix and (size - prefix) % element == 0
+    return True
 
 
 def _to_layouts(value: Iterable[Layout] | Mapping[str, Layout]) -> tuple[Layout, ...]:
@@ -86,6 +136,14 @@ class RecordSchema:
                 f"unknown layout_id {layout_id}; the schema has ids 0..{len(self.layouts) - 1}"
             )
         return self.layouts[layout_id]
+
+    def size_rule(self, layout_id: int) -> SizeRule:
+        """The size one record of layout ``layout_id`` must have."""
+        layout = self.by_id(layout_id)
+        tail = layout.tail
+        if tail is None:
+            return SizeRule(layout_id, layout.name, layout.dtype.itemsize)
+        return SizeRule(layout_id, layout.name, 0, layout.prefix_size, tail.element_dtype.itemsize)
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name

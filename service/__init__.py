@@ -35,7 +35,8 @@ from taproute.routing import (
     stateless_processor,
 )
 from taproute.service.host.http import HttpConfig
-from taproute.service.host.runtime import RecordRuntime, create_record_runtime
+from taproute.service.host.runtime import RecordRuntime
+from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.sinks.capture import CaptureSink
 from taproute.service.sinks.clickhouse import (
@@ -62,6 +63,7 @@ __all__ = [
     "RecordBatch",
     "RecordRuntime",
     "RecordSchema",
+    "RecordService",
     "RecordSink",
     "Retry",
     "Records",

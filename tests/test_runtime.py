@@ -20,7 +20,7 @@ from taproute.routing import (
     SinkClosed,
     UnboundOutputId,
 )
-from taproute.service import CaptureSink, create_record_runtime
+from taproute.service import CaptureSink, RecordRuntime, create_record_runtime
 from tests.processors import SCHEMA
 from tests.sinks import FailingSink, NullSink
 
@@ -285,3 +285,56 @@ def test_asyncio_submit_waits_off_the_event_loop_when_ingress_is_full():
     runtime.close(timeout=10)
     # Concurrent submitters are ordered by who got room first, like threads.
     assert sorted(slow.descriptors()["seq"].tolist()) == list(range(128))
+
+
+def test_the_schema_owns_the_single_record_size_rule():
+    vec = SCHEMA.size_rule(SCHEMA.layout_id("vec"))
+    assert (vec.fixed, vec.prefix, vec.element) == (16, 0, 0)
+    assert vec.fits(16) and not vec.fits(15)
+    tokens = SCHEMA.size_rule(SCHEMA.layout_id("tokens"))
+    assert (tokens.fixed, tokens.prefix, tokens.element) == (0, 4, 4)
+    assert tokens.fits(4) and tokens.fits(12) and not tokens.fits(6) and not tokens.fits(2)
+    with pytest.raises(PayloadSizeMismatch, match="hook 'h': payload of 6 bytes .* 'tokens'"):
+        tokens.check(6, hook="h")
+
+
+def test_the_runtime_alone_hosts_loop_tasks_and_cancels_them_at_close():
+    cap = CaptureSink()
+    runtime = RecordRuntime(cap, schema=SCHEMA)
+    seen: list[str] = []
+
+    async def companion(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        seen.append("started")
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            seen.append("cancelled")
+
+    runtime.host(companion)
+    with runtime.start():
+        assert seen == ["started"]  # started before the runtime reports running
+        with pytest.raises(RuntimeError, match="before the runtime starts"):
+            runtime.host(companion)
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit(q, vec_payload(1))
+        runtime.flush(timeout=10)
+    assert seen == ["started", "cancelled"] and cap.records == 1 and cap.closed
+
+
+def test_try_submit_batch_refuses_instead_of_waiting_when_ingress_is_full():
+    slow = ThreadGateSink()
+    runtime = create_record_runtime(
+        record_sink=routing_sink({"cap": slow}, destination_capacity=16), capacity_records=32
+    )
+    q = runtime.bind_hook(Q, layout="vec")
+    accepted = 0
+    while runtime.try_submit_batch(
+        make_descriptors(q, 16, count=16, layout_ids=0), vec_payload(16)
+    ):
+        accepted += 1
+        assert accepted < 100, "ingress never filled"
+    assert runtime.counters().ingress.rejected == 0  # refused, not counted as rejected
+    slow.gate.set()
+    runtime.close(timeout=10)
+    assert slow.records == 16 * accepted

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from taproute.service.host.runtime import RecordRuntime
+    from taproute.service.host.service import RecordService
 
 
 @attrs.frozen
@@ -124,7 +125,7 @@ class HookBinding:
 
 
 def bind_module(
-    runtime: RecordRuntime,
+    runtime: RecordRuntime | RecordService,
     module: torch.nn.Module,
     name: str,
     *,
@@ -201,7 +202,7 @@ def bind_module(
 
 
 def bind_modules(
-    runtime: RecordRuntime,
+    runtime: RecordRuntime | RecordService,
     model: torch.nn.Module,
     pattern: str,
     *,

@@ -125,7 +125,7 @@ def dead_letters(args: argparse.Namespace) -> int:
 
 def _reroute_offline(config: ServiceConfig, letter_id: int) -> int:
     """Reroute through a router built from the config (the service must not be running)."""
-    from taproute.service.host.runtime import create_record_runtime
+    from taproute.service.host.service import create_record_runtime
 
     sink, runtime_kwargs = config.build()
     runtime_kwargs["http"] = None

@@ -1,7 +1,8 @@
-"""The HTTP face of a running router: ``/metrics``, ``/status``, ``/healthz``.
+"""The HTTP face of a running router: ``/metrics``, ``/status``, ``/healthz``,
+and, when given, the dead-letter controls and ``/trace``.
 
-A Starlette app served by hypercorn inside the runtime's own nursery, on the
-Trio loop thread, so handlers read counters without crossing threads.
+A Starlette app served by hypercorn as one of the runtime's loop tasks, on
+the Trio loop thread, so handlers read counters without crossing threads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from starlette.routing import Route
 from taproute.actors.counters import RouterSnapshot
 from taproute.routing.errors import IngressFull
 from taproute.service.host.metrics import SnapshotCollector
-from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound, DeadLetterStore
+from taproute.service.ops.controls import DeadLetterControls
+from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
 
 @attrs.frozen
@@ -40,15 +42,6 @@ class HttpConfig:
     token: str | None = attrs.field(default=None, repr=False)
 
 
-@attrs.frozen
-class Controls:
-    """What the operator endpoints act on."""
-
-    store: DeadLetterStore
-    reroute: Callable[[int], DeadLetter]
-    token: str | None = attrs.field(repr=False)
-
-
 def snapshot_as_json(snapshot: RouterSnapshot) -> dict[str, Any]:
     """The snapshot as plain JSON-able data."""
     return attrs.asdict(snapshot)
@@ -57,7 +50,7 @@ def snapshot_as_json(snapshot: RouterSnapshot) -> dict[str, Any]:
 def build_app(
     snapshot: Callable[[], RouterSnapshot],
     *,
-    controls: Controls | None = None,
+    controls: DeadLetterControls | None = None,
     trace: Callable[..., Any] | None = None,
 ) -> Starlette:
     """The ASGI app over a snapshot function (and the operator controls, if given)."""
@@ -92,7 +85,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _dead_letter_routes(controls: Controls) -> list[Route]:
+def _dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
     store = controls.store
 
     def authorized(request: Request) -> JSONResponse | None:
@@ -163,8 +156,11 @@ def _dead_letter_routes(controls: Controls) -> list[Route]:
     return [
         Route("/dead-letters", list_letters),
         Route("/dead-letters/{letter_id}", show),
-        Route("/dead-letters/{letter_id}/skip", mutation(store.skip), methods=["POST"]),
-        Route("/dead-letters/{letter_id}/reroute", mutation(controls.reroute), methods=["POST"]),
+        Route("/dead-letters/{letter_id}/skip", mutation(controls.skip), methods=["POST"]),
+        # An HTTP request never waits for ingress room: a full ingress answers 503.
+        Route(
+            "/dead-letters/{letter_id}/reroute", mutation(controls.reroute_now), methods=["POST"]
+        ),
     ]
 
 

@@ -15,7 +15,7 @@ from taproute.native import make_descriptors
 from taproute.routing.layout import Layout
 from taproute.service.host.config import ProducerHook, ServiceConfig
 from taproute.service.host.http import HttpConfig
-from taproute.service.host.runtime import create_record_runtime
+from taproute.service.host.service import create_record_runtime
 
 
 def synthetic_payload(

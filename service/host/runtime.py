@@ -1,12 +1,10 @@
 """The producer-facing runtime: a Trio loop in its own thread behind a
-thread-safe ``submit``.
+thread-safe ``submit``, and nothing else.
 
-::
-
-    with create_record_runtime(record_sink=routing_sink) as runtime:
-        q = runtime.bind_hook("layers.0.attn.q", layout="qk")
-        runtime.submit_batch(descriptors, pinned_buffer, release=pool.give_back)
-        runtime.flush()
+It owns the thread, the ingress and the record worker that feeds the record
+sink.  What else runs on the same loop (the HTTP endpoint, operator
+controls) is composed around it by :class:`~taproute.service.host.service.RecordService`,
+which is what :func:`~taproute.service.host.service.create_record_runtime` returns.
 
 Crossing into Trio costs one ``run_sync_soon`` per wake-up, never one per
 record.  ``submit_batch`` never copies the payload; ``submit`` copies its
@@ -18,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from types import TracebackType
 from typing import Any
@@ -28,29 +26,28 @@ import trio
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.latch import FailureLatch
-from taproute.native import BufferLease, make_descriptors
+from taproute.native import BufferLease
 from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
-from taproute.routing.errors import (
-    ConfigError,
-    IngressFull,
-    PayloadSizeMismatch,
-    SinkClosed,
-    UnboundOutputId,
-)
+from taproute.routing.errors import SinkClosed, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch
-from taproute.service.host.http import Controls, HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import Control, Ingress, WhenFull
-from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
+
+#: Something else to host on the runtime's loop: started with ``nursery.start``
+#: before the runtime reports itself running, cancelled once the sink is closed.
+LoopTask = Callable[..., Awaitable[object]]
 
 
 class RecordRuntime:
     """Hosts a record sink on a Trio loop in a dedicated thread.
 
     Thread-safe: ``submit``/``submit_batch``/``bind_hook``/``flush`` may be
-    called from any thread.  Create with :func:`create_record_runtime`.
+    called from any thread.  :meth:`host` adds tasks to run on the same loop
+    (the service object hosts its HTTP endpoint this way).  Usually created, with
+    whatever serves around it, by :func:`create_record_runtime`; on its own:
+    ``RecordRuntime(sink).start()``.
     """
 
     def __init__(
@@ -64,15 +61,9 @@ class RecordRuntime:
         when_full: WhenFull = "block",
         coalesce_records: int = 4096,
         name: str = "taproute",
-        http: HttpConfig | None = None,
-        dead_letters: DeadLetterStore | None = None,
     ) -> None:
         self.record_sink = record_sink
-        self.http = http
-        #: Where the routing sink's given-up records are kept (for the controls).
-        self.dead_letters = dead_letters
-        #: The URLs the HTTP endpoint listens on, once started (empty without one).
-        self.http_urls: list[str] = []
+        self._loop_tasks: list[LoopTask] = []
         self.schema: RecordSchema | None = (
             schema if schema is not None else getattr(record_sink, "schema", None)
         )
@@ -102,6 +93,13 @@ class RecordRuntime:
         self._start_error: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------
+
+    def host(self, task: LoopTask) -> None:
+        """Run ``task`` on the loop too (before :meth:`start`): started with
+        ``nursery.start`` before the sink takes records, cancelled after it closed."""
+        if self._thread is not None:
+            raise RuntimeError("loop tasks are added before the runtime starts")
+        self._loop_tasks.append(task)
 
     def start(self) -> RecordRuntime:
         """Start the loop thread and the sink; returns once both are running."""
@@ -137,16 +135,11 @@ class RecordRuntime:
             run = getattr(self.record_sink, "run", None)
             if run is not None:
                 await nursery.start(run)
-            if self.http is not None:
-                app = build_app(
-                    self._snapshot_in_loop,
-                    controls=self._controls(),
-                    trace=getattr(self.record_sink, "trace", None),
-                )
-                self.http_urls = await nursery.start(serve_http, app, self.http)
+            for task in self._loop_tasks:
+                await nursery.start(task)
             self._ready.set()
             await self._record_worker()
-            nursery.cancel_scope.cancel()  # the sink is closed; stop the HTTP server
+            nursery.cancel_scope.cancel()  # the sink is closed; stop the loop tasks
 
     def _schedule_wake(self) -> None:
         # Called by producers with the ingress lock held.
@@ -201,49 +194,6 @@ class RecordRuntime:
         else:
             control.future.set_result(None)
         return control.kind == "close"
-
-    # -- operator controls -------------------------------------------------
-
-    def reroute(self, letter_id: int) -> DeadLetter:
-        """Feed dead letter ``letter_id`` through routing again, as new input (any thread
-        but the loop's; blocks while ingress is full).  A skipped or already rerouted
-        letter goes again as a copy."""
-        store, batch = self._letter_batch(letter_id)
-        self._ingress.put_batch(batch)
-        return store.mark_rerouted(letter_id)
-
-    def _letter_batch(self, letter_id: int) -> tuple[DeadLetterStore, RecordBatch]:
-        store = self.dead_letters
-        if store is None:
-            raise ConfigError("this runtime has no dead-letter store (dead_letters=...)")
-        letter = store.get(letter_id)
-        assert letter.payload is not None
-        output_id = self.hooks.bind(letter.hook)
-        descriptors = make_descriptors(
-            output_id,
-            len(letter.payload),
-            layout_ids=letter.layout_id,
-            keys=letter.key,
-            steps=letter.step,
-            seqs=letter.seq,
-            timestamps_ns=letter.timestamp_ns,
-        )
-        return store, self._checked_batch(descriptors, letter.payload, None)
-
-    def _controls(self) -> Controls | None:
-        store = self.dead_letters
-        if store is None:
-            return None
-        assert self.http is not None
-
-        def reroute_now(letter_id: int) -> DeadLetter:
-            # Called from the loop thread: never wait for ingress room there.
-            _, batch = self._letter_batch(letter_id)
-            if not self._ingress.try_put_batch(batch):
-                raise IngressFull("ingress is full; reroute refused, try again")
-            return store.mark_rerouted(letter_id)
-
-        return Controls(store, reroute_now, self.http.token)
 
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""
@@ -301,6 +251,18 @@ class RecordRuntime:
         """
         self._ingress.put_batch(self._checked_batch(descriptors, payload, release))
 
+    def try_submit_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> bool:
+        """``submit_batch`` that never waits: False (nothing queued) when ingress is full.
+
+        Safe on the loop thread itself, where waiting for room would deadlock.
+        """
+        return self._ingress.try_put_batch(self._checked_batch(descriptors, payload, release))
+
     async def asubmit_batch(
         self,
         descriptors: Any,
@@ -349,10 +311,11 @@ class RecordRuntime:
         layout_id, fixed, prefix, element = self._rule(output_id)
         data = payload if isinstance(payload, bytes) else readonly_bytes(payload).tobytes()
         size = len(data)
+        # RecordSchema.size_rule's check, inlined on cached ints: this runs per record.
         if (fixed and size != fixed) or (element and (size < prefix or (size - prefix) % element)):
-            raise PayloadSizeMismatch(
-                f"hook {self.hooks.name_of(output_id)!r}: payload of {size} bytes does not fit "
-                f"layout {self.schema.by_id(layout_id).name!r}"  # type: ignore[union-attr]
+            assert self.schema is not None
+            raise self.schema.size_rule(layout_id).mismatch(
+                size, hook=self.hooks.name_of(output_id)
             )
         row = (
             output_id,
@@ -366,7 +329,7 @@ class RecordRuntime:
         self._ingress.put_record(row, data)
 
     def _rule(self, output_id: int) -> tuple[int, int, int, int]:
-        """(layout_id, fixed size or 0, tail prefix, tail element size or 0), cached."""
+        """The hook's :meth:`RecordSchema.size_rule` as plain ints, cached per output_id."""
         rule = self._record_rules.get(output_id)
         if rule is not None:
             return rule
@@ -379,12 +342,7 @@ class RecordRuntime:
             rule = (0, 0, 0, 0)
         else:
             layout_id = 0 if layout_name is None else self.schema.layout_id(layout_name)
-            layout = self.schema.by_id(layout_id)
-            tail = layout.tail
-            if tail is None:
-                rule = (layout_id, layout.dtype.itemsize, 0, 0)
-            else:
-                rule = (layout_id, 0, layout.prefix_size, tail.element_dtype.itemsize)
+            rule = self.schema.size_rule(layout_id).parts
         self._record_rules[output_id] = rule
         return rule
 
@@ -426,42 +384,4 @@ class RecordRuntime:
         )
 
 
-def create_record_runtime(
-    record_sink: RecordSink,
-    *,
-    schema: RecordSchema | None = None,
-    hooks: HookRegistry | None = None,
-    capacity_records: int = 65_536,
-    capacity_bytes: int = 256 * 2**20,
-    when_full: WhenFull = "block",
-    coalesce_records: int = 4096,
-    name: str = "taproute",
-    http: HttpConfig | None = None,
-    dead_letters: DeadLetterStore | None = None,
-) -> RecordRuntime:
-    """Start a :class:`RecordRuntime` around ``record_sink`` and return it.
-
-    ``capacity_records``/``capacity_bytes`` bound ingress; when full,
-    ``submit`` blocks (``when_full="block"``, the default) or raises
-    :class:`~taproute.routing.errors.IngressFull` (``"reject"``).  The schema
-    and hook registry default to the sink's own (a ``RoutingSink`` has both).
-    With ``http``, ``/metrics``, ``/status`` and ``/healthz`` are served from
-    the same loop (see ``runtime.http_urls``); with ``dead_letters`` (the
-    store the routing sink's ``on_failure`` writes to) also the dead-letter
-    controls.
-    """
-    return RecordRuntime(
-        record_sink,
-        schema=schema,
-        hooks=hooks,
-        capacity_records=capacity_records,
-        capacity_bytes=capacity_bytes,
-        when_full=when_full,
-        coalesce_records=coalesce_records,
-        name=name,
-        http=http,
-        dead_letters=dead_letters,
-    ).start()
-
-
-__all__ = ["RecordRuntime", "create_record_runtime"]
+__all__ = ["LoopTask", "RecordRuntime"]

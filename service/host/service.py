@@ -1,0 +1,191 @@
+"""The service object: a runtime plus what serves around it on the same loop.
+
+:class:`RecordService` composes three independent pieces:
+
+- a :class:`~taproute.service.host.runtime.RecordRuntime` (thread + ingress
+  + record worker; the producer API is its own, passed through unchanged);
+- optionally :class:`~taproute.service.ops.controls.DeadLetterControls`
+  over a dead-letter store, fed back into that runtime;
+- optionally the HTTP endpoint (``/metrics``, ``/status``, ``/healthz``,
+  the controls, ``/trace``), hosted as one of the runtime's loop tasks.
+
+::
+
+    with create_record_runtime(record_sink=routing_sink) as runtime:
+        q = runtime.bind_hook("layers.0.attn.q", layout="qk")
+        runtime.submit_batch(descriptors, pinned_buffer, release=pool.give_back)
+        runtime.flush()
+"""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from taproute.routing.errors import ConfigError
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.schema import RecordSchema
+from taproute.routing.sink import RecordSink
+from taproute.service.host.http import HttpConfig, build_app, serve_http
+from taproute.service.host.ingress import WhenFull
+from taproute.service.host.runtime import RecordRuntime
+from taproute.service.ops.controls import DeadLetterControls
+from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
+
+
+class RecordService:
+    """A running :class:`RecordRuntime` with its HTTP endpoint and operator controls.
+
+    Everything a producer calls (``bind_hook``, ``submit``, ``submit_batch``,
+    ``try_submit_batch``, ``asubmit_batch``, ``flush``) is the runtime's own
+    method; closing the service closes the runtime (and with it the HTTP
+    endpoint, a task on its loop).  Create with :func:`create_record_runtime`.
+    """
+
+    def __init__(
+        self,
+        runtime: RecordRuntime,
+        *,
+        http: HttpConfig | None = None,
+        dead_letters: DeadLetterStore | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.http = http
+        #: The URLs the HTTP endpoint listens on, once started (empty without one).
+        self.http_urls: list[str] = []
+        #: Where the routing sink's given-up records are kept (for the controls).
+        self.dead_letters = dead_letters
+        if http is not None:
+            runtime.host(self._serve_http)
+        self.controls: DeadLetterControls | None = (
+            None
+            if dead_letters is None
+            else DeadLetterControls(dead_letters, runtime, None if http is None else http.token)
+        )
+        # The producer API is the runtime's, bound once: no extra call per record.
+        self.submit = runtime.submit
+        self.submit_batch = runtime.submit_batch
+        self.try_submit_batch = runtime.try_submit_batch
+        self.asubmit_batch = runtime.asubmit_batch
+        self.bind_hook = runtime.bind_hook
+        self.flush = runtime.flush
+        self.counters = runtime.counters
+
+    async def _serve_http(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """A loop task: serve the endpoint until the runtime stops its loop."""
+        assert self.http is not None
+        runtime = self.runtime
+        app = build_app(
+            runtime.counters,  # on the loop thread: read directly, no crossing
+            controls=self.controls,
+            trace=getattr(runtime.record_sink, "trace", None),
+        )
+        async with trio.open_nursery() as nursery:
+            self.http_urls = await nursery.start(serve_http, app, self.http)
+            task_status.started()
+
+    # -- what the runtime holds -------------------------------------------
+
+    @property
+    def record_sink(self) -> RecordSink:
+        """The sink the runtime feeds."""
+        return self.runtime.record_sink
+
+    @property
+    def schema(self) -> RecordSchema | None:
+        """The layouts records are checked against (the sink's, by default)."""
+        return self.runtime.schema
+
+    @property
+    def hooks(self) -> HookRegistry:
+        """The hook registry producers bind in."""
+        return self.runtime.hooks
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The latched failure, or None."""
+        return self.runtime.failure
+
+    # -- operator controls ---------------------------------------------------
+
+    def reroute(self, letter_id: int) -> DeadLetter:
+        """Feed dead letter ``letter_id`` through routing again, as new input (any thread
+        but the loop's; blocks while ingress is full).  A skipped or already rerouted
+        letter goes again as a copy."""
+        if self.controls is None:
+            raise ConfigError("this runtime has no dead-letter store (dead_letters=...)")
+        return self.controls.reroute(letter_id)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> RecordService:
+        """Start the runtime (and the endpoint on its loop); returns once running."""
+        self.runtime.start()
+        return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, flush and close the sink, stop the loop (and the endpoint), join
+        the thread.  Idempotent; raises the latched failure, if any."""
+        self.runtime.close(timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Same as :meth:`close`."""
+        self.close(timeout)
+
+    def __enter__(self) -> RecordService:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            with suppress(Exception):  # already failing; the first error stands
+                self.close()
+
+
+def create_record_runtime(
+    record_sink: RecordSink,
+    *,
+    schema: RecordSchema | None = None,
+    hooks: HookRegistry | None = None,
+    capacity_records: int = 65_536,
+    capacity_bytes: int = 256 * 2**20,
+    when_full: WhenFull = "block",
+    coalesce_records: int = 4096,
+    name: str = "taproute",
+    http: HttpConfig | None = None,
+    dead_letters: DeadLetterStore | None = None,
+) -> RecordService:
+    """Start a :class:`RecordService` around ``record_sink`` and return it.
+
+    ``capacity_records``/``capacity_bytes`` bound ingress; when full,
+    ``submit`` blocks (``when_full="block"``, the default) or raises
+    :class:`~taproute.routing.errors.IngressFull` (``"reject"``).  The schema
+    and hook registry default to the sink's own (a ``RoutingSink`` has both).
+    With ``http``, ``/metrics``, ``/status`` and ``/healthz`` are served from
+    the same loop (see ``runtime.http_urls``); with ``dead_letters`` (the
+    store the routing sink's ``on_failure`` writes to) also the dead-letter
+    controls.
+    """
+    runtime = RecordRuntime(
+        record_sink,
+        schema=schema,
+        hooks=hooks,
+        capacity_records=capacity_records,
+        capacity_bytes=capacity_bytes,
+        when_full=when_full,
+        coalesce_records=coalesce_records,
+        name=name,
+    )
+    return RecordService(runtime, http=http, dead_letters=dead_letters).start()
+
+
+__all__ = ["RecordService", "create_record_runtime"]
