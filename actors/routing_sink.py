@@ -24,9 +24,12 @@ import trio
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor
+from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
-from taproute.actors.routes import ForwardRoute, RouteActor, StatefulRoute, StatelessRoute
+from taproute.actors.owners import StatefulRoute
+from taproute.actors.pool import StatelessRoute
+from taproute.actors.route_actor import RouteActor
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable
 from taproute.routing.batch import Batch, RecordBatch

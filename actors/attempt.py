@@ -1,0 +1,137 @@
+"""One try at processing records: what is being tried, and how a processor call ends.
+
+:class:`Attempt` carries records through a route with their failure history;
+:func:`call_processor` runs a route's processor once, in a worker thread
+under the route's deadline, and classifies what came back as an
+:class:`Outcome` (rows, or a :class:`~taproute.routing.failures.FailureCode`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from taproute.routing.batch import RecordBatch, Retained
+from taproute.routing.errors import OutputLayoutMismatch
+from taproute.routing.failures import Failed, FailureCode, InvalidInput, ProcessorFailed
+from taproute.routing.plan import PlannedRoute
+from taproute.routing.records import Records
+from taproute.routing.validation import check_rows
+
+Keys = npt.NDArray[np.int64]
+
+
+@attrs.define(eq=False)
+class Attempt:
+    """Records on their way through a route, with their failure history."""
+
+    batch: RecordBatch
+    keys: Keys | None = None
+    failures: int = 0
+    first_failure_at: float = 0.0  # trio clock, for the give-up window
+    first_failure_wall: float = 0.0
+    last_failure_wall: float = 0.0
+    code: FailureCode | None = None
+    error: BaseException | None = None
+    traceback: str | None = None
+    isolated: bool = False
+    scheduled: bool = False  # parked with a retry due (the head of its key, if stateful)
+    hold: Retained | None = None
+
+    def failed(self, code: FailureCode, error: BaseException, tb: str | None) -> None:
+        """Note one more failure."""
+        now_wall = time.time()
+        if self.failures == 0:
+            self.first_failure_at = trio.current_time()
+            self.first_failure_wall = now_wall
+        self.failures += 1
+        self.last_failure_wall = now_wall
+        self.code, self.error, self.traceback = code, error, tb
+
+    def part(self, selection: npt.NDArray[np.intp]) -> Attempt:
+        """The records at ``selection``, with this attempt's history."""
+        return attrs.evolve(
+            self,
+            batch=self.batch.select(selection),
+            keys=None if self.keys is None else self.keys[selection],
+            hold=None,
+            scheduled=False,
+        )
+
+    def singles(self) -> list[Attempt]:
+        """One fresh attempt per record, in order, marked isolated (no history)."""
+        keys = self.keys
+        return [
+            Attempt(
+                self.batch.select(np.array([i])),
+                None if keys is None else keys[i : i + 1],
+                isolated=True,
+            )
+            for i in range(len(self.batch))
+        ]
+
+
+@attrs.frozen
+class Outcome:
+    """How one processor call ended: rows (or None: nothing to emit), or a failure."""
+
+    rows: npt.NDArray[np.void] | None = None
+    code: FailureCode | None = None
+    error: BaseException | None = None
+    traceback: str | None = None
+
+
+async def call_processor(
+    planned: PlannedRoute,
+    batch: RecordBatch,
+    *args: Any,
+    limiter: trio.CapacityLimiter,
+    threads: trio.CapacityLimiter,
+    hook_name: Callable[[int], str] | None = None,
+) -> Outcome:
+    """Run ``planned``'s processor on ``batch`` under the route's deadline.
+
+    ``limiter`` bounds concurrent calls; ``threads`` only counts worker
+    threads (one past its deadline is abandoned and must not keep a slot).
+    """
+    if planned.processor is None:
+        return Outcome(code=FailureCode.HANDLER_MISSING, error=LookupError("no processor"))
+    fn = planned.processor.fn
+    deadline = planned.route.failure_policy.deadline or math.inf
+    layout = planned.input_layout
+    records = Records(batch, layout, hook_name) if layout else batch
+    try:
+        async with limiter:
+            with trio.move_on_after(deadline) as scope:
+                result = await trio.to_thread.run_sync(
+                    fn, records, *args, limiter=threads, abandon_on_cancel=True
+                )
+        if scope.cancelled_caught:
+            return Outcome(
+                code=FailureCode.HANDLER_TIMEOUT,
+                error=TimeoutError(f"no result within the route's {deadline:g} s deadline"),
+            )
+    except InvalidInput as exc:
+        return Outcome(code=FailureCode.HANDLER_INVALID, error=exc)
+    except Exception as exc:
+        return Outcome(code=FailureCode.HANDLER_PANIC, error=exc, traceback=traceback.format_exc())
+    if isinstance(result, Failed):
+        return Outcome(code=FailureCode.HANDLER_FAILED, error=ProcessorFailed(result.reason))
+    if result is None:
+        return Outcome()
+    assert planned.output_layout is not None
+    try:
+        rows = check_rows(
+            result, planned.output_layout, route=planned.name, processor=planned.processor.name
+        )
+    except OutputLayoutMismatch as exc:
+        return Outcome(code=FailureCode.HANDLER_INVALID, error=exc)
+    return Outcome(rows=rows)

@@ -1,0 +1,217 @@
+"""Stateful routes: owner actors, each holding one key range of the route's state.
+
+A key's records are processed by its one owner, in arrival order.  A failing
+record holds the later records of its key (order is the promise) until it
+succeeds or is given up; other keys flow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from taproute.actors.attempt import Attempt, Keys, Outcome
+from taproute.actors.counters import RouteCounters
+from taproute.actors.mailbox import Mailbox
+from taproute.actors.route_actor import RouteActor
+from taproute.native import StateRegion, owner_of, partition_keys
+from taproute.routing.batch import RecordBatch
+from taproute.routing.errors import KeyOutOfRange
+from taproute.routing.failures import FailureCode
+
+#: Per owner: key -> attempts waiting for it (the head is the failing one).
+Held = dict[int, deque[Attempt]]
+
+
+@attrs.frozen
+class _RetryKey:
+    key: int
+
+
+class StatefulRoute(RouteActor):
+    """``workers`` owner actors, each holding one contiguous key range of the
+    route's K x N state; a key's records are processed by one owner, in order.
+    A failing record holds the later records of its key until it succeeds or
+    is given up; other keys flow."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        route = self.planned.route
+        spec = self.planned.processor
+        assert spec is not None and spec.key_range is not None and spec.slot is not None
+        self.key_function = spec.key
+        self.key_range = spec.key_range
+        self.state = StateRegion(spec.key_range, spec.slot.shape, spec.slot.dtype, route.workers)
+        self.owner_mailboxes: list[Mailbox[Any]] = [
+            Mailbox(
+                f"route {self.name} owner {j}",
+                capacity_records=route.capacity,
+                capacity_bytes=route.capacity_bytes,
+            )
+            for j in range(route.workers)
+        ]
+        self.mailboxes = list(self.owner_mailboxes)
+        self.held: list[Held] = [{} for _ in range(route.workers)]
+        self.counters.valid_slots = 0
+
+    def snapshot(self) -> RouteCounters:
+        # Counted here, not per batch: a scan of the K valid flags.
+        self.counters.valid_slots = self.state.valid_slots
+        return super().snapshot()
+
+    def _owner_of(self, key: int) -> int:
+        return int(owner_of(key, self.key_range, len(self.owner_mailboxes)))
+
+    # -- intake ----------------------------------------------------------------
+
+    async def dispatch(self, batch: RecordBatch) -> None:
+        await self.parked.wait_for_room()
+        try:
+            keys = self._keys(batch)
+        except Exception as exc:
+            await self._reject(Attempt(batch), FailureCode.POLICY_INVALID, exc)
+            return
+        per_owner, bad = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
+        if bad is not None:
+            first = int(bad[0])
+            await self._reject(
+                Attempt(batch.select(bad), keys[bad]),
+                FailureCode.POLICY_INVALID,
+                KeyOutOfRange(
+                    f"route {self.name!r}: key {int(keys[first])} of record {first} is outside "
+                    f"[0, {self.key_range}); {len(bad)} record(s) not processed"
+                ),
+            )
+        for owner, selection in enumerate(per_owner):
+            if selection is None:
+                continue
+            part = batch if len(selection) == len(batch) else batch.select(selection)
+            await self._enqueue(self.owner_mailboxes[owner], (part, keys[selection]), part)
+
+    def _keys(self, batch: RecordBatch) -> Keys:
+        assert self.key_function is not None
+        keys = np.ascontiguousarray(self.key_function(batch.descriptors), dtype=np.int64)
+        if keys.shape != (len(batch),):
+            raise KeyOutOfRange(
+                f"route {self.name!r}: key function returned shape {keys.shape}, "
+                f"expected ({len(batch)},)"
+            )
+        return keys
+
+    # -- owners ------------------------------------------------------------------
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        for owner, mailbox in enumerate(self.owner_mailboxes):
+            nursery.start_soon(self._owner, owner, mailbox)
+        nursery.start_soon(self.parked.run, self._retry)
+
+    async def _owner(self, owner: int, mailbox: Mailbox[Any]) -> None:
+        held = self.held[owner]
+        while True:
+            try:
+                message = await mailbox.receive()
+            except trio.EndOfChannel:
+                break
+            if isinstance(message, _RetryKey):
+                try:
+                    await self._retry_key(held, message.key)
+                except Exception as exc:
+                    self._latch.latch(exc, route=self.name, where="stateful owner")
+                finally:
+                    self._in_flight.done()
+                continue
+            batch, keys = message
+            try:
+                await self._admit(held, Attempt(batch, keys))
+            except Exception as exc:
+                self._latch.latch(exc, route=self.name, where="stateful owner")
+            finally:
+                self._settle(batch)
+        # Closing: what still waits behind a failing key is given up, in order.
+        for queue in held.values():
+            while queue:
+                attempt = queue.popleft()
+                if attempt.code is None:
+                    attempt.failed(
+                        FailureCode.POLICY_INVALID,
+                        RuntimeError("shut down while waiting behind a failing record of its key"),
+                        None,
+                    )
+                await self._give_up(attempt)
+        held.clear()
+
+    async def _admit(self, held: Held, attempt: Attempt) -> None:
+        """Queue records of held keys behind them; process the rest."""
+        assert attempt.keys is not None
+        if held:
+            waiting = np.isin(attempt.keys, np.fromiter(held, dtype=np.int64))
+            if waiting.any():
+                for key in np.unique(attempt.keys[waiting]).tolist():
+                    part = attempt.part(np.flatnonzero(attempt.keys == key))
+                    self.parked.hold(part)
+                    held[key].append(part)
+                free = np.flatnonzero(~waiting)
+                if not len(free):
+                    return
+                attempt = attempt.part(free)
+        await self._process(attempt)
+
+    # -- the failure path's stateful parts (the path itself is RouteActor's) -------
+
+    async def _call(self, attempt: Attempt) -> Outcome:
+        assert attempt.keys is not None
+        outcome = await self._call_processor(attempt.batch, attempt.keys, self.state)
+        if outcome.code is None:
+            self.state.valid[attempt.keys] = True
+        return outcome
+
+    def _units(self, attempt: Attempt) -> list[Attempt]:
+        assert attempt.keys is not None
+        keys = np.unique(attempt.keys).tolist()
+        if len(keys) == 1:
+            return [attempt]
+        return [attempt.part(np.flatnonzero(attempt.keys == key)) for key in keys]
+
+    def _held_queue(self, unit: Attempt) -> tuple[int, deque[Attempt]]:
+        assert unit.keys is not None
+        key = int(unit.keys[0])
+        return key, self.held[self._owner_of(key)].setdefault(key, deque())
+
+    def _park(self, unit: Attempt, due: float) -> None:
+        key, queue = self._held_queue(unit)
+        queue.appendleft(unit)
+        self.parked.schedule(due, key)
+
+    def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
+        _, queue = self._held_queue(head)
+        for offset, attempt in enumerate(rest, start=1):
+            self.parked.hold(attempt)
+            queue.insert(offset, attempt)
+        return True
+
+    async def _retry(self, key: int) -> None:
+        # Through the owner's mailbox, so the owner alone touches its held keys.
+        # In flight until the owner has handled it, so a flush waits for it.
+        self._in_flight.add()
+        try:
+            await self.owner_mailboxes[self._owner_of(key)].send(
+                _RetryKey(key), records=0, nbytes=0
+            )
+        except trio.ClosedResourceError:
+            self._in_flight.done()  # closing: the owner gives up what it holds
+
+    async def _retry_key(self, held: Held, key: int) -> None:
+        """Try a held key's head again, then the records that waited behind it."""
+        queue = held.get(key)
+        while queue:
+            head = queue.popleft()
+            head.scheduled = False
+            self.parked.release(head)
+            await self._process(head)
+            if queue and queue[0].scheduled:
+                return  # failed again: parked at the front with a new backoff
+        held.pop(key, None)

@@ -1,0 +1,232 @@
+"""What every route actor shares: its plan, counters, destination, and the one
+failure path (isolate, park for a retry, or give up).
+
+The record worker calls :meth:`RouteActor.dispatch` with the part of a batch
+that matched the route; the route kinds live in ``forward.py`` (hand the
+batch on), ``pool.py`` (stateless worker pool) and ``owners.py`` (stateful
+key owners).
+
+A failure is classified (:class:`~taproute.routing.failures.FailureCode`).
+Retryable ones are parked (:mod:`taproute.actors.retry`) and tried again
+after the policy's backoff, without holding other records.  What is given up
+goes to the failure handler (the dead-letter store).  A batch that fails for
+a non-retryable reason is re-run record by record, so one malformed record
+does not take its neighbours down with it; this isolation is written once,
+here, for both processing kinds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from taproute.actors.attempt import Attempt, Outcome, call_processor
+from taproute.actors.counters import RouteCounters
+from taproute.actors.destination import DestinationActor
+from taproute.actors.inflight import InFlight
+from taproute.actors.latch import FailureLatch
+from taproute.actors.mailbox import Mailbox
+from taproute.actors.retry import RetryQueue
+from taproute.routing.batch import RecordBatch, RowBatch
+from taproute.routing.failures import FailureCode, FailureHandler, RecordFailure
+from taproute.routing.plan import PlannedRoute
+
+
+class RouteActor:
+    """The shared part of every route kind (a forward route uses only the
+    dispatch, counters and give-up parts)."""
+
+    def __init__(
+        self,
+        planned: PlannedRoute,
+        destination: DestinationActor,
+        *,
+        latch: FailureLatch,
+        in_flight: InFlight,
+        on_failure: FailureHandler,
+        hook_name: Callable[[int], str] | None = None,
+    ) -> None:
+        self.planned = planned
+        self.name = planned.name
+        self.destination = destination
+        self.policy = planned.route.failure_policy
+        self.counters = RouteCounters(
+            planned.name, planned.route.mode.value, planned.route.destination
+        )
+        self._hook_name = hook_name
+        self._latch = latch
+        self._in_flight = in_flight
+        self._on_failure = on_failure
+        self.mailboxes: list[Mailbox[Any]] = []
+        self.limiter = trio.CapacityLimiter(planned.route.workers)
+        # Threads are not bounded by `limiter` (a processor past its deadline is
+        # abandoned and must not keep its slot); this one only counts them.
+        self._threads = trio.CapacityLimiter(math.inf)
+        self.parked: RetryQueue[Any] = RetryQueue(
+            self.counters, max_parked=self.policy.max_parked_records
+        )
+
+    async def dispatch(self, batch: RecordBatch) -> None:
+        """Take ``batch`` (this route's records of one ingress batch)."""
+        raise NotImplementedError
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """Start the route's actors in ``nursery`` (forward routes have none)."""
+
+    def close(self) -> None:
+        """Close the route's mailboxes: its actors drain them, give up what is
+        parked, then exit."""
+        self.parked.close()
+        for mailbox in self.mailboxes:
+            mailbox.close()
+
+    def snapshot(self) -> RouteCounters:
+        """A detached copy of the counters."""
+        self.counters.queue_depth = sum(m.records for m in self.mailboxes)
+        return attrs.evolve(self.counters, failures_by_code=dict(self.counters.failures_by_code))
+
+    # -- processing: one path for every processing kind -----------------------
+
+    async def _call(self, attempt: Attempt) -> Outcome:
+        """Run the processor once on ``attempt`` (kinds add their arguments)."""
+        return await self._call_processor(attempt.batch)
+
+    async def _call_processor(self, batch: RecordBatch, *args: Any) -> Outcome:
+        return await call_processor(
+            self.planned,
+            batch,
+            *args,
+            limiter=self.limiter,
+            threads=self._threads,
+            hook_name=self._hook_name,
+        )
+
+    def _units(self, attempt: Attempt) -> list[Attempt]:
+        """What fails together: the whole attempt (stateful routes: one unit per key)."""
+        return [attempt]
+
+    def _park(self, unit: Attempt, due: float) -> None:
+        """Schedule a held, failed ``unit`` for a retry at ``due``."""
+        raise NotImplementedError
+
+    def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
+        """A record parked during isolation: make ``rest`` wait behind it if order
+        is promised (True), or go on with them (False, the default)."""
+        return False
+
+    async def _process(self, attempt: Attempt) -> bool:
+        """Process ``attempt``; on failure isolate, park or give up. True on success."""
+        outcome = await self._call(attempt)
+        if outcome.code is None:
+            await self._deliver(attempt, outcome.rows)
+            return True
+        assert outcome.error is not None
+        attempt.failed(outcome.code, outcome.error, outcome.traceback)
+        self._count_failure(attempt)
+        code = outcome.code
+        for unit in self._units(attempt):
+            if not code.retryable and len(unit.batch) > 1 and not unit.isolated:
+                await self._isolate(unit)
+            elif self.policy.gives_up(
+                code, unit.failures, unit.first_failure_at, trio.current_time()
+            ):
+                await self._give_up(unit)
+            else:
+                self.parked.hold(unit)
+                unit.scheduled = True
+                self._park(unit, trio.current_time() + self.policy.backoff(unit.failures))
+        return False
+
+    async def _isolate(self, unit: Attempt) -> None:
+        """Re-run a failed unit record by record, in order, to find the bad one(s)."""
+        singles = unit.singles()
+        for index, single in enumerate(singles):
+            if await self._process(single):
+                continue
+            if single.scheduled and self._wait_behind(single, singles[index + 1 :]):
+                return
+
+    async def _deliver(self, attempt: Attempt, rows: npt.NDArray[np.void] | None) -> None:
+        """Send a successful attempt's rows on; count its records processed."""
+        planned = self.planned
+        if rows is not None and len(rows):
+            assert planned.output_layout is not None
+            self.counters.emitted += len(rows)
+            await self.destination.deliver(
+                self.name, RowBatch(self.name, planned.output_layout.name, rows)
+            )
+        self.counters.processed += len(attempt.batch)
+        if attempt.failures:
+            self.counters.recovered += len(attempt.batch)
+
+    # -- giving up -------------------------------------------------------------
+
+    async def undeliverable(self, batch: RecordBatch, error: BaseException) -> None:
+        """Give up records this route's destination refused because it is closed."""
+        await self._reject(Attempt(batch), FailureCode.BINDING_INVALID, error)
+
+    async def _reject(self, attempt: Attempt, code: FailureCode, error: BaseException) -> None:
+        """Fail ``attempt`` for a reason no retry can cure, and give it up at once."""
+        attempt.failed(code, error, None)
+        self._count_failure(attempt)
+        await self._give_up(attempt)
+
+    def _count_failure(self, attempt: Attempt) -> None:
+        assert attempt.code is not None
+        by_code = self.counters.failures_by_code
+        by_code[attempt.code.value] = by_code.get(attempt.code.value, 0) + len(attempt.batch)
+
+    async def _give_up(self, attempt: Attempt) -> None:
+        """Hand ``attempt`` to the failure handler; a handler error is latched."""
+        assert attempt.code is not None and attempt.error is not None
+        self.counters.failed += len(attempt.batch)
+        failure = RecordFailure(
+            self.name,
+            self.planned.route.processor,
+            attempt.error,
+            attempt.batch,
+            attempt.code,
+            max(attempt.failures, 1),
+            attempt.first_failure_wall or time.time(),
+            attempt.last_failure_wall or time.time(),
+            attempt.traceback,
+        )
+        try:
+            result = self._on_failure(failure)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="failure handler (dead letters)")
+        finally:
+            self.parked.release(attempt)
+
+    # -- mailbox bookkeeping -----------------------------------------------------
+
+    async def _enqueue(self, mailbox: Mailbox[Any], message: Any, batch: RecordBatch) -> None:
+        """Queue a message that holds ``batch``: lease, in-flight and backlog."""
+        batch.lease.acquire()
+        self._in_flight.add()
+        self.counters.backlog += len(batch)
+        try:
+            await mailbox.send(message, records=len(batch), nbytes=batch.nbytes)
+        except BaseException:
+            self._settle(batch)
+            raise
+
+    def _settle(self, batch: RecordBatch) -> None:
+        """Undo what :meth:`_enqueue` took, once its message is handled."""
+        self.counters.backlog -= len(batch)
+        try:
+            batch.lease.release()
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="buffer release callback")
+        finally:
+            self._in_flight.done()
