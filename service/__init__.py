@@ -43,6 +43,7 @@ from taproute.service.sinks.clickhouse import (
     Batching,
     ClickHouseSink,
     MissingTable,
+    NoDeduplication,
     Retry,
     SchemaMismatch,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "InvalidInput",
     "Layout",
     "MissingTable",
+    "NoDeduplication",
     "RecordBatch",
     "RecordRuntime",
     "RecordSchema",

@@ -8,9 +8,13 @@ Each test gets its own table-name prefix, so tests never see each other's rows.
 
 from __future__ import annotations
 
+import http.client
 import os
+import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import unquote_plus, urlsplit
 
 import attrs
 import pyarrow as pa
@@ -47,3 +51,134 @@ class Backend:
 
     def query(self, sql: str) -> pa.Table:
         return self.transport.query(sql.replace("{p}", self.prefix))
+
+
+class FlakyTransport:
+    """The real transport, with the first ``failures`` inserts raising *after*
+    ClickHouse stored the rows (a timeout on the reply): the worst case for
+    duplicates."""
+
+    def __init__(self, inner, failures: int, error: type[Exception] = ConnectionError) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.error = error
+        self.description = inner.description
+        self.tokens: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def insert(self, table, data, *, dedup_token):
+        self.inner.insert(table, data, dedup_token=dedup_token)
+        with self._lock:
+            self.tokens.append(dedup_token)
+            if self.failures > 0:
+                self.failures -= 1
+                raise self.error("reply lost after the insert was stored")
+
+    def is_transient(self, error):
+        return isinstance(error, ConnectionError)
+
+
+class FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of a ClickHouse server that answers
+    scripted faults to INSERT requests, as a load balancer or an overloaded
+    server would; everything else is passed through.
+
+    ``faults`` is consumed one per insert: ``("reply", status, code)`` answers
+    without forwarding (``code`` goes in ``X-ClickHouse-Exception-Code`` when
+    not None); ``("lose_reply", status)`` forwards the insert (the server
+    stores it) and answers ``status`` instead of the server's reply.
+    """
+
+    def __init__(self, upstream_url: str, faults: list[tuple[Any, ...]]) -> None:
+        parts = urlsplit(upstream_url)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 8123)
+        self.faults = list(faults)
+        self.inserts = 0
+        self.authorizations: set[str] = set()  # Authorization headers seen
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._handle()
+
+            def do_POST(self) -> None:
+                self._handle()
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.authorizations.add(self.headers.get("Authorization", ""))
+                fault = proxy._next_fault(self.path, body)
+                if fault is not None and fault[0] == "reply":
+                    self._answer(
+                        fault[1],
+                        {} if fault[2] is None else {"X-ClickHouse-Exception-Code": str(fault[2])},
+                        f"Code: {fault[2]}. DB::Exception: injected by FaultyProxy".encode()
+                        if fault[2] is not None
+                        else b"<html>Bad Gateway</html>",
+                    )
+                    return
+                status, headers, data = proxy._forward(self.command, self.path, self.headers, body)
+                if fault is not None:  # lose_reply: stored upstream, the reply never arrives
+                    self._answer(fault[1], {}, b"<html>upstream reply lost</html>")
+                    return
+                self._answer(status, headers, data)
+
+            def _answer(self, status: int, headers: dict[str, str], data: bytes) -> None:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = upstream_url.replace(
+            f"{parts.hostname}:{parts.port}", f"127.0.0.1:{self._server.server_address[1]}"
+        )
+
+    def _next_fault(self, path: str, body: bytes) -> tuple[Any, ...] | None:
+        query = unquote_plus(urlsplit(path).query).upper()
+        if "INSERT INTO" not in query and not body[:11].upper().startswith(b"INSERT INTO"):
+            return None
+        with self._lock:
+            self.inserts += 1
+            return self.faults.pop(0) if self.faults else None
+
+    def _forward(
+        self, method: str, path: str, headers: Any, body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            skip = {"host", "content-length", "connection"}
+            conn.request(
+                method,
+                path,
+                body=body,
+                headers={k: v for k, v in headers.items() if k.lower() not in skip},
+            )
+            response = conn.getresponse()
+            data = response.read()
+            passed = {
+                k: v
+                for k, v in response.getheaders()
+                if k.lower() not in ("content-length", "connection", "transfer-encoding")
+            }
+            return response.status, passed, data
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -3,6 +3,10 @@ failures are retried without duplicates, and routed == direct."""
 
 from __future__ import annotations
 
+import base64
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -23,7 +27,22 @@ from taproute.routing import (
     RoutingFailure,
     stateless_processor,
 )
-from taproute.service import Batching, MissingTable, Retry, SchemaMismatch, create_record_runtime
+from taproute.routing.errors import ConfigError
+from taproute.service import (
+    Batching,
+    MissingTable,
+    NoDeduplication,
+    Retry,
+    SchemaMismatch,
+    create_record_runtime,
+)
+from taproute.service.sinks.clickhouse import ServerTransport
+from taproute.service.sinks.clickhouse.columns import raw_table
+from tests.clickhouse_backends import SERVER_URL, Backend, FaultyProxy, FlakyTransport
+
+#: Cases that need a server in front of which a proxy can inject faults:
+#: they exist when TAPROUTE_CLICKHOUSE_URL is set and skip otherwise.
+SERVER_ONLY = ["server"] if SERVER_URL else []
 
 VEC = Layout("vec", [("values", "Array(Float32)", (4,))])
 TOKENS = Layout("tokens", [("position", "UInt32"), ("hidden", "Array(Float32)")])
@@ -223,34 +242,6 @@ async def test_missing_table_without_create_tables(clickhouse):
     assert table_rows(clickhouse, "SELECT count() AS n FROM {p}_event") == [{"n": 0}]
 
 
-class FlakyTransport:
-    """The real transport, with the first ``failures`` inserts raising *after*
-    ClickHouse stored the rows (a timeout on the reply): the worst case for
-    duplicates."""
-
-    def __init__(self, inner, failures: int, error: type[Exception] = ConnectionError) -> None:
-        self.inner = inner
-        self.failures = failures
-        self.error = error
-        self.description = inner.description
-        self.tokens: list[str] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def insert(self, table, data, *, dedup_token):
-        self.inner.insert(table, data, dedup_token=dedup_token)
-        with self._lock:
-            self.tokens.append(dedup_token)
-            if self.failures > 0:
-                self.failures -= 1
-                raise self.error("reply lost after the insert was stored")
-
-    def is_transient(self, error):
-        return isinstance(error, ConnectionError)
-
-
 async def test_failing_then_recovering_destination_loses_and_duplicates_nothing(
     clickhouse, autojump_clock
 ):
@@ -364,3 +355,243 @@ def test_routed_and_direct_sinks_write_identical_tables(clickhouse):
     b = clickhouse.query(f"SELECT {columns} FROM {{p}}_raw_vec ORDER BY seq")
     assert a.num_rows == 320
     assert a.equals(b)
+
+
+# -- the server path: concurrency, failure classes, credentials -------------------
+
+
+def test_one_transport_takes_inserts_from_several_threads_at_once(clickhouse):
+    """The sink's insert threads share one transport (on a server: one client,
+    no HTTP session, which would allow one query at a time)."""
+    spec = clickhouse.sink(SCHEMA, raw=["vec"]).tables[clickhouse.raw("vec")]
+    blocks = [raw_table(vec_batch(0, 10, start=10 * i), VEC, spec, ["q"]) for i in range(4)]
+    barrier = threading.Barrier(len(blocks))
+    errors: list[BaseException] = []
+
+    def insert(i: int) -> None:
+        barrier.wait()
+        try:
+            clickhouse.transport.insert(spec.name, blocks[i], dedup_token=f"{spec.name}-{i}")
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=insert, args=(i,)) for i in range(len(blocks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    seqs = table_rows(clickhouse, "SELECT seq FROM {p}_raw_vec ORDER BY seq")
+    assert [r["seq"] for r in seqs] == list(range(40))
+
+
+async def _insert_through(backend: Backend, retry: Retry, **options) -> tuple[object, object]:
+    """Four batches of `vec` as one block through a sink on ``backend``; returns
+    the sink and what flush raised."""
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    ch = backend.sink(SCHEMA, raw=["vec"], hooks=hooks, retry=retry, **options)
+    raised = None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        for i in range(4):
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        try:
+            await ch.flush()
+        except RoutingFailure as exc:
+            raised = exc
+        nursery.cancel_scope.cancel()
+    return ch, raised
+
+
+@pytest.mark.parametrize("backend", SERVER_ONLY)
+async def test_server_overload_and_proxy_errors_are_retried_and_written_once(
+    backend, autojump_clock
+):
+    faults = [
+        ("lose_reply", 502),  # stored, but the gateway's reply is an error
+        ("reply", 500, 252),  # TOO_MANY_PARTS
+        ("reply", 502, None),  # a proxy with no server behind it
+        ("reply", 503, 209),  # SOCKET_TIMEOUT
+        ("reply", 500, 241),  # MEMORY_LIMIT_EXCEEDED
+    ]
+    proxy = FaultyProxy(SERVER_URL, faults)
+    transport = ServerTransport(proxy.url)
+    try:
+        server = Backend("server", transport)
+        ch, raised = await _insert_through(server, Retry(attempts=6, initial_backoff=1.0))
+        assert raised is None
+        counters = ch.table_counters()[server.raw("vec")]
+        assert (counters.retries, counters.errors, counters.inserts) == (5, 5, 1)
+        assert proxy.inserts == 6
+        seqs = table_rows(server, "SELECT seq FROM {p}_raw_vec ORDER BY seq")
+        assert [r["seq"] for r in seqs] == list(range(40))  # the lost reply's block once
+    finally:
+        transport.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(500, 53), (400, 27), (404, 60), (403, 497), (400, None)]
+)
+@pytest.mark.parametrize("backend", SERVER_ONLY)
+async def test_server_bad_data_schema_or_access_is_not_retried(
+    backend, status, code, autojump_clock
+):
+    proxy = FaultyProxy(SERVER_URL, [("reply", status, code)])
+    transport = ServerTransport(proxy.url)
+    try:
+        server = Backend("server", transport)
+        ch, raised = await _insert_through(server, Retry(attempts=6))
+        assert raised is not None and "after 1 attempt" in str(raised)
+        assert getattr(raised.cause, "code", None) == code
+        assert ch.table_counters()[server.raw("vec")].retries == 0
+        assert proxy.inserts == 1
+        assert table_rows(server, "SELECT count() AS n FROM {p}_raw_vec") == [{"n": 0}]
+    finally:
+        transport.close()
+        proxy.close()
+
+
+async def test_insert_into_a_dropped_table_is_not_retried(clickhouse, autojump_clock):
+    """A real error from the engine (UNKNOWN_TABLE, code 60) on either transport."""
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    ch = clickhouse.sink(SCHEMA, raw=["vec"], hooks=hooks, retry=Retry(attempts=6))
+    clickhouse.transport.execute(f"DROP TABLE `{clickhouse.raw('vec')}`")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        await ch.submit(vec_batch(q, 2))
+        with pytest.raises(RoutingFailure, match="after 1 attempt") as caught:
+            await ch.flush()
+        nursery.cancel_scope.cancel()
+    assert "Code: 60." in str(caught.value.cause)
+    assert ch.table_counters()[clickhouse.raw("vec")].retries == 0
+
+
+@pytest.mark.parametrize("backend", SERVER_ONLY)
+def test_server_client_with_a_session_is_refused(backend):
+    import clickhouse_connect
+
+    client = clickhouse_connect.get_client(dsn=SERVER_URL)  # autogenerates a session
+    try:
+        with pytest.raises(ConfigError, match="has an HTTP session") as caught:
+            ServerTransport(client)
+        assert "autogenerate_session_id=False" in str(caught.value)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("backend", SERVER_ONLY)
+def test_server_credentials_come_from_the_environment(backend, monkeypatch):
+    proxy = FaultyProxy(SERVER_URL, [])
+    bare = proxy.url.replace("default:@", "")
+    monkeypatch.setenv("CLICKHOUSE_USER", "ingest")
+    monkeypatch.setenv("CLICKHOUSE_PASSWORD", "s3cret")
+    try:
+        transport = ServerTransport(bare)
+        transport.query("SELECT 1")
+        transport.close()
+        assert proxy.authorizations == {"Basic " + base64.b64encode(b"ingest:s3cret").decode()}
+        assert "s3cret" not in transport.description and "ingest" not in transport.description
+        proxy.authorizations.clear()
+        transport = ServerTransport(proxy.url)  # credentials in the URL win
+        transport.close()
+        assert proxy.authorizations == {"Basic " + base64.b64encode(b"default:").decode()}
+    finally:
+        proxy.close()
+
+
+# -- tables made beforehand, and failed constructors ---------------------------------
+
+
+def _create_plain_raw_vec(clickhouse, engine: str) -> str:
+    table = clickhouse.raw("vec")
+    clickhouse.transport.execute(
+        f"CREATE TABLE `{table}` (hook LowCardinality(String), output_id UInt32, key Int64, "
+        "step Int64, seq Int64, timestamp DateTime64(9), values Array(Float32), "
+        f"values_shape Array(UInt32)) ENGINE = {engine}"
+    )
+    return table
+
+
+async def test_merge_tree_without_a_deduplication_window_is_refused_saying_how(
+    clickhouse, autojump_clock
+):
+    table = _create_plain_raw_vec(clickhouse, "MergeTree ORDER BY tuple()")
+    with pytest.raises(NoDeduplication) as caught:
+        clickhouse.sink(SCHEMA, raw=["vec"])
+    message = str(caught.value)
+    assert message.startswith(
+        f"table {table!r} (MergeTree) does not deduplicate retried inserts "
+        "(non_replicated_deduplication_window is 0)"
+    )
+    fix = f"ALTER TABLE `{table}` MODIFY SETTING non_replicated_deduplication_window = 10000"
+    assert fix in message and "require_deduplication=False" in message
+    # The fix the message gives works: five lost replies, every row once.
+    clickhouse.transport.execute(fix)
+    flaky = FlakyTransport(clickhouse.transport, failures=5)
+    _, raised = await _insert_through(
+        Backend(clickhouse.name, flaky, clickhouse.prefix), Retry(attempts=8)
+    )
+    assert raised is None and len(flaky.tokens) == 6
+    seqs = table_rows(clickhouse, "SELECT seq FROM {p}_raw_vec ORDER BY seq")
+    assert [r["seq"] for r in seqs] == list(range(40))
+
+
+def test_engine_without_deduplication_is_refused(clickhouse):
+    table = _create_plain_raw_vec(clickhouse, "Memory")
+    with pytest.raises(NoDeduplication, match=f"table '{table}' has engine Memory, which does not"):
+        clickhouse.sink(SCHEMA, raw=["vec"])
+
+
+async def test_at_least_once_is_an_explicit_opt_in(clickhouse, autojump_clock):
+    _create_plain_raw_vec(clickhouse, "MergeTree ORDER BY tuple()")
+    flaky = FlakyTransport(clickhouse.transport, failures=2)
+    backend = Backend(clickhouse.name, flaky, clickhouse.prefix)
+    _, raised = await _insert_through(backend, Retry(attempts=8), require_deduplication=False)
+    assert raised is None
+    # Two lost replies, three stored copies: at least once, as opted into.
+    counts = table_rows(clickhouse, "SELECT count() AS n, uniqExact(seq) AS u FROM {p}_raw_vec")
+    assert counts == [{"n": 120, "u": 40}]
+
+
+def test_a_failed_constructor_releases_its_chdb_directory(tmp_path):
+    """chDB opens one directory per process: a constructor that fails must
+    close it, or no other directory can be opened (a subprocess, because this
+    test session's own chDB directory stays open)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from taproute.routing import Layout, RecordSchema
+        from taproute.service import ClickHouseSink, SchemaMismatch
+        from taproute.service.sinks.clickhouse import ChdbTransport
+
+        schema = RecordSchema([Layout("sums", [("total", "Float64")])])
+        d1, d2, d3 = sys.argv[1:]
+        setup = ChdbTransport(d1)
+        setup.execute("CREATE TABLE sums (total Float32) ENGINE = MergeTree ORDER BY tuple()")
+        setup.close()
+        try:
+            ClickHouseSink.embedded(schema, d1, rows=["sums"])
+        except SchemaMismatch as exc:
+            print("refused:", exc)
+        try:
+            ClickHouseSink.embedded(schema, d2, rows=["sums"], bogus=1)
+        except TypeError:
+            print("refused: bad keyword")
+        sink = ClickHouseSink.embedded(schema, d3, rows=["sums"])
+        print("opened:", sink.transport.description)
+        sink.transport.close()
+        """
+    )
+    dirs = [str(tmp_path / d) for d in ("d1", "d2", "d3")]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *dirs], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "refused: table 'sums': column 'total' expected Float64, found Float32",
+        "refused: bad keyword",
+        f"opened: chDB at {dirs[2]}",
+    ]

@@ -1,5 +1,6 @@
 """ClickHouse destinations: chDB embedded, or a server through clickhouse-connect."""
 
+from taproute.service.sinks.clickhouse.deduplication import NoDeduplication
 from taproute.service.sinks.clickhouse.sink import Batching, ClickHouseSink, Retry, TableCounters
 from taproute.service.sinks.clickhouse.tables import (
     DESCRIPTOR_COLUMNS,
@@ -16,6 +17,7 @@ __all__ = [
     "ChdbTransport",
     "ClickHouseSink",
     "MissingTable",
+    "NoDeduplication",
     "Retry",
     "SchemaMismatch",
     "ServerTransport",

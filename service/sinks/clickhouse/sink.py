@@ -4,7 +4,8 @@ threads, through chDB (embedded) or a server (clickhouse-connect).
 Delivery guarantee: every record a sink accepts is inserted at least once,
 and retries of one insert carry the same ``insert_deduplication_token``, so
 ClickHouse writes each buffered block once (within the table's
-deduplication window of 10,000 blocks).  A block that still fails after the
+deduplication window; a table without one is refused at construction unless
+``require_deduplication=False`` accepts duplicates).  A block that still fails after the
 retry budget is not written: the failure is latched and raised by the next
 ``submit``/``flush``/``close``, never swallowed.
 """
@@ -28,6 +29,7 @@ from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.columns import raw_table, rows_table
+from taproute.service.sinks.clickhouse.deduplication import check_deduplication
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     TableSpec,
@@ -110,7 +112,10 @@ class ClickHouseSink:
     checked at construction (``DESCRIBE TABLE``); a missing one is created
     when ``create_tables`` is on, else :class:`MissingTable`; a column of the
     wrong type raises :class:`SchemaMismatch` naming table, column, expected
-    and found.
+    and found; a table that would write a retried block twice (no
+    deduplication window) raises :class:`NoDeduplication` saying how to fix
+    it, unless ``require_deduplication=False`` (at-least-once).  A failed
+    constructor closes the transport it owns.
 
     Use :meth:`embedded` for chDB in a local directory, :meth:`server` for a
     ClickHouse server.  Needs its :meth:`run` task (the runtime and routing
@@ -131,6 +136,7 @@ class ClickHouseSink:
         batching: Batching | None = None,
         retry: Retry | None = None,
         owns_transport: bool = True,
+        require_deduplication: bool = True,
     ) -> None:
         self.transport = transport
         self.schema = schema
@@ -138,26 +144,32 @@ class ClickHouseSink:
         self.batching = batching or Batching()
         self.retry = retry or Retry()
         self._owns_transport = owns_transport
-        self._raw: dict[int, TableSpec] = {}
-        self._rows: dict[str, TableSpec] = {}
-        for name in raw:
-            layout = schema.layout(name)
-            layout.check_payload_layout()
-            self._raw[schema.layout_id(name)] = raw_table_spec(
-                layout, raw_table.format(layout=name)
-            )
-        for name in rows:
-            layout = schema.layout(name)
-            self._rows[name] = rows_table_spec(layout, rows_table.format(layout=name))
-        if not self._raw and not self._rows:
-            raise ConfigError(
-                "ClickHouseSink needs raw=[payload layouts] and/or rows=[output layouts] to write"
-            )
-        self.tables: dict[str, TableSpec] = {
-            spec.name: spec for spec in [*self._raw.values(), *self._rows.values()]
-        }
-        for spec in self.tables.values():
-            self._prepare(spec, create_tables)
+        try:  # a failed constructor releases what it opened (the chDB directory)
+            self._raw: dict[int, TableSpec] = {}
+            self._rows: dict[str, TableSpec] = {}
+            for name in raw:
+                layout = schema.layout(name)
+                layout.check_payload_layout()
+                self._raw[schema.layout_id(name)] = raw_table_spec(
+                    layout, raw_table.format(layout=name)
+                )
+            for name in rows:
+                layout = schema.layout(name)
+                self._rows[name] = rows_table_spec(layout, rows_table.format(layout=name))
+            if not self._raw and not self._rows:
+                raise ConfigError(
+                    "ClickHouseSink needs raw=[payload layouts] and/or rows=[output layouts] "
+                    "to write"
+                )
+            self.tables: dict[str, TableSpec] = {
+                spec.name: spec for spec in [*self._raw.values(), *self._rows.values()]
+            }
+            for spec in self.tables.values():
+                self._prepare(spec, create_tables, require_deduplication)
+        except BaseException:
+            if owns_transport:
+                transport.close()
+            raise
         self.counters: dict[str, TableCounters] = {n: TableCounters(n) for n in self.tables}
         self._buffers: dict[str, _Buffer] = {n: _Buffer() for n in self.tables}
         self._limiters = {
@@ -183,14 +195,24 @@ class ClickHouseSink:
     ) -> ClickHouseSink:
         """A sink on chDB persisted to ``path`` (tables created by default)."""
         kwargs.setdefault("create_tables", True)
-        return cls(ChdbTransport(path), schema, **kwargs)
+        return cls._owning(ChdbTransport(path), schema, kwargs)
 
     @classmethod
     def server(cls, schema: RecordSchema, client_or_url: Any, **kwargs: Any) -> ClickHouseSink:
         """A sink on a ClickHouse server, from a clickhouse-connect client or URL."""
-        return cls(ServerTransport(client_or_url), schema, **kwargs)
+        return cls._owning(ServerTransport(client_or_url), schema, kwargs)
 
-    def _prepare(self, spec: TableSpec, create: bool) -> None:
+    @classmethod
+    def _owning(
+        cls, transport: Transport, schema: RecordSchema, kwargs: dict[str, Any]
+    ) -> ClickHouseSink:
+        try:
+            return cls(transport, schema, **kwargs)
+        except BaseException:  # also a bad keyword, raised before __init__ runs
+            transport.close()
+            raise
+
+    def _prepare(self, spec: TableSpec, create: bool, require_deduplication: bool) -> None:
         found = self.transport.describe(spec.name)
         if found is None:
             if not create:
@@ -202,6 +224,8 @@ class ClickHouseSink:
             found = self.transport.describe(spec.name)
             assert found is not None
         check_table(spec, found)
+        if require_deduplication:
+            check_deduplication(self.transport, spec.name)
 
     def attach_hooks(self, hooks: HookRegistry) -> None:
         """Use ``hooks`` to name raw records' hooks (the runtime and routing sink call this)."""

@@ -8,13 +8,16 @@ the Trio loop.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
+from taproute.service.sinks.clickhouse.transient import classify
 
 
 class Transport(Protocol):
@@ -125,7 +128,7 @@ class ChdbTransport:
         arrow_input = data  # noqa: F841 - referenced by name in the SQL below
         sql = (
             f"INSERT INTO `{table}` ({columns}) "
-            f"SETTINGS insert_deduplication_token = '{dedup_token}' "
+            f"SETTINGS insert_deduplicate = 1, insert_deduplication_token = '{dedup_token}' "
             f"SELECT {columns} FROM Python(arrow_input)"
         )
         with self._lock:
@@ -140,9 +143,9 @@ class ChdbTransport:
         return pa.ipc.open_file(pa.BufferReader(payload)).read_all()
 
     def is_transient(self, error: BaseException) -> bool:
-        # An in-process engine has no connection to lose; only OS-level
-        # trouble (disk momentarily full, interrupted I/O) may clear up.
-        return isinstance(error, (OSError, TimeoutError))
+        # The same table of codes as a server (MEMORY_LIMIT_EXCEEDED,
+        # TOO_MANY_PARTS may happen in-process too), plus OS-level trouble.
+        return classify(error).retry
 
     def close(self) -> None:
         if not self._closed:
@@ -153,19 +156,42 @@ class ChdbTransport:
 class ServerTransport:
     """A ClickHouse server through clickhouse-connect.
 
-    Give a client, or a URL (``http://user:pass@host:8123/db``).  Inserts send
-    Arrow straight through (``insert_arrow``): columnar, no per-row Python.
+    Give a URL (``http://host:8123/db``, ``https://host:8443/db``) or a
+    clickhouse-connect client.  With a URL, credentials not in it come from
+    the ``CLICKHOUSE_USER`` and ``CLICKHOUSE_PASSWORD`` environment variables
+    (as ``clickhouse-client`` reads them), so secrets stay out of config files;
+    the URL's query parameters go to clickhouse-connect (``?verify=false``,
+    ``?ca_cert=/path/ca.pem``, ``?connect_timeout=5``).
+
+    One client serves every insert thread, without an HTTP session: a
+    ClickHouse session runs one query at a time (SESSION_IS_LOCKED), and
+    nothing this transport sends depends on session state (its settings go
+    with each query).  A session-less client is thread-safe and shares one
+    connection pool, where a client per thread would repeat the start-up
+    queries and open a pool each.  A given client with a session is refused.
+
+    Inserts send Arrow straight through (``insert_arrow``): columnar, no
+    per-row Python.
     """
 
     def __init__(self, client_or_url: Any) -> None:
-        import clickhouse_connect
-
+        self._closed = False
         if isinstance(client_or_url, str):
-            self.client = clickhouse_connect.get_client(dsn=client_or_url)
-            self.description = f"ClickHouse server at {client_or_url.split('@')[-1]}"
+            self.client = _client_from_url(client_or_url)
+            self.description = f"ClickHouse server at {_without_credentials(client_or_url)}"
         else:
             self.client = client_or_url
             self.description = "ClickHouse server (clickhouse-connect client)"
+        session = self.client.get_client_setting("session_id")
+        if session:
+            if isinstance(client_or_url, str):
+                self.client.close()
+            raise ConfigError(
+                f"the clickhouse-connect client for {self.description} has an HTTP session "
+                f"(session_id={session}), which runs one query at a time, and this sink "
+                "inserts from several threads: create the client with "
+                "autogenerate_session_id=False and no session_id, or give a URL"
+            )
 
     def describe(self, table: str) -> list[tuple[str, str]] | None:
         try:
@@ -180,22 +206,45 @@ class ServerTransport:
         self.client.command(sql)
 
     def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
-        self.client.insert_arrow(table, data, settings={"insert_deduplication_token": dedup_token})
+        settings = {"insert_deduplicate": 1, "insert_deduplication_token": dedup_token}
+        self.client.insert_arrow(table, data, settings=settings)
 
     def query(self, sql: str) -> pa.Table:
         result: pa.Table = self.client.query_arrow(sql)
         return result
 
     def is_transient(self, error: BaseException) -> bool:
-        from clickhouse_connect.driver.exceptions import OperationalError
-
-        if isinstance(error, (OperationalError, OSError, TimeoutError)):
-            return True
-        text = str(error)
-        # HTTP 5xx from the server or a proxy in front of it.
-        return any(f"HTTPDriver for {proto}" in text for proto in ("http", "https")) and any(
-            f" {code}" in text for code in ("500", "502", "503", "504")
-        )
+        return classify(error).retry
 
     def close(self) -> None:
-        self.client.close()
+        if not self._closed:
+            self._closed = True
+            self.client.close()
+
+
+def _without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def _client_from_url(url: str) -> Any:
+    """A session-less clickhouse-connect client for ``url``; credentials missing
+    from the URL come from CLICKHOUSE_USER / CLICKHOUSE_PASSWORD."""
+    import clickhouse_connect
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"ClickHouse server URL must start with http:// or https://, got {url!r}")
+    username = None if parts.username is not None else os.environ.get("CLICKHOUSE_USER")
+    password = None if parts.password is not None else os.environ.get("CLICKHOUSE_PASSWORD")
+    # The scheme is passed on explicitly: clickhouse-connect infers TLS from the
+    # port alone (443/8443), so https://host:9440 would otherwise speak plain HTTP.
+    return clickhouse_connect.get_client(
+        dsn=url,
+        interface=parts.scheme,
+        username=username,
+        password=password or "",
+        autogenerate_session_id=False,
+    )

@@ -1,0 +1,125 @@
+"""The check that a destination table deduplicates retried inserts.
+
+The sink retries a block whose reply was lost with the same
+``insert_deduplication_token``; that makes the retry a no-op only on a table
+that keeps a deduplication window: a MergeTree with
+``non_replicated_deduplication_window > 0``, or a Replicated/Shared
+MergeTree with ``replicated_deduplication_window > 0`` (the default there).
+On any other table a retry after a lost reply writes the block twice, so
+such a table is refused at construction unless the caller accepts
+duplicates (``require_deduplication=False``, at-least-once).
+
+A Distributed table is checked through the local table it names when this
+server has it; otherwise the check cannot be made from here and the table is
+refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import pyarrow as pa
+
+from taproute.routing.errors import ConfigError
+
+#: What ``create_tables=True`` gives a table, and what the messages suggest.
+WINDOW = 10_000
+
+_DISTRIBUTED = re.compile(r"^Distributed\(\s*([^,]+?)\s*,\s*([^,]+?)\s*,\s*([^,)]+?)\s*[,)]")
+
+
+class NoDeduplication(ConfigError):
+    """A destination table would write a retried block twice."""
+
+
+class _Queries(Protocol):
+    def query(self, sql: str) -> pa.Table: ...
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _unquote(arg: str) -> str:
+    return arg.strip().strip("'\"`")
+
+
+def _engine(transport: _Queries, database: str | None, table: str) -> tuple[str, str] | None:
+    where = _literal(database) if database else "currentDatabase()"
+    result = transport.query(
+        "SELECT engine, engine_full FROM system.tables "
+        f"WHERE database = {where} AND name = {_literal(table)}"
+    ).to_pylist()
+    if not result:
+        return None
+    return str(result[0]["engine"]), str(result[0]["engine_full"])
+
+
+def window_setting(engine: str) -> str | None:
+    """The merge-tree setting holding ``engine``'s deduplication window (None: it has none)."""
+    if not engine.endswith("MergeTree"):
+        return None
+    if engine.startswith(("Replicated", "Shared")):
+        return "replicated_deduplication_window"
+    return "non_replicated_deduplication_window"
+
+
+def _window(transport: _Queries, engine_full: str, setting: str) -> int:
+    found = re.search(rf"\b{setting}\s*=\s*(\d+)", engine_full)
+    if found:
+        return int(found.group(1))
+    default = transport.query(
+        f"SELECT value FROM system.merge_tree_settings WHERE name = {_literal(setting)}"
+    ).to_pylist()
+    return int(default[0]["value"]) if default else 0
+
+
+def _fix(table: str, setting: str) -> str:
+    return (
+        f"ALTER TABLE `{table}` MODIFY SETTING {setting} = {WINDOW}, or create it with "
+        f"SETTINGS {setting} = {WINDOW} (as create_tables=True does); or pass "
+        "require_deduplication=False to accept duplicates (at-least-once)"
+    )
+
+
+def check_deduplication(transport: _Queries, table: str) -> None:
+    """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts."""
+    found = _engine(transport, None, table)
+    if found is None:
+        raise NoDeduplication(f"table {table!r} is not in system.tables")
+    engine, engine_full = found
+    label, fix_table = repr(table), table
+    if engine == "Distributed":
+        target = _DISTRIBUTED.match(engine_full)
+        database = _unquote(target.group(2)) if target else ""
+        local = _unquote(target.group(3)) if target else ""
+        if database in ("", "currentDatabase()"):
+            database = ""
+        behind = _engine(transport, database or None, local) if local else None
+        if behind is None:
+            raise NoDeduplication(
+                f"table {table!r} is Distributed over {database + '.' if database else ''}"
+                f"{local or '?'}, which this server does not have, so whether retried inserts "
+                "are deduplicated cannot be checked from here: make the shards' local tables "
+                "ReplicatedMergeTree (they deduplicate by default) or give them "
+                f"non_replicated_deduplication_window = {WINDOW}, then pass "
+                "require_deduplication=False to vouch for them"
+            )
+        engine, engine_full = behind
+        label, fix_table = f"{table!r} (Distributed over {local!r})", local
+    setting = window_setting(engine)
+    if setting is None:
+        raise NoDeduplication(
+            f"table {label} has engine {engine}, which does not deduplicate retried inserts: "
+            "a block whose reply was lost would be written twice. Use a MergeTree with "
+            f"SETTINGS non_replicated_deduplication_window = {WINDOW} (as create_tables=True "
+            "creates) or a ReplicatedMergeTree; or pass require_deduplication=False to accept "
+            "duplicates (at-least-once)"
+        )
+    if _window(transport, engine_full, setting) <= 0:
+        raise NoDeduplication(
+            f"table {label} ({engine}) does not deduplicate retried inserts ({setting} "
+            "is 0): a block whose reply was lost would be written twice. Run "
+            + _fix(fix_table, setting)
+        )
