@@ -1,26 +1,208 @@
-"""What every bench script shares: warm-up, repetitions, median and spread,
-one JSON line out, and the last result kept under bench/results/.
+"""What every bench script shares: interleaved repetitions, median and spread,
+the run's metadata, and one result file per script per commit.
 
-Figures are compared with a peer measured in the same run (ratios), because
-these machines are shared and noisy.
+A bench script (see bench/README.md for the convention) measures taproute and
+its peers in the same process run, interleaving repetitions so that a burst of
+noise on these shared machines hits every variant alike, then calls
+:func:`write_result`.  That prints one JSON line and keeps the result as
+``bench/results/<commit>/<script>.json`` (never overwriting: a second run of
+the same commit gets ``<script>.2.json``).  ``run_all.py`` builds
+``report.md`` and its charts from these files only.
+
+Import it from a script in ``bench/`` with ``from harness import ...`` (the
+scripts run as ``python bench/<script>.py``; ``bench/`` is on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import os
 import platform
+import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+#: Bump when the result-file layout changes incompatibly.
+SCHEMA_VERSION = 2
+#: Distributions whose versions every result file records (when installed).
+VERSIONED = (
+    "taproute",
+    "numpy",
+    "trio",
+    "pyarrow",
+    "chdb",
+    "clickhouse-connect",
+    "bytewax",
+    "hdrhistogram",
+    "torch",
+    "transformers",
+    "Cython",
+)
+
+
+# -- the run's metadata ------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def commit() -> tuple[str, bool]:
+    """(short commit, dirty): dirty when tracked files differ from the commit
+    (results written by bench runs themselves do not count)."""
+    short = _git("rev-parse", "--short=10", "HEAD") or "unknown"
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    return short, bool(status)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def versions(extra: Iterable[str] = ()) -> dict[str, str]:
+    """Installed versions of the libraries a result depends on."""
+    out = {"python": platform.python_version()}
+    for name in (*VERSIONED, *extra):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def metadata(params: Mapping[str, Any], *, started: float | None = None) -> dict[str, Any]:
+    """Everything a reader needs to judge a figure: commit (and dirty flag),
+    machine, load (at start when given, and now), versions, parameters."""
+    short, dirty = commit()
+    now = time.time()
+    return {
+        "commit": short,
+        "dirty": dirty,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "duration_s": None if started is None else round(now - started, 2),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+        "load_average_start": _LOAD_AT_IMPORT,
+        "load_average_end": load_average(),
+        "platform": platform.platform(),
+        "argv": sys.argv[1:],
+        "versions": versions(),
+        "params": dict(params),
+    }
+
+
+_LOAD_AT_IMPORT = load_average()
+_STARTED = time.time()
+
+
+# -- measuring ---------------------------------------------------------------
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    """Median, min, max, relative spread ((max - min) / median), quartiles and
+    the raw samples."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+    median = statistics.median(ordered)
+    if len(ordered) > 1:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median": median,
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": q1,
+        "q3": q3,
+        "spread": (ordered[-1] - ordered[0]) / median if median else 0.0,
+        "n": len(ordered),
+        "samples": list(samples),
+    }
+
+
+def interleave(
+    variants: Mapping[str, Callable[[], float]],
+    *,
+    repeat: int,
+    warmup: int = 1,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """Run every variant ``repeat`` times, round-robin (order shuffled each
+    round), after ``warmup`` unrecorded rounds; each call returns one sample
+    (a rate, a time).  Returns ``{variant: summary(samples)}``.
+
+    Interleaving matters here: on shared cores, running variants in blocks
+    turns a noisy minute into a fake ratio.
+    """
+    rng = random.Random(seed)
+    names = list(variants)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + repeat):
+        order = names[:]
+        if shuffle:
+            rng.shuffle(order)
+        for name in order:
+            value = variants[name]()
+            if round_ >= warmup:
+                samples[name].append(value)
+    return {name: summary(values) for name, values in samples.items()}
+
+
+def timed_rate(count: int, body: Callable[[], object]) -> float:
+    """``count`` divided by the seconds ``body`` took."""
+    started = time.perf_counter()
+    body()
+    return count / (time.perf_counter() - started)
+
+
+def ratio(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
+    """a / b for two summaries: the ratio of medians, and the range the
+    per-round ratios span (samples paired by round, as interleave takes them)."""
+    pairs = [x / y for x, y in zip(a["samples"], b["samples"], strict=False) if y]
+    return {
+        "median": a["median"] / b["median"] if b["median"] else float("nan"),
+        "paired_min": min(pairs) if pairs else float("nan"),
+        "paired_max": max(pairs) if pairs else float("nan"),
+    }
 
 
 class NullSink:
-    """A destination that counts records and does nothing else (async, like every sink)."""
+    """A destination that counts records and never reads them (async, like
+    every sink).  Only for measuring the router's own floor; a destination
+    standing for real work must touch the payload (``_workload.CopySink``)."""
 
     def __init__(self) -> None:
         self.records = 0
@@ -35,75 +217,143 @@ class NullSink:
         pass
 
 
-def measure(run: Callable[[], float], *, repeat: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Call ``run`` (which returns a rate, e.g. records/s) and summarise.
-
-    Returns median, min, max and the relative spread ((max-min)/median).
-    """
-    for _ in range(warmup):
-        run()
-    rates = [run() for _ in range(repeat)]
-    median = statistics.median(rates)
-    return {
-        "median": median,
-        "min": min(rates),
-        "max": max(rates),
-        "spread": (max(rates) - min(rates)) / median if median else 0.0,
-    }
+# -- arguments and results ---------------------------------------------------
 
 
-def timed_rate(count: int, body: Callable[[], None]) -> float:
-    """``count`` divided by the seconds ``body`` took."""
-    started = time.perf_counter()
-    body()
-    return count / (time.perf_counter() - started)
+def arguments(description: str | None, **defaults: tuple[Any, Any]) -> argparse.Namespace:
+    """The common command line: ``--quick`` plus ``--NAME`` per keyword,
+    each given as ``(full default, quick default)``.  Also ``--repeat``
+    (defaults 5 / 2) unless given.  The parsed namespace has ``quick``."""
+    defaults.setdefault("repeat", (5, 2))
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="short run (development)")
+    for name, (full, _) in defaults.items():
+        kind = type(full) if full is not None else str
+        if isinstance(full, list):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=str, default=None)
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    args = parser.parse_args()
+    for name, (full, quick) in defaults.items():
+        value = getattr(args, name)
+        if value is None:
+            value = quick if args.quick else full
+        elif isinstance(full, list):
+            value = [type(full[0])(v) for v in value.split(",")]
+        setattr(args, name, value)
+    return args
 
 
-def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
-    """Print one JSON line and keep it as bench/results/<name>.json."""
+def results_dir() -> Path:
+    short, dirty = commit()
+    return RESULTS / (short + ("-dirty" if dirty else ""))
+
+
+def write_result(
+    name: str,
+    *,
+    params: Mapping[str, Any],
+    quick: bool,
+    comparisons: list[dict[str, Any]] | None = None,
+    tables: list[dict[str, Any]] | None = None,
+    curves: list[dict[str, Any]] | None = None,
+    targets: list[dict[str, Any]] | None = None,
+    notes: list[str] | None = None,
+    raw: Mapping[str, Any] | None = None,
+    title: str | None = None,
+    description: str | None = None,
+) -> Path:
+    """Print the result as one JSON line and keep it under
+    ``bench/results/<commit>[-dirty]/<name>[.quick][.N].json``; never
+    overwrites.  The sections are what ``report.md`` renders (see
+    bench/README.md): ``comparisons`` (taproute vs a peer, same run),
+    ``tables``, ``curves`` (charted), ``targets``, ``notes`` (sentences
+    the script formats from its own figures), ``raw`` (samples and anything
+    else worth keeping)."""
     record = {
         "bench": name,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        **figures,
+        "schema": SCHEMA_VERSION,
+        "quick": quick,
+        "title": title or name,
+        "description": description or "",
+        "meta": metadata(params, started=_STARTED),
+        "comparisons": comparisons or [],
+        "tables": tables or [],
+        "curves": curves or [],
+        "targets": targets or [],
+        "notes": notes or [],
+        "raw": dict(raw or {}),
     }
-    line = json.dumps(record, sort_keys=False)
-    print(line)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    text = json.dumps(record, default=_jsonable)
+    print(text, flush=True)
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = name + (".quick" if quick else "")
+    path = folder / f"{stem}.json"
+    n = 2
+    while path.exists():
+        path = folder / f"{stem}.{n}.json"
+        n += 1
+    path.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
+    return path
 
 
-def profile_top(run: Callable[[], object], limit: int = 8) -> list[str]:
-    """What dominates one call of ``run``: the top functions by own time (cProfile).
-
-    Threads other than the caller's are not profiled; the routing loop thread
-    shows up as time spent waiting in the caller.
-    """
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
+def _jsonable(value: Any) -> Any:
     try:
-        run()
-    finally:
-        profiler.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
-    lines = []
-    for (filename, line, name), (_, calls, own, cumulative, _) in list(stats.stats.items()):
-        lines.append(
-            (
-                own,
-                f"{own:8.3f}s own {cumulative:8.3f}s cum {calls:>8} calls  "
-                f"{Path(filename).name}:{line}({name})",
-            )
-        )
-    lines.sort(reverse=True)
-    return [text for _, text in lines[:limit]]
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+    except ImportError:
+        pass
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+def comparison(
+    what: str,
+    taproute: Mapping[str, Any],
+    peer: Mapping[str, Any],
+    *,
+    taproute_label: str,
+    peer_label: str,
+    unit: str,
+    higher_is_better: bool = True,
+) -> dict[str, Any]:
+    """One row of the report's main table: taproute against a peer measured
+    in the same run, with the ratio (taproute / peer) and who wins."""
+    r = ratio(taproute, peer)
+    better = r["median"] >= 1 if higher_is_better else r["median"] <= 1
+    return {
+        "what": what,
+        "unit": unit,
+        "higher_is_better": higher_is_better,
+        "taproute": {"label": taproute_label, **_short(taproute)},
+        "peer": {"label": peer_label, **_short(peer)},
+        "ratio": r,
+        "taproute_wins": better,
+    }
+
+
+def _short(s: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: s[k] for k in ("median", "min", "max", "spread", "n") if k in s}
+
+
+def target(name: str, met: bool, detail: str) -> dict[str, Any]:
+    """A stated target and whether this run met it (``detail`` gives the figures)."""
+    return {"name": name, "met": bool(met), "detail": detail}
+
+
+def fmt(value: float) -> str:
+    """A figure for prose: thousands separators above 100, 3 significant digits below."""
+    if value != value:  # NaN
+        return "n/a"
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:.3g} M"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
 
 
 def profile_threads(run: Callable[[], object], limit: int = 10) -> list[str]:
@@ -120,15 +370,46 @@ def profile_threads(run: Callable[[], object], limit: int = 10) -> list[str]:
         yappi.stop()
     stats = yappi.get_func_stats()
     stats.sort("tsub", "desc")
-    lines = []
-    for entry in list(stats)[:limit]:
-        lines.append(
-            f"{entry.tsub:8.3f}s own {entry.ttot:8.3f}s cum {entry.ncall:>8} calls  "
-            f"{Path(entry.module).name}:{entry.lineno}({entry.name})"
-        )
-    return lines
+    return [
+        f"{e.tsub:8.3f}s own {e.ttot:8.3f}s cum {e.ncall:>8} calls  "
+        f"{Path(e.module).name}:{e.lineno}({e.name})"
+        for e in list(stats)[:limit]
+    ]
+
+
+# -- the previous interface, until every script has moved to write_result -----
+
+
+def measure(run: Callable[[], float], *, repeat: int = 5, warmup: int = 1) -> dict[str, Any]:
+    """Deprecated (blocks, not interleaved): use :func:`interleave`."""
+    for _ in range(warmup):
+        run()
+    return summary([run() for _ in range(repeat)])
+
+
+def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
+    """Deprecated: use :func:`write_result`.  Prints one JSON line and keeps
+    it, with the run's metadata, under the commit's results folder."""
+    record = {"bench": name, "meta": metadata({}), **figures}
+    print(json.dumps(record, default=_jsonable))
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.legacy.json"
+    n = 2
+    while path.exists():
+        path = folder / f"{name}.legacy.{n}.json"
+        n += 1
+    path.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
+    # The old, overwritten location, read by the old report until it is replaced.
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
+    return record
+
+
+def profile_top(run: Callable[[], object], limit: int = 8) -> list[str]:
+    """Deprecated: use :func:`profile_threads`."""
+    return profile_threads(run, limit)
 
 
 def targets_report(targets: dict[str, bool]) -> dict[str, str]:
-    """``{"name": "met" | "MISSED"}`` for a JSON line."""
+    """Deprecated: use :func:`target`."""
     return {name: "met" if ok else "MISSED" for name, ok in targets.items()}

@@ -1,0 +1,68 @@
+"""The bench harness's promises: interleaved rounds, summaries that keep raw
+samples, result files that carry their metadata and are never overwritten."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+
+
+def test_interleave_runs_variants_round_robin_after_warmup():
+    calls: list[str] = []
+
+    def variant(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value
+
+        return run
+
+    got = harness.interleave(
+        {"a": variant("a", 1.0), "b": variant("b", 3.0)}, repeat=3, warmup=1, shuffle=False
+    )
+    assert calls == ["a", "b"] * 4  # never a block of one variant
+    assert got["a"]["samples"] == [1.0, 1.0, 1.0] and got["b"]["median"] == 3.0
+
+
+def test_summary_and_paired_ratio():
+    s = harness.summary([4.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 4.0, 3)
+    assert s["spread"] == pytest.approx(1.5)
+    assert s["samples"] == [4.0, 1.0, 2.0]
+    r = harness.ratio(harness.summary([2.0, 4.0]), harness.summary([1.0, 1.0]))
+    assert (r["median"], r["paired_min"], r["paired_max"]) == (3.0, 2.0, 4.0)
+
+
+def test_write_result_keeps_metadata_and_never_overwrites(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    first = harness.write_result("demo", params={"n": 3}, quick=True, notes=["x"])
+    second = harness.write_result("demo", params={"n": 4}, quick=True)
+    assert first != second and first.parent == second.parent
+    assert first.name == "demo.quick.json" and second.name == "demo.quick.2.json"
+    record = json.loads(first.read_text())
+    meta = record["meta"]
+    for key in ("commit", "dirty", "cpu_model", "cores", "load_average_start", "versions"):
+        assert key in meta, key
+    assert meta["params"] == {"n": 3} and "numpy" in meta["versions"]
+    assert record["notes"] == ["x"]
+    assert first.parent.name.startswith(meta["commit"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[0])["bench"] == "demo"
+
+
+def test_comparison_says_who_wins():
+    fast, slow = harness.summary([2.0, 2.0]), harness.summary([1.0, 1.0])
+    assert harness.comparison("x", fast, slow, taproute_label="t", peer_label="p", unit="r/s")[
+        "taproute_wins"
+    ]
+    assert not harness.comparison(
+        "x", fast, slow, taproute_label="t", peer_label="p", unit="ms", higher_is_better=False
+    )["taproute_wins"]
