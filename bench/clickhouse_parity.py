@@ -1,10 +1,16 @@
 """ClickHouse parity: routed vs direct sink vs a bare INSERT, same data, same run.
 
-- routed: a raw-only route through RoutingSink into ClickHouseSink (chDB);
+- routed: a raw-only route through RoutingSink into ClickHouseSink;
 - direct: the same ClickHouseSink straight under create_record_runtime;
-- bare: ``INSERT ... SELECT FROM Python(arrow)`` of the same rows, already
-  converted to Arrow and cut in blocks of the sink's insert size (the
-  engine's own cost: the ceiling for the other two).
+- bare: the transport's own insert of the same rows, already converted to
+  Arrow and cut in blocks of the sink's insert size (chDB: ``INSERT ...
+  SELECT FROM Python(arrow)``; a server: clickhouse-connect ``insert_arrow``):
+  the engine's own cost, the ceiling for the other two.
+
+On chDB in a temporary directory by default; ``--url http://host:8123/db``
+runs the same comparison against a ClickHouse server (credentials as
+``ClickHouseSink.server`` takes them; tables ``taproute_parity_*`` are
+dropped and re-created there), result kept as ``clickhouse_parity_server``.
 
 Targets (issue #3): routed >= 0.9x direct; direct >= 0.8x bare.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from importlib import metadata
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +37,13 @@ from taproute.routing import (
     RoutingConfig,
 )
 from taproute.service import create_record_runtime
-from taproute.service.sinks.clickhouse import Batching, ChdbTransport, ClickHouseSink
+from taproute.service.sinks.clickhouse import (
+    Batching,
+    ChdbTransport,
+    ClickHouseSink,
+    ServerTransport,
+    Transport,
+)
 from taproute.service.sinks.clickhouse.columns import raw_table
 from taproute.service.sinks.clickhouse.tables import raw_table_spec
 
@@ -56,7 +69,7 @@ def make_data(batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def run_sink(transport: ChdbTransport, data, table: str, routed: bool) -> float:
+def run_sink(transport: Transport, data, table: str, routed: bool) -> float:
     transport.execute(f"DROP TABLE IF EXISTS `{table}`")
     sink = lambda: ClickHouseSink(  # noqa: E731
         transport,
@@ -87,7 +100,7 @@ def run_sink(transport: ChdbTransport, data, table: str, routed: bool) -> float:
     return rows / elapsed
 
 
-def run_bare(transport: ChdbTransport, data, table: str) -> float:
+def run_bare(transport: Transport, data, table: str) -> float:
     transport.execute(f"DROP TABLE IF EXISTS `{table}`")
     spec = raw_table_spec(SCHEMA.layout("act"), table)
     transport.execute(spec.create_sql())
@@ -113,14 +126,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--url", help="a ClickHouse server instead of chDB")
     args = parser.parse_args()
     data = make_data(args.batches)
     with tempfile.TemporaryDirectory() as tmp:
-        transport = ChdbTransport(tmp)
+        transport: Transport = ServerTransport(args.url) if args.url else ChdbTransport(tmp)
+        engine = transport.description
+        if args.url:
+            version = transport.query("SELECT version() AS v").column("v")[0].as_py()
+            engine = f"{engine} (ClickHouse {version})"
+        tables = {k: f"taproute_parity_{k}" for k in ("routed", "direct", "bare")}
         try:
-            routed = measure(lambda: run_sink(transport, data, "routed", True), repeat=args.repeat)
-            direct = measure(lambda: run_sink(transport, data, "direct", False), repeat=args.repeat)
-            bare = measure(lambda: run_bare(transport, data, "bare"), repeat=args.repeat)
+            routed = measure(
+                lambda: run_sink(transport, data, tables["routed"], True), repeat=args.repeat
+            )
+            direct = measure(
+                lambda: run_sink(transport, data, tables["direct"], False), repeat=args.repeat
+            )
+            bare = measure(lambda: run_bare(transport, data, tables["bare"]), repeat=args.repeat)
+            if args.url:
+                for table in tables.values():
+                    transport.execute(f"DROP TABLE IF EXISTS `{table}`")
         finally:
             transport.close()
     mb_per_row = FLOATS * 4 / 1e6
@@ -129,12 +155,14 @@ def main() -> None:
         "direct_vs_bare": direct["median"] / bare["median"],
     }
     report(
-        "clickhouse_parity",
+        "clickhouse_parity_server" if args.url else "clickhouse_parity",
         {
-            "engine": "chDB",
+            "engine": "chDB" if not args.url else engine,
+            "parameters": {"batches": args.batches, "repeat": args.repeat},
+            "versions": {p: metadata.version(p) for p in ("chdb", "clickhouse-connect")},
             "rows_per_run": args.batches * PER_BATCH,
             "payload_bytes_per_row": FLOATS * 4,
-            "peer": "bare INSERT of the same Arrow columns into chDB",
+            "peer": "bare INSERT of the same Arrow columns through the same transport",
             "routed_rows_per_s": routed,
             "direct_rows_per_s": direct,
             "bare_rows_per_s": bare,

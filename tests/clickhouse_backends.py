@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import ssl
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -92,7 +93,13 @@ class FaultyProxy:
     stores it) and answers ``status`` instead of the server's reply.
     """
 
-    def __init__(self, upstream_url: str, faults: list[tuple[Any, ...]]) -> None:
+    def __init__(
+        self,
+        upstream_url: str,
+        faults: list[tuple[Any, ...]],
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urlsplit(upstream_url)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 8123)
         self.faults = list(faults)
@@ -142,10 +149,13 @@ class FaultyProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        if tls is not None:  # terminate TLS here, as a TLS front end of a server would
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
-        self.url = upstream_url.replace(
-            f"{parts.hostname}:{parts.port}", f"127.0.0.1:{self._server.server_address[1]}"
+        scheme, host = ("https", "localhost") if tls is not None else ("http", "127.0.0.1")
+        self.url = upstream_url.replace(f"{parts.scheme}://", f"{scheme}://").replace(
+            f"{parts.hostname}:{parts.port}", f"{host}:{self._server.server_address[1]}"
         )
 
     def _next_fault(self, path: str, body: bytes) -> tuple[Any, ...] | None:

@@ -4,6 +4,7 @@ failures are retried without duplicates, and routed == direct."""
 from __future__ import annotations
 
 import base64
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from clickhouse_connect.driver.exceptions import OperationalError
 
 from taproute.actors import open_routing_sink
 from taproute.native import make_descriptors
@@ -502,6 +504,37 @@ def test_server_credentials_come_from_the_environment(backend, monkeypatch):
         proxy.close()
 
 
+@pytest.mark.parametrize("backend", SERVER_ONLY)
+async def test_server_over_tls_on_any_port_verifies_the_certificate(
+    backend, tmp_path, autojump_clock
+):
+    """https:// means TLS whatever the port, with the CA given in the URL."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    proxy = FaultyProxy(SERVER_URL, [], tls=tls)
+    try:
+        assert proxy.url.startswith("https://") and ":443" not in proxy.url
+        with pytest.raises(OperationalError, match="CERTIFICATE_VERIFY_FAILED"):
+            ServerTransport(proxy.url)  # an unknown CA is refused
+        transport = ServerTransport(f"{proxy.url}?ca_cert={cert}")
+        try:
+            server = Backend("server", transport)
+            _, raised = await _insert_through(server, Retry())
+            assert raised is None
+            assert table_rows(server, "SELECT count() AS n FROM {p}_raw_vec") == [{"n": 40}]
+        finally:
+            transport.close()
+    finally:
+        proxy.close()
+
+
 # -- tables made beforehand, and failed constructors ---------------------------------
 
 
@@ -595,3 +628,39 @@ def test_a_failed_constructor_releases_its_chdb_directory(tmp_path):
         "refused: bad keyword",
         f"opened: chDB at {dirs[2]}",
     ]
+
+
+def test_config_file_refuses_a_plain_table_unless_it_opts_into_at_least_once(
+    tmp_path, chdb_transport, capsys
+):
+    from taproute.service.host.cli import main
+
+    backend = Backend("chdb", chdb_transport)
+    _create_plain_raw_vec(backend, "MergeTree ORDER BY tuple()")
+    config = textwrap.dedent(
+        f"""
+        [[layouts]]
+        name = "vec"
+        columns = [{{ name = "values", type = "Array(Float32)", shape = [4] }}]
+
+        [[routes]]
+        name = "raw"
+        outputs = ["*"]
+        destination = "ch"
+
+        [routing]
+        unmatched = "drop"
+
+        [destinations.ch]
+        path = "{chdb_transport.path}"
+        raw = ["vec"]
+        raw_table = "{backend.prefix}_raw_{{layout}}"
+        """
+    )
+    path = tmp_path / "router.toml"
+    path.write_text(config)
+    assert main(["check", "--config", str(path)]) == 1
+    assert "does not deduplicate retried inserts" in capsys.readouterr().err
+    path.write_text(config + "require_deduplication = false\n")
+    assert main(["check", "--config", str(path)]) == 0
+    assert f"{backend.prefix}_raw_vec match the schema" in capsys.readouterr().out

@@ -122,6 +122,7 @@ class DestinationConfig:
     raw: list[str] = attrs.Factory(list)
     rows: list[str] = attrs.Factory(list)
     create_tables: bool | None = None
+    require_deduplication: bool = True
     raw_table: str = "raw_{layout}"
     rows_table: str = "{layout}"
     batching: BatchingConfig = attrs.Factory(BatchingConfig)
@@ -342,6 +343,7 @@ def _destination_factory(
         "rows_table": dest.rows_table,
         "batching": batching,
         "retry": retry,
+        "require_deduplication": dest.require_deduplication,
     }
     if dest.create_tables is not None:
         options["create_tables"] = dest.create_tables
