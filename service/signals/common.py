@@ -1,0 +1,172 @@
+"""What the signal processors share: per-hook keys, layer numbers from hook
+names, stacked payloads, and tumbling windows counted in records."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.routing import ConfigError, InvalidInput, Layout, Records
+
+#: Stateful signal routes keep one slot per hook (``output_id``); hooks bound
+#: with ids at or past this are refused by the route (``policy_invalid``).
+DEFAULT_KEY_RANGE = 256
+
+_NUMBER = re.compile(r"\d+")
+
+
+def hook_key(descriptors: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:
+    """Key of a per-hook state slot: the record's ``output_id`` (one hook = one layer)."""
+    return descriptors["output_id"].astype(np.int64)
+
+
+def layer_of(hook: str) -> int:
+    """The layer a hook belongs to: the first integer in its name (-1 if none).
+
+    ``encoder.layer.3.attention.self.qk`` -> 3, ``model.layers.11.mlp.router`` -> 11.
+    """
+    match = _NUMBER.search(hook)
+    return int(match.group()) if match else -1
+
+
+def hooks_and_layers(
+    records: Records, index: npt.NDArray[np.intp] | None = None
+) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.int16]]:
+    """Hook name and layer of each record (or of ``records[index]``), one lookup per hook."""
+    ids = records.descriptors["output_id"]
+    if index is not None:
+        ids = ids[index]
+    unique, inverse = np.unique(ids, return_inverse=True)
+    firsts = [int(np.flatnonzero(records.descriptors["output_id"] == u)[0]) for u in unique]
+    names = np.array([records.hook_name(i) for i in firsts], dtype=object)
+    layers = np.array([layer_of(str(n)) for n in names], dtype=np.int16)
+    return names[inverse], layers[inverse]
+
+
+def token_groups(
+    records: Records, width: int, *, where: str
+) -> Iterator[tuple[npt.NDArray[np.intp], npt.NDArray[np.generic]]]:
+    """Records grouped by token count: ``(indices, values[n, tokens, width])`` per group.
+
+    One vectorised gather per group (no per-record Python).  A payload that is
+    not a whole number of ``width``-float tokens raises :class:`InvalidInput`.
+    """
+    desc = records.descriptors
+    itemsize = records.layout.columns[-1].element_dtype.itemsize
+    row_bytes = width * itemsize
+    lengths = desc["length"] - records.layout.prefix_size
+    bad = np.flatnonzero(lengths % row_bytes)
+    if len(bad):
+        i = int(bad[0])
+        raise InvalidInput(
+            f"{where}: record {i} (key {int(desc['key'][i])}) has {int(lengths[i])} payload "
+            f"bytes, not a whole number of {width}-value tokens ({row_bytes} bytes each)"
+        )
+    tokens = lengths // row_bytes
+    payload = records.batch.payload
+    start = desc["offset"] + records.layout.prefix_size
+    for count in np.unique(tokens):
+        index = np.flatnonzero(tokens == count)
+        nbytes = int(count) * row_bytes
+        gather = start[index][:, None] + np.arange(nbytes)
+        values = payload[gather].view(records.layout.columns[-1].element_dtype)
+        yield index, values.reshape(len(index), int(count), width)
+
+
+def window_segments(seen: int, count: int, window: int) -> Iterator[tuple[int, int, bool]]:
+    """Split ``count`` new records of one key into tumbling-window segments.
+
+    ``seen`` records of the current window came before.  Yields ``(start,
+    stop, closes)``: records ``[start, stop)`` belong to one window, and
+    ``closes`` says whether that window is complete after them.
+    """
+    start = 0
+    while start < count:
+        room = window - seen
+        stop = min(count, start + room)
+        yield start, stop, stop - start == room
+        seen = 0
+        start = stop
+
+
+def keys_in_order(keys: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
+    """Each distinct key and the indices of its records, in arrival order."""
+    for key in np.unique(keys):
+        yield int(key), np.flatnonzero(keys == key)
+
+
+@attrs.frozen
+class Registered:
+    """What one ``register(config)`` call added: processor names, the input
+    layout they read and the output layouts they write (add both to your
+    :class:`~taproute.routing.RecordSchema`)."""
+
+    processors: tuple[str, ...]
+    input: Layout
+    outputs: tuple[Layout, ...]
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        """Input and output layouts together."""
+        return (self.input, *self.outputs)
+
+
+def tail_layout(name: str, element: str = "Float32") -> Layout:
+    """A capture layout: one variable-length ``Array`` column ``values``."""
+    return Layout(name, [("values", f"Array({element})")])
+
+
+def positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    """attrs validator: an int > 0."""
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def all_tokens(
+    records: Records, width: int, *, where: str
+) -> tuple[npt.NDArray[np.generic], npt.NDArray[np.int64]]:
+    """Every record's tokens in record order, ``[total_tokens, width]``, and each
+    record's token count.  One vectorised gather (a view when the records lie
+    back to back); a payload that is not whole tokens raises :class:`InvalidInput`."""
+    desc = records.descriptors
+    element = records.layout.columns[-1].element_dtype
+    row_bytes = width * element.itemsize
+    prefix = records.layout.prefix_size
+    sizes = (desc["length"] - prefix).astype(np.int64)
+    bad = np.flatnonzero(sizes % row_bytes)
+    if len(bad):
+        i = int(bad[0])
+        raise InvalidInput(
+            f"{where}: record {i} (key {int(desc['key'][i])}) has {int(sizes[i])} payload "
+            f"bytes, not a whole number of {width}-value tokens ({row_bytes} bytes each)"
+        )
+    counts = sizes // row_bytes
+    total = int(sizes.sum())
+    payload = records.batch.payload
+    starts = desc["offset"].astype(np.int64) + prefix
+    if total == 0:
+        return np.empty((0, width), dtype=element), counts
+    if bool(np.all(starts[1:] == starts[:-1] + sizes[:-1])):
+        first = int(starts[0])
+        flat = payload[first : first + total]
+    else:
+        run_starts = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
+        flat = payload[run_starts + np.arange(total)]
+    return flat.view(element).reshape(-1, width), counts
+
+
+def segment_sums(
+    values: npt.NDArray[np.generic], counts: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    """Sum of ``values`` (rows grouped in consecutive runs of ``counts``) per run;
+    empty runs sum to 0."""
+    out = np.zeros((len(counts), *values.shape[1:]))
+    nonempty = counts > 0
+    if values.shape[0]:
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))[nonempty]
+        out[nonempty] = np.add.reduceat(values.astype(np.float64), starts, axis=0)
+    return out

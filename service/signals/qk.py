@@ -1,0 +1,324 @@
+"""Q/K spectra: attention health from captured query and key projections.
+
+Input (layout ``qk``, one ``Array(Float32)`` column): one record per sequence
+and layer holding each token's query projection followed by its key
+projection, ``[tokens, 2 * hidden]`` with the heads side by side as the model
+lays them out (:func:`taproute.service.signals.taps.bind_qk` captures that).
+
+Per record and head, from the attention logits ``A = Q_h K_hᵀ / √d``:
+
+- ``singular_values``: the top ``top_k`` singular values of ``A`` (zeros past
+  ``min(tokens, d)``);
+- ``spectral_norm`` s1; ``stable_rank`` ‖A‖²_F / s1²; ``effective_rank``
+  exp(entropy of s / Σs) over the singular values s (Roy & Vetterli, 2007),
+  0 for an all-zero ``A``;
+- attention entropy (nats) of the causal softmax of ``A`` per query position:
+  ``entropy_mean`` and ``entropy_min`` over positions 1..T-1 (position 0 sees
+  one key, its entropy is always 0, so it is left out; with ``causal=False``
+  every position counts), ``entropy_last`` at the last position (log T for a
+  uniform attention).
+
+``signals.qk_spectra`` (stateless) writes those per record and head;
+``signals.qk_summary`` (stateful, one slot per hook) aggregates them per
+(hook, head) over tumbling windows of ``window`` records and writes one row
+per head when a window closes (a window still open writes nothing yet).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.native import StateRegion
+from taproute.routing import Layout, Records, SlotSpec, stateful_processor, stateless_processor
+from taproute.routing.processors import REGISTRY, ProcessorRegistry
+from taproute.service.signals.common import (
+    DEFAULT_KEY_RANGE,
+    Registered,
+    hook_key,
+    hooks_and_layers,
+    keys_in_order,
+    positive,
+    tail_layout,
+    token_groups,
+    window_segments,
+)
+
+#: Scores arrays are computed in chunks of at most this many float64 elements.
+_CHUNK_ELEMENTS = 1 << 23
+
+
+@attrs.frozen(kw_only=True)
+class QKConfig:
+    """Shape and naming of one Q/K spectral processor pair."""
+
+    hidden: int = attrs.field(default=384, validator=positive)  # H * d of Q (and of K)
+    heads: int = attrs.field(default=12, validator=positive)
+    top_k: int = attrs.field(default=8, validator=positive)
+    causal: bool = True
+    window: int = attrs.field(default=64, validator=positive)  # records per hook
+    key_range: int = attrs.field(default=DEFAULT_KEY_RANGE, validator=positive)
+    input: str = "qk"
+    spectra: str = "signals.qk_spectra"
+    summary: str = "signals.qk_summary"
+    spectra_layout: str = "qk_spectra"
+    summary_layout: str = "qk_summary"
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden % self.heads:
+            from taproute.routing import ConfigError
+
+            raise ConfigError(f"QKConfig: hidden={self.hidden} is not a multiple of heads")
+
+
+@attrs.frozen
+class QKStats:
+    """Per record and head (arrays ``[n, heads]``; ``singular`` is ``[n, heads, top_k]``)."""
+
+    singular: npt.NDArray[np.float64]
+    spectral_norm: npt.NDArray[np.float64]
+    stable_rank: npt.NDArray[np.float64]
+    effective_rank: npt.NDArray[np.float64]
+    entropy_mean: npt.NDArray[np.float64]
+    entropy_min: npt.NDArray[np.float64]
+    entropy_last: npt.NDArray[np.float64]
+
+
+def _split_heads(x: npt.NDArray[np.generic], heads: int) -> npt.NDArray[np.float64]:
+    n, t, hidden = x.shape
+    return x.reshape(n, t, heads, hidden // heads).transpose(0, 2, 1, 3).astype(np.float64)
+
+
+def qk_stats(
+    q: npt.NDArray[np.generic],
+    k: npt.NDArray[np.generic],
+    *,
+    heads: int,
+    top_k: int,
+    causal: bool = True,
+) -> QKStats:
+    """The spectral and entropy statistics of ``n`` sequences of equal length.
+
+    ``q`` and ``k`` are ``[n, tokens, hidden]``.  One stacked LAPACK call per
+    chunk: when tokens > d the singular values come from the d x d matrix
+    R_Q R_Kᵀ of the two QR factors (the same values, a smaller problem).
+    """
+    n, t, hidden = q.shape
+    per = max(1, _CHUNK_ELEMENTS // max(1, heads * t * t))
+    if n > per:
+        parts = [
+            qk_stats(q[i : i + per], k[i : i + per], heads=heads, top_k=top_k, causal=causal)
+            for i in range(0, n, per)
+        ]
+        return QKStats(
+            *(np.concatenate([getattr(p, f.name) for p in parts]) for f in attrs.fields(QKStats))
+        )
+    d = hidden // heads
+    qh, kh = _split_heads(q, heads), _split_heads(k, heads)
+    scale = 1.0 / math.sqrt(d)
+    scores = (qh @ kh.transpose(0, 1, 3, 2)) * scale  # [n, H, T, T]
+    if t > d:
+        rq: npt.NDArray[np.float64] = np.linalg.qr(qh, mode="r")  # type: ignore[assignment]
+        rk: npt.NDArray[np.float64] = np.linalg.qr(kh, mode="r")  # type: ignore[assignment]
+        small = rq @ rk.transpose(0, 1, 3, 2)
+        sv = np.asarray(np.linalg.svd(small, compute_uv=False), dtype=np.float64) * scale
+    else:
+        sv = np.asarray(np.linalg.svd(scores, compute_uv=False), dtype=np.float64)
+    total = sv.sum(-1)
+    p = sv / np.where(total > 0, total, 1.0)[..., None]
+    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    effective = np.where(total > 0, np.exp(-plogp.sum(-1)), 0.0)
+    top = sv[..., :1][..., 0]
+    stable = np.where(top > 0, (sv**2).sum(-1) / np.where(top > 0, top, 1.0) ** 2, 0.0)
+    singular = np.zeros((n, heads, top_k))
+    m = min(top_k, sv.shape[-1])
+    singular[..., :m] = sv[..., :m]
+
+    entropy = _softmax_entropy(scores, causal)  # [n, H, T]
+    rows = entropy[..., 1:] if causal and t > 1 else entropy
+    return QKStats(
+        singular=singular,
+        spectral_norm=top,
+        stable_rank=stable,
+        effective_rank=effective,
+        entropy_mean=rows.mean(-1),
+        entropy_min=rows.min(-1),
+        entropy_last=entropy[..., -1],
+    )
+
+
+def _softmax_entropy(scores: npt.NDArray[np.float64], causal: bool) -> npt.NDArray[np.float64]:
+    """Entropy (nats) of the softmax of each row of ``scores`` (causal: keys <= query)."""
+    t = scores.shape[-1]
+    if causal:
+        future = np.triu(np.ones((t, t), dtype=bool), 1)
+        masked = np.where(future, -np.inf, scores)
+    else:
+        future = np.zeros((t, t), dtype=bool)
+        masked = scores
+    top = masked.max(-1, keepdims=True)
+    exp = np.exp(masked - top)
+    z = exp.sum(-1, keepdims=True)
+    centred = np.where(future, 0.0, scores - top)
+    result: npt.NDArray[np.float64] = np.log(z[..., 0]) - (exp / z * centred).sum(-1)
+    return result
+
+
+def spectra_layout(config: QKConfig) -> Layout:
+    """Rows of ``signals.qk_spectra``: one per record and head."""
+    return Layout(
+        config.spectra_layout,
+        [
+            ("hook", "LowCardinality(String)"),
+            ("layer", "Int16"),
+            ("key", "Int64"),
+            ("step", "Int64"),
+            ("seq", "Int64"),
+            ("head", "UInt16"),
+            ("tokens", "UInt32"),
+            ("singular_values", "Array(Float32)", (config.top_k,)),
+            ("spectral_norm", "Float32"),
+            ("stable_rank", "Float32"),
+            ("effective_rank", "Float32"),
+            ("entropy_mean", "Float32"),
+            ("entropy_min", "Float32"),
+            ("entropy_last", "Float32"),
+        ],
+    )
+
+
+def summary_layout(config: QKConfig) -> Layout:
+    """Rows of ``signals.qk_summary``: one per hook, head and closed window."""
+    return Layout(
+        config.summary_layout,
+        [
+            ("hook", "LowCardinality(String)"),
+            ("layer", "Int16"),
+            ("window", "UInt32"),
+            ("records", "UInt32"),
+            ("head", "UInt16"),
+            ("effective_rank_mean", "Float32"),
+            ("effective_rank_min", "Float32"),
+            ("stable_rank_mean", "Float32"),
+            ("spectral_norm_mean", "Float32"),
+            ("spectral_norm_max", "Float32"),
+            ("entropy_mean", "Float32"),
+            ("entropy_min", "Float32"),
+        ],
+    )
+
+
+def record_stats(records: Records, config: QKConfig) -> tuple[QKStats, npt.NDArray[np.int64]]:
+    """:func:`qk_stats` of every record (in record order) and each record's token count."""
+    n, heads = len(records), config.heads
+    out = QKStats(
+        singular=np.zeros((n, heads, config.top_k)),
+        **{f.name: np.zeros((n, heads)) for f in attrs.fields(QKStats) if f.name != "singular"},
+    )
+    tokens = np.zeros(n, dtype=np.int64)
+    where = f"processor {config.spectra!r}"
+    for index, values in token_groups(records, 2 * config.hidden, where=where):
+        q, k = values[..., : config.hidden], values[..., config.hidden :]
+        stats = qk_stats(q, k, heads=heads, top_k=config.top_k, causal=config.causal)
+        for f in attrs.fields(QKStats):
+            getattr(out, f.name)[index] = getattr(stats, f.name)
+        tokens[index] = values.shape[1]
+    return out, tokens
+
+
+def register(config: QKConfig, *, registry: ProcessorRegistry = REGISTRY) -> Registered:
+    """Register ``config.spectra`` (stateless) and ``config.summary`` (stateful)."""
+    spectra_rows = spectra_layout(config)
+    summary_rows = summary_layout(config)
+    heads = config.heads
+
+    def qk_spectra(records: Records) -> npt.NDArray[np.void]:
+        stats, tokens = record_stats(records, config)
+        n = len(records)
+        rows = np.empty(n * heads, dtype=spectra_rows.dtype)
+        hooks, layers = hooks_and_layers(records)
+        desc = records.descriptors
+        rows["hook"] = np.repeat(hooks, heads)
+        rows["layer"] = np.repeat(layers, heads)
+        for field in ("key", "step", "seq"):
+            rows[field] = np.repeat(desc[field], heads)
+        rows["head"] = np.tile(np.arange(heads), n)
+        rows["tokens"] = np.repeat(tokens, heads)
+        rows["singular_values"] = stats.singular.reshape(n * heads, config.top_k)
+        for name in ("spectral_norm", "stable_rank", "effective_rank"):
+            rows[name] = getattr(stats, name).reshape(-1)
+        for name in ("entropy_mean", "entropy_min", "entropy_last"):
+            rows[name] = getattr(stats, name).reshape(-1)
+        return rows
+
+    # Slot: row 0 = [records in the open window, window index]; row 1 + h =
+    # head h's [Σ erank, min erank, Σ stable, Σ spectral, max spectral, Σ entropy_mean,
+    # min entropy_min].
+    empty_head = np.array([0.0, np.inf, 0.0, 0.0, 0.0, 0.0, np.inf])
+
+    def qk_summary(
+        records: Records, keys: npt.NDArray[np.int64], state: StateRegion
+    ) -> npt.NDArray[np.void] | None:
+        stats, _ = record_stats(records, config)  # everything that can fail, before any state
+        out: list[npt.NDArray[np.void]] = []
+        for key, index in keys_in_order(keys):
+            slot = state.slots[key]
+            hook, layer = hooks_and_layers(records, index[:1])
+            for start, stop, closes in window_segments(int(slot[0, 0]), len(index), config.window):
+                part = index[start:stop]
+                if slot[0, 0] == 0:
+                    slot[1:] = empty_head
+                acc = slot[1:]
+                erank = stats.effective_rank[part]
+                spectral = stats.spectral_norm[part]
+                acc[:, 0] += erank.sum(0)
+                acc[:, 1] = np.minimum(acc[:, 1], erank.min(0))
+                acc[:, 2] += stats.stable_rank[part].sum(0)
+                acc[:, 3] += spectral.sum(0)
+                acc[:, 4] = np.maximum(acc[:, 4], spectral.max(0))
+                acc[:, 5] += stats.entropy_mean[part].sum(0)
+                acc[:, 6] = np.minimum(acc[:, 6], stats.entropy_min[part].min(0))
+                slot[0, 0] += len(part)
+                if closes:
+                    rows = np.empty(heads, dtype=summary_rows.dtype)
+                    count = slot[0, 0]
+                    rows["hook"] = hook[0]
+                    rows["layer"] = layer[0]
+                    rows["window"] = slot[0, 1]
+                    rows["records"] = count
+                    rows["head"] = np.arange(heads)
+                    rows["effective_rank_mean"] = acc[:, 0] / count
+                    rows["effective_rank_min"] = acc[:, 1]
+                    rows["stable_rank_mean"] = acc[:, 2] / count
+                    rows["spectral_norm_mean"] = acc[:, 3] / count
+                    rows["spectral_norm_max"] = acc[:, 4]
+                    rows["entropy_mean"] = acc[:, 5] / count
+                    rows["entropy_min"] = acc[:, 6]
+                    out.append(rows)
+                    slot[0, 1] += 1
+                    slot[0, 0] = 0
+        return np.concatenate(out) if out else None
+
+    stateless_processor(
+        config.spectra, input=config.input, output=spectra_rows.name, registry=registry
+    )(qk_spectra)
+    stateful_processor(
+        config.summary,
+        key=hook_key,
+        key_range=config.key_range,
+        slot=SlotSpec((heads + 1, 7), "float64"),
+        input=config.input,
+        output=summary_rows.name,
+        registry=registry,
+    )(qk_summary)
+    return Registered(
+        (config.spectra, config.summary), tail_layout(config.input), (spectra_rows, summary_rows)
+    )
+
+
+#: The default configuration (MiniLM / BERT-base shapes), registered on import.
+DEFAULT = QKConfig()
+SIGNALS = register(DEFAULT)
