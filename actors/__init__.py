@@ -11,10 +11,10 @@ from taproute.actors.counters import (
     RouteCounters,
     RouterSnapshot,
 )
-from taproute.actors.destination import DestinationActor
+from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
-from taproute.actors.routing_sink import DestinationSpec, RoutingSink, open_routing_sink
+from taproute.actors.routing_sink import RoutingSink, open_routing_sink
 
 __all__ = [
     "DestinationActor",

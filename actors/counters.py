@@ -6,6 +6,8 @@ methods return detached copies that are safe to hand to other threads.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import attrs
 
 
@@ -84,3 +86,11 @@ class RouterSnapshot:
     unmatched_dropped: int
     ingress: IngressCounters | None = None
     failure: str | None = None
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """A sink that reports a :class:`RouterSnapshot` (a routing sink does): the
+    runtime merges it with its own ingress counters."""
+
+    def snapshot(self) -> RouterSnapshot: ...

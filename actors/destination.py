@@ -17,8 +17,19 @@ from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
-from taproute.routing.errors import SinkClosed
-from taproute.routing.sink import RecordSink
+from taproute.routing.errors import ConfigError, SinkClosed
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground
+
+#: A destination given as a sink is leased; given as a factory, the routing
+#: sink creates it at start and closes it at close.
+DestinationSpec = RecordSink | Callable[[], RecordSink]
+
+
+def is_sink(value: object) -> bool:
+    """A sink instance (a sink *class* is a factory, though it has the methods)."""
+    return not isinstance(value, type) and isinstance(value, RecordSink)
+
 
 #: A destination actor drains queued batches without a scheduler trip for each
 #: (a hop costs more than the work); it still yields this often.
@@ -34,25 +45,34 @@ DestinationMessage = tuple[str | None, Batch]
 class DestinationActor:
     """Owns the submit side of one :class:`RecordSink`.
 
-    ``owned`` sinks (created by the routing sink) are closed by :meth:`close`;
-    leased ones are only flushed.
+    Built inert from a sink (leased: flushed, never closed) or a factory
+    (owned: created by :meth:`open` at start, closed by :meth:`close`).  The
+    sink's optional capabilities are checked once, when it is taken.
     """
 
     def __init__(
         self,
         name: str,
-        sink: RecordSink,
+        spec: DestinationSpec,
         *,
-        owned: bool,
         latch: FailureLatch,
         in_flight: InFlight,
         capacity_records: int,
         capacity_bytes: int,
         undeliverable: Undeliverable | None = None,
     ) -> None:
+        if not (is_sink(spec) or callable(spec)):
+            raise ConfigError(
+                f"destination {name!r}: expected a RecordSink (submit/flush/close) or a "
+                f"factory returning one, got {type(spec).__name__}"
+            )
         self.name = name
-        self.sink = sink
-        self.owned = owned
+        self.owned = not is_sink(spec)
+        self._spec = spec
+        #: The sink, once :meth:`open` has taken (or, when owned, created) it.
+        self.sink: RecordSink | None = None
+        #: The sink's background task, when it has one and this actor owns it.
+        self.background: RunsInBackground | None = None
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -60,6 +80,28 @@ class DestinationActor:
         self.mailbox: Mailbox[DestinationMessage] = Mailbox(
             f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
         )
+
+    def open(self, hooks: HookRegistry) -> RecordSink:
+        """Take the sink (creating it when owned) and check its capabilities, once."""
+        made: object = self._spec() if self.owned else self._spec  # type: ignore[operator]
+        if not is_sink(made):
+            raise ConfigError(
+                f"destination {self.name!r}: factory returned {type(made).__name__}, "
+                "not a RecordSink"
+            )
+        sink: RecordSink = made  # type: ignore[assignment]
+        if isinstance(sink, RunsInBackground):
+            if self.owned:
+                self.background = sink
+            elif not sink.running:
+                raise ConfigError(
+                    f"destination {self.name!r} is a leased sink whose run() task is not "
+                    "running; start it first, or give a factory so the routing sink owns it"
+                )
+        if isinstance(sink, NamesHooks):
+            sink.use_hooks(hooks)
+        self.sink = sink
+        return sink
 
     async def deliver(self, route: str | None, batch: Batch) -> None:
         """Queue ``batch`` for the sink, taking a lease on raw batches.
@@ -77,6 +119,8 @@ class DestinationActor:
 
     async def run(self) -> None:
         """Submit every queued batch, in order, until the mailbox is closed."""
+        sink = self.sink
+        assert sink is not None, "open() the destination before running it"
         handled = 0
         while True:
             handled += 1
@@ -87,7 +131,7 @@ class DestinationActor:
             except trio.EndOfChannel:
                 return
             try:
-                await self.sink.submit(batch)
+                await sink.submit(batch)
             except SinkClosed as exc:
                 # The destination is gone: a per-record failure of the route
                 # (binding_invalid, dead-lettered), not a failure of the router.
@@ -117,6 +161,8 @@ class DestinationActor:
 
     async def flush(self) -> None:
         """Flush the sink; a failure is latched and raised."""
+        if self.sink is None:
+            return  # never opened: nothing was submitted
         try:
             await self.sink.flush()
         except Exception as exc:
@@ -126,7 +172,7 @@ class DestinationActor:
 
     async def close(self) -> None:
         """Close the sink if the routing sink created it; a failure is latched and raised."""
-        if not self.owned:
+        if not self.owned or self.sink is None:
             return
         try:
             await self.sink.close()

@@ -1,11 +1,17 @@
 """RoutingSink: a RecordSink that routes each batch to per-route pipelines.
 
-The nursery tree::
+Build, then run.  Construction builds and checks everything (the plan, every
+route actor and destination actor, inert); :meth:`RoutingSink.run` only runs
+them, in three nested nurseries::
 
-    RoutingSink.run                      (one nursery)
-      ├─ destination actors              one per destination, mailbox each
-      ├─ stateless pool workers          N per stateless route, shared mailbox
-      └─ stateful owner actors           N per stateful route, mailbox each
+    sinks       background tasks of the destination sinks it created
+      destinations  one actor per destination, mailbox each
+        routes      stateless pool workers and stateful owners, mailboxes each
+
+Shutdown is one cascade: :meth:`RoutingSink.close` drains and closes the
+routes' inputs; when the route actors have exited, ``run`` closes the
+destinations' mailboxes; when the destination actors have exited, it closes
+the sinks it created.
 
 ``submit`` is the record worker's step: one native pass groups the batch by
 route; forward routes hand it to their destination actor inline, the others
@@ -14,16 +20,16 @@ queue it in their mailboxes.  A full mailbox makes ``submit`` wait.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
 from taproute.actors.counters import RouterSnapshot
-from taproute.actors.destination import DestinationActor
+from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
 from taproute.actors.latch import FailureLatch
@@ -33,19 +39,24 @@ from taproute.actors.route_actor import RouteActor
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable
 from taproute.routing.batch import Batch, RecordBatch
-from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed
+from taproute.routing.errors import (
+    ConfigError,
+    PlanErrors,
+    RoutingFailure,
+    SinkClosed,
+    at,
+    raise_collected,
+)
 from taproute.routing.failures import FailureHandler, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.plan import RoutePlan, Unmatched
+from taproute.routing.predicates import evaluate_predicate
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.routes import RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
-from taproute.routing.sink import RecordSink
-from taproute.routing.trace import TraceResult, evaluate_predicate, trace
 
-#: A destination given as a sink is leased; given as a factory, the routing
-#: sink creates it at start and closes it at close.
-DestinationSpec = RecordSink | Callable[[], RecordSink]
+if TYPE_CHECKING:
+    from taproute.routing.trace import TraceResult
 
 _ROUTE_KINDS: dict[RouteMode, type[RouteActor]] = {
     RouteMode.FORWARD: ForwardRoute,
@@ -54,19 +65,18 @@ _ROUTE_KINDS: dict[RouteMode, type[RouteActor]] = {
 }
 
 
-def _is_sink(value: object) -> bool:
-    """A sink instance (a sink *class* is a factory, though it has the methods)."""
-    return not isinstance(value, type) and isinstance(value, RecordSink)
-
-
 class RoutingSink:
     """Routes batches by output_id to forward, stateless and stateful routes.
 
     Construction checks everything (unknown processor, destination or layout,
-    duplicate route names, no default destination) and raises a
-    :class:`~taproute.routing.errors.ConfigError` naming it; nothing runs
-    until :meth:`run` is started, by :func:`open_routing_sink` or by the
-    runtime it is handed to.
+    duplicate route names, no default destination, a destination that is
+    neither sink nor factory) and builds every actor, inert.  All problems
+    are reported together: one raises its
+    :class:`~taproute.routing.errors.ConfigError`, several a
+    :class:`~taproute.routing.errors.PlanErrors`; each error's ``where`` is
+    its location (``routes[2]``, ``destinations.db``).  Nothing runs until
+    :meth:`run` is started, by :func:`open_routing_sink` or by the runtime
+    it is handed to.
 
     ``destinations`` maps names to sinks (leased: flushed, never closed) or to
     zero-argument factories (created at start and closed at close).
@@ -92,41 +102,66 @@ class RoutingSink:
         self.hooks = hooks if hooks is not None else HookRegistry()
         self.schema = schema
         self.config = config
-        self.plan = RoutePlan(
-            config,
-            schema,
-            destinations=destinations,
-            default_destination=default_destination,
-            unmatched=unmatched,
-            registry=registry,
-            bound_names=self.hooks.names(),
-        )
-        for name, spec in destinations.items():
-            if not (_is_sink(spec) or callable(spec)):
-                raise ConfigError(
-                    f"destination {name!r}: expected a RecordSink (submit/flush/close) or a "
-                    f"factory returning one, got {type(spec).__name__}"
-                )
-        self._destination_specs = dict(destinations)
-        self._destination_capacity = (destination_capacity, destination_capacity_bytes)
         self._on_failure = on_failure
         self._latch = FailureLatch()
         self._in_flight = InFlight()
+        errors: list[ConfigError] = []
+        self._destinations: dict[str, DestinationActor] = {}
+        for name, spec in destinations.items():
+            try:
+                self._destinations[name] = DestinationActor(
+                    name,
+                    spec,
+                    latch=self._latch,
+                    in_flight=self._in_flight,
+                    capacity_records=destination_capacity,
+                    capacity_bytes=destination_capacity_bytes,
+                    undeliverable=self._undeliverable,
+                )
+            except ConfigError as exc:
+                errors.append(at(exc, f"destinations.{name}"))
+        try:
+            self.plan = RoutePlan(
+                config,
+                schema,
+                destinations=destinations,
+                default_destination=default_destination,
+                unmatched=unmatched,
+                registry=registry,
+                bound_names=self.hooks.names(),
+            )
+        except PlanErrors as exc:
+            errors[:0] = exc.errors
+        except ConfigError as exc:
+            errors.insert(0, exc)
+        raise_collected(errors)
+        # Only the destinations something routes to are run.
+        used = self.plan.destinations_used
+        self._destinations = {name: self._destinations[name] for name in used}
+        self._routes: list[RouteActor] = [
+            _ROUTE_KINDS[planned.route.mode](
+                planned,
+                self._destinations[planned.route.destination],
+                latch=self._latch,
+                in_flight=self._in_flight,
+                on_failure=on_failure,
+                hook_name=self.hooks.name_of,
+            )
+            for planned in self.plan.routes
+        ]
+        self._by_name = {route.name: route for route in self._routes}
+        default = self.plan.default_destination
+        self._default = None if default is None else self._destinations[default]
         self._table = RouteTable(len(self.plan.routes))
         self._unsubscribe = self.hooks.subscribe(self._on_bind)
-        self._destinations: dict[str, DestinationActor] = {}
-        self._routes: list[RouteActor] = []
-        self._default: DestinationActor | None = None
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
         self._lock = Turnstile()
         self._has_predicates = any(p.route.predicate is not None for p in self.plan.routes)
         self._started = False
         self._closing = False
+        self._close_inputs = trio.Event()
         self._stopped = trio.Event()
-        self._route_actors_done = trio.Event()
-        self._destination_actors_done = trio.Event()
-        self._sinks_closed = trio.Event()
 
     # -- hook binding ------------------------------------------------------
 
@@ -141,85 +176,52 @@ class RoutingSink:
     # -- lifecycle ---------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Host every actor; returns after :meth:`close` has drained and closed them."""
+        """Run every actor built at construction; returns once :meth:`close` has
+        closed the routes' inputs and the cascade has closed everything behind them."""
         if self._started:
             raise RuntimeError("RoutingSink.run() can only be started once")
         self._started = True
         try:
-            self._build_actors()
-            async with trio.open_nursery() as sinks_nursery:
-                # Background tasks of the sinks this routing sink created.
-                for actor in self._destinations.values():
-                    run_sink = getattr(actor.sink, "run", None)
-                    if actor.owned and run_sink is not None:
-                        await sinks_nursery.start(run_sink)
-                async with trio.open_nursery() as destinations_nursery:
-                    for actor in self._destinations.values():
-                        destinations_nursery.start_soon(actor.run)
-                    async with trio.open_nursery() as routes_nursery:
+            for destination in self._destinations.values():
+                destination.open(self.hooks)  # owned sinks are created now
+            async with trio.open_nursery() as sinks:
+                for destination in self._destinations.values():
+                    if destination.background is not None:
+                        await sinks.start(destination.background.run)
+                async with trio.open_nursery() as destinations:
+                    for destination in self._destinations.values():
+                        destinations.start_soon(destination.run)
+                    async with trio.open_nursery() as routes:
                         for route in self._routes:
-                            await route.run(routes_nursery)
+                            await route.run(routes)
+                        routes.start_soon(self._close_inputs_when_asked)
                         task_status.started()
-                    # Route actors have drained and exited (close() closed their mailboxes).
-                    self._route_actors_done.set()
-                self._destination_actors_done.set()
-                await self._sinks_closed.wait()  # close() closes the owned sinks
+                    # The routes' inputs were closed and they drained: so do the destinations.
+                    for destination in self._destinations.values():
+                        destination.mailbox.close()
+                # Nothing more reaches the sinks: close those created here.
+                for destination in self._destinations.values():
+                    with suppress(RoutingFailure):  # latched; close() raises it
+                        await destination.close()
         finally:
-            self._route_actors_done.set()
-            self._destination_actors_done.set()
             self._stopped.set()
             self._unsubscribe()
 
-    def _build_actors(self) -> None:
-        capacity, capacity_bytes = self._destination_capacity
-        for name in self.plan.destinations_used:
-            spec = self._destination_specs[name]
-            owned = not _is_sink(spec)
-            made: object = spec() if owned else spec  # type: ignore[operator]
-            if not isinstance(made, RecordSink) or isinstance(made, type):
-                raise ConfigError(
-                    f"destination {name!r}: factory returned {type(made).__name__}, "
-                    "not a RecordSink"
-                )
-            sink: RecordSink = made
-            attach_hooks = getattr(sink, "attach_hooks", None)
-            if attach_hooks is not None:
-                attach_hooks(self.hooks)
-            if not owned and getattr(sink, "running", True) is False:
-                raise ConfigError(
-                    f"destination {name!r} is a leased sink whose run() task is not running; "
-                    "start it first, or give a factory so the routing sink owns it"
-                )
-            self._destinations[name] = DestinationActor(
-                name,
-                sink,
-                owned=owned,
-                latch=self._latch,
-                in_flight=self._in_flight,
-                capacity_records=capacity,
-                capacity_bytes=capacity_bytes,
-                undeliverable=self._undeliverable,
-            )
-        for planned in self.plan.routes:
-            kind = _ROUTE_KINDS[planned.route.mode]
-            self._routes.append(
-                kind(
-                    planned,
-                    self._destinations[planned.route.destination],
-                    latch=self._latch,
-                    in_flight=self._in_flight,
-                    on_failure=self._on_failure,
-                    hook_name=self.hooks.name_of,
-                )
-            )
-        if self.plan.default_destination is not None:
-            self._default = self._destinations[self.plan.default_destination]
+    async def _close_inputs_when_asked(self) -> None:
+        await self._close_inputs.wait()
+        for route in self._routes:
+            route.close()
+
+    @property
+    def running(self) -> bool:
+        """True between the start of :meth:`run` and the end of the shutdown cascade."""
+        return self._started and not self._stopped.is_set()
 
     async def _undeliverable(self, route: str, batch: RecordBatch, error: BaseException) -> None:
-        for actor in self._routes:
-            if actor.name == route:
-                await actor.undeliverable(batch, error)
-                return
+        actor = self._by_name.get(route)
+        if actor is not None:
+            await actor.undeliverable(batch, error)
+            return
         self._latch.latch(error, route=route, where="destination refused records")
 
     def _check_open(self) -> None:
@@ -293,6 +295,8 @@ class RoutingSink:
 
         A dry run: route predicates run, nothing else (no processor, no write).
         """
+        from taproute.routing.trace import trace  # the dry-run module stays off the hot path
+
         layout = fields.pop("layout", None)
         if layout is not None:
             fields["layout_id"] = self.schema.layout_id(layout)
@@ -346,19 +350,7 @@ class RoutingSink:
                             with suppress(RoutingFailure):  # latched; raised below
                                 await actor.flush()
             finally:
-                # Routes first, so what they still emit reaches open destination mailboxes.
-                for route in self._routes:
-                    route.close()
-                await self._route_actors_done.wait()
-                for actor in self._destinations.values():
-                    actor.mailbox.close()
-                await self._destination_actors_done.wait()
-                try:
-                    for actor in self._destinations.values():
-                        with suppress(RoutingFailure):  # latched; raised below
-                            await actor.close()
-                finally:
-                    self._sinks_closed.set()
+                self._close_inputs.set()  # run() cascades the rest
                 await self._stopped.wait()
         self._latch.raise_if_failed()
 
@@ -369,8 +361,8 @@ class RoutingSink:
         """The latched failure, or None."""
         return self._latch.failure
 
-    def counters(self) -> RouterSnapshot:
-        """A snapshot of every route's and destination's counters."""
+    def snapshot(self) -> RouterSnapshot:
+        """Every route's and destination's counters and live state, at one moment."""
         failure = self._latch.failure
         return RouterSnapshot(
             routes={r.name: r.snapshot() for r in self._routes},
@@ -379,6 +371,10 @@ class RoutingSink:
             unmatched_dropped=self._unmatched_dropped,
             failure=None if failure is None else str(failure),
         )
+
+    def counters(self) -> RouterSnapshot:
+        """Same as :meth:`snapshot` (the name the runtime also answers to)."""
+        return self.snapshot()
 
 
 @asynccontextmanager

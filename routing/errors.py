@@ -6,6 +6,8 @@ layout, column, output_id, record position) and where it was found.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class TaprouteError(Exception):
     """Base class of every error taproute raises on purpose."""
@@ -16,6 +18,45 @@ class TaprouteError(Exception):
 
 class ConfigError(TaprouteError, ValueError):
     """A route, schema or destination configuration is invalid."""
+
+    #: Where the problem is, as a configuration key path (``routes[2]``,
+    #: ``destinations.db``, ``default_destination``), when the raiser knows it.
+    where: str | None = None
+
+    def located(self) -> list[tuple[str, str | None]]:
+        """``(message, where)`` for each problem this error reports."""
+        return [(str(self), self.where)]
+
+
+class PlanErrors(ConfigError):
+    """Several configuration problems found in one pass; ``errors`` holds each
+    (with its own class and ``where``), in the order they were found."""
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = tuple(errors)
+        listing = "\n".join(
+            f"  - {error}" + ("" if error.where is None else f" @ {error.where}")
+            for error in self.errors
+        )
+        super().__init__(f"{len(self.errors)} configuration problems:\n{listing}")
+
+    def located(self) -> list[tuple[str, str | None]]:
+        return [pair for error in self.errors for pair in error.located()]
+
+
+def raise_collected(errors: Sequence[ConfigError]) -> None:
+    """Raise the one error found as itself, several as :class:`PlanErrors`, none: return."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise PlanErrors(errors)
+
+
+def at(error: ConfigError, where: str) -> ConfigError:
+    """``error`` with its location set (unless it already has one)."""
+    if error.where is None:
+        error.where = where
+    return error
 
 
 class LayoutError(ConfigError):

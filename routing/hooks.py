@@ -30,6 +30,7 @@ class HookRegistry:
         self._names: list[str] = []
         self._layouts: list[str | None] = []
         self._listeners: list[BindListener] = []
+        self._names_view: tuple[str, ...] = ()
 
     def bind(self, name: str, *, layout: str | None = None) -> int:
         """Return the output_id for ``name``, allocating one on first use."""
@@ -50,6 +51,7 @@ class HookRegistry:
             self._ids[name] = output_id
             self._names.append(name)
             self._layouts.append(layout)
+            self._names_view = tuple(self._names)
             listeners = list(self._listeners)
         for listener in listeners:
             listener(name, output_id)
@@ -88,10 +90,13 @@ class HookRegistry:
         """The layout name declared for ``output_id``'s hook, if any."""
         return self._layouts[output_id]
 
-    def names(self) -> list[str]:
-        """Every bound name, in output_id order."""
-        with self._lock:
-            return list(self._names)
+    def names(self) -> tuple[str, ...]:
+        """Every bound name, in output_id order.
+
+        An immutable view, rebuilt only when a hook is bound (rare), so readers
+        on hot paths (a sink naming every insert's hooks) copy nothing.
+        """
+        return self._names_view
 
     def __len__(self) -> int:
         return len(self._names)

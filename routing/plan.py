@@ -15,7 +15,13 @@ from typing import Literal
 
 import attrs
 
-from taproute.routing.errors import ConfigError, GlobMatchesNothing, UnknownDestination
+from taproute.routing.errors import (
+    ConfigError,
+    GlobMatchesNothing,
+    UnknownDestination,
+    at,
+    raise_collected,
+)
 from taproute.routing.layout import Layout
 from taproute.routing.processors import REGISTRY, ProcessorKind, ProcessorRegistry, ProcessorSpec
 from taproute.routing.routes import Route, RouteMode, RoutingConfig
@@ -48,8 +54,11 @@ class PlannedRoute:
 class RoutePlan:
     """Checked routes plus the hook-name matching rules.
 
-    Raises a :class:`~taproute.routing.errors.ConfigError` subclass naming the
-    route and the unknown processor, destination or layout.  Warns
+    Checks every route before raising: one problem raises its
+    :class:`~taproute.routing.errors.ConfigError` subclass, several raise
+    :class:`~taproute.routing.errors.PlanErrors` listing each; every error's
+    ``where`` is its key path (``routes[2]``, ``default_destination``), its
+    message names the route and the unknown processor, destination or layout.  Warns
     (:class:`GlobMatchesNothing`) for outputs no bound hook matches, when
     hooks are already bound; hooks bound later still resolve.
     """
@@ -66,25 +75,46 @@ class RoutePlan:
         bound_names: Iterable[str] = (),
     ) -> None:
         known = set(destinations)
+        errors: list[ConfigError] = []
         if unmatched not in ("default", "drop"):
-            raise ConfigError(f"unmatched must be 'default' or 'drop', got {unmatched!r}")
-        if unmatched == "default":
-            if default_destination is None:
-                raise ConfigError(
-                    "no default_destination for unmatched records; name one, or pass "
-                    "unmatched='drop' to drop (and count) records no route takes"
+            errors.append(
+                at(
+                    ConfigError(f"unmatched must be 'default' or 'drop', got {unmatched!r}"),
+                    "unmatched",
                 )
-            if default_destination not in known:
-                raise UnknownDestination(
-                    f"default_destination {default_destination!r} is not among the "
-                    f"destinations {sorted(known)}"
+            )
+        elif unmatched == "default":
+            if default_destination is None:
+                errors.append(
+                    at(
+                        ConfigError(
+                            "no default_destination for unmatched records; name one, or pass "
+                            "unmatched='drop' to drop (and count) records no route takes"
+                        ),
+                        "default_destination",
+                    )
+                )
+            elif default_destination not in known:
+                errors.append(
+                    at(
+                        UnknownDestination(
+                            f"default_destination {default_destination!r} is not among the "
+                            f"destinations {sorted(known)}"
+                        ),
+                        "default_destination",
+                    )
                 )
         self.schema = schema
         self.unmatched: Unmatched = unmatched
         self.default_destination = default_destination if unmatched == "default" else None
-        self.routes: tuple[PlannedRoute, ...] = tuple(
-            _plan_route(i, route, schema, known, registry) for i, route in enumerate(config.routes)
-        )
+        routes: list[PlannedRoute] = []
+        for i, route in enumerate(config.routes):
+            try:
+                routes.append(_plan_route(i, route, schema, known, registry))
+            except ConfigError as exc:
+                errors.append(at(exc, f"routes[{i}]"))
+        raise_collected(errors)
+        self.routes: tuple[PlannedRoute, ...] = tuple(routes)
         bound = list(bound_names)
         # With no hook bound yet every pattern "matches nothing"; the check only
         # means something once the producer has bound its hooks.

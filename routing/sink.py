@@ -1,10 +1,29 @@
-"""The destination contract every sink fulfils."""
+"""The destination contract every sink fulfils, and the optional capabilities a
+sink may declare.
+
+:class:`RecordSink` is the contract: three methods.  A sink may also offer a
+few declared capabilities, each a small protocol.  Whoever holds a sink (a
+destination actor, the runtime) checks them once, when it takes the sink,
+keeps the typed reference, and never probes the sink again:
+
+- :class:`RunsInBackground`: the sink needs a task on the loop (``run``) and
+  says whether it is running (a leased sink must be started by its owner);
+- :class:`NamesHooks`: the sink names records' hooks, so it is handed the
+  hook registry the producer binds in (``use_hooks``) before its first batch;
+- :class:`DescribesRecords`: the sink knows the schema and hook registry
+  records are checked and bound against (a routing sink: the runtime uses
+  them as its defaults);
+- :class:`ReportsFailure`: the sink latches its first failure (``failure``);
+- :class:`Traceable`: the sink answers dry-run ``trace`` questions.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from taproute.routing.batch import Batch
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.schema import RecordSchema
 
 
 @runtime_checkable
@@ -28,3 +47,65 @@ class RecordSink(Protocol):
     async def flush(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RunsInBackground(Protocol):
+    """A sink with a background task.
+
+    ``run`` is started with ``nursery.start`` by whoever owns the sink (the
+    runtime for its record sink, the routing sink for destinations it
+    created) and returns after ``close``; ``running`` is True in between.
+    """
+
+    async def run(self, *, task_status: Any = ...) -> None: ...
+
+    @property
+    def running(self) -> bool: ...
+
+
+@runtime_checkable
+class NamesHooks(Protocol):
+    """A sink that names records' hooks (e.g. in a table column).
+
+    ``use_hooks`` is called once, before the first batch, with the registry
+    the producer binds hooks in.
+    """
+
+    def use_hooks(self, hooks: HookRegistry) -> None: ...
+
+
+@runtime_checkable
+class DescribesRecords(Protocol):
+    """A sink that knows the layouts and (when it has one) the hook registry."""
+
+    @property
+    def schema(self) -> RecordSchema: ...
+
+    @property
+    def hooks(self) -> HookRegistry | None: ...
+
+
+@runtime_checkable
+class ReportsFailure(Protocol):
+    """A sink that latches its first failure and raises it from then on."""
+
+    @property
+    def failure(self) -> BaseException | None: ...
+
+
+@runtime_checkable
+class Traceable(Protocol):
+    """A sink that can say where a record would go, without sending it."""
+
+    def trace(self, hook: str, **fields: Any) -> Any: ...
+
+
+__all__ = [
+    "DescribesRecords",
+    "NamesHooks",
+    "RecordSink",
+    "ReportsFailure",
+    "RunsInBackground",
+    "Traceable",
+]

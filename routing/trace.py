@@ -1,7 +1,6 @@
-"""Route predicates and the dry-run trace.
+"""The dry-run trace: where a record would go, and why.
 
-A route may carry a predicate on descriptor fields that takes or declines
-each record, with a short reason for the declines.  ``trace`` answers "where
+``trace`` answers "where
 would this record go, and why?" without running a processor or writing
 anything: for each route a verdict — ``match``, ``skip`` (its predicate
 declined, with the reason), ``not_reached`` (its outputs do not match the
@@ -14,40 +13,12 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from taproute.native import make_descriptors
-from taproute.routing.plan import PlannedRoute, RoutePlan
+from taproute.routing.plan import RoutePlan
+from taproute.routing.predicates import evaluate_predicate
 
 Verdict = Literal["match", "skip", "not_reached", "bypassed"]
-MAX_REASON = 500
-
-
-def one_line(reason: str) -> str:
-    """A decline reason cut to one line of at most 500 bytes."""
-    line = reason.strip().splitlines()[0] if reason.strip() else "declined"
-    encoded = line.encode()[:MAX_REASON]
-    return encoded.decode(errors="ignore")
-
-
-def evaluate_predicate(
-    planned: PlannedRoute, descriptors: npt.NDArray[np.void]
-) -> tuple[npt.NDArray[np.bool_], str]:
-    """Which records the route's predicate takes, and its reason for the rest."""
-    predicate = planned.route.predicate
-    assert predicate is not None
-    result = predicate(descriptors)
-    reason = "declined by the route's predicate"
-    if isinstance(result, tuple):
-        result, reason = result
-    mask = np.asarray(result, dtype=bool)
-    if mask.shape != (len(descriptors),):
-        raise ValueError(
-            f"route {planned.name!r}: predicate returned shape {mask.shape}, "
-            f"expected ({len(descriptors)},)"
-        )
-    return mask, one_line(str(reason))
 
 
 @attrs.frozen

@@ -283,8 +283,9 @@ class ServiceConfig:
             )
         except ConfigFileError:
             raise
-        except ConfigError as exc:
-            raise ConfigFileError(self.source, [f"{exc} @ routes"]) from None
+        except ConfigError as exc:  # every plan problem, at its own key path
+            problems = [f"{message} @ {where or 'routes'}" for message, where in exc.located()]
+            raise ConfigFileError(self.source, problems) from None
         runtime_kwargs: dict[str, Any] = {
             "capacity_records": self.ingress.capacity_records,
             "capacity_bytes": self.ingress.capacity_bytes,

@@ -24,14 +24,20 @@ from typing import Any
 import attrs
 import trio
 
-from taproute.actors.counters import RouterSnapshot
+from taproute.actors.counters import Observable, RouterSnapshot
 from taproute.actors.latch import FailureLatch
 from taproute.native import BufferLease
 from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import SinkClosed, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
-from taproute.routing.sink import RecordSink
+from taproute.routing.sink import (
+    DescribesRecords,
+    NamesHooks,
+    RecordSink,
+    ReportsFailure,
+    RunsInBackground,
+)
 from taproute.routing.validation import check_batch
 from taproute.service.host.ingress import Control, Ingress, WhenFull
 
@@ -64,18 +70,22 @@ class RecordRuntime:
     ) -> None:
         self.record_sink = record_sink
         self._loop_tasks: list[LoopTask] = []
+        # The sink's optional capabilities, checked once (routing/sink.py lists them).
+        described = record_sink if isinstance(record_sink, DescribesRecords) else None
+        self._background = record_sink if isinstance(record_sink, RunsInBackground) else None
+        self._observable = record_sink if isinstance(record_sink, Observable) else None
+        self._reports_failure = record_sink if isinstance(record_sink, ReportsFailure) else None
         self.schema: RecordSchema | None = (
-            schema if schema is not None else getattr(record_sink, "schema", None)
+            schema if schema is not None else None if described is None else described.schema
         )
-        sink_hooks = getattr(record_sink, "hooks", None)
+        sink_hooks = None if described is None else described.hooks
         if hooks is not None and sink_hooks is not None and hooks is not sink_hooks:
             raise ValueError("hooks given twice: the record sink already has a HookRegistry")
         if hooks is None:
             hooks = sink_hooks if sink_hooks is not None else HookRegistry()
         self.hooks: HookRegistry = hooks
-        attach_hooks = getattr(record_sink, "attach_hooks", None)
-        if attach_hooks is not None:
-            attach_hooks(hooks)
+        if isinstance(record_sink, NamesHooks):
+            record_sink.use_hooks(hooks)
         self.name = name
         self._ingress = Ingress(
             capacity_records=capacity_records,
@@ -132,9 +142,8 @@ class RecordRuntime:
         self._wakeup = trio.Event()
         self._ingress.connect(self._schedule_wake)
         async with trio.open_nursery() as nursery:
-            run = getattr(self.record_sink, "run", None)
-            if run is not None:
-                await nursery.start(run)
+            if self._background is not None:
+                await nursery.start(self._background.run)
             for task in self._loop_tasks:
                 await nursery.start(task)
             self._ready.set()
@@ -374,9 +383,11 @@ class RecordRuntime:
 
     def _snapshot_in_loop(self) -> RouterSnapshot:
         ingress = self._ingress.snapshot()
-        sink_counters = getattr(self.record_sink, "counters", None)
-        snapshot = sink_counters() if callable(sink_counters) else RouterSnapshot({}, {}, 0, 0)
-        failure = self._latch.failure or getattr(self.record_sink, "failure", None)
+        observable = self._observable
+        snapshot = RouterSnapshot({}, {}, 0, 0) if observable is None else observable.snapshot()
+        failure = self._latch.failure or (
+            None if self._reports_failure is None else self._reports_failure.failure
+        )
         return attrs.evolve(
             snapshot,
             ingress=ingress,

@@ -28,7 +28,7 @@ import trio
 from taproute.routing.errors import ConfigError
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
-from taproute.routing.sink import RecordSink
+from taproute.routing.sink import RecordSink, Traceable
 from taproute.service.host.http import HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import WhenFull
 from taproute.service.host.runtime import RecordRuntime
@@ -58,6 +58,9 @@ class RecordService:
         self.http_urls: list[str] = []
         #: Where the routing sink's given-up records are kept (for the controls).
         self.dead_letters = dead_letters
+        sink = runtime.record_sink
+        # Checked once: a sink that can trace gets the /trace endpoint.
+        self._trace = sink.trace if isinstance(sink, Traceable) else None
         if http is not None:
             runtime.host(self._serve_http)
         self.controls: DeadLetterControls | None = (
@@ -81,7 +84,7 @@ class RecordService:
         app = build_app(
             runtime.counters,  # on the loop thread: read directly, no crossing
             controls=self.controls,
-            trace=getattr(runtime.record_sink, "trace", None),
+            trace=self._trace,
         )
         async with trio.open_nursery() as nursery:
             self.http_urls = await nursery.start(serve_http, app, self.http)

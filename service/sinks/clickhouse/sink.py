@@ -227,8 +227,9 @@ class ClickHouseSink:
         if require_deduplication:
             check_deduplication(self.transport, spec.name)
 
-    def attach_hooks(self, hooks: HookRegistry) -> None:
-        """Use ``hooks`` to name raw records' hooks (the runtime and routing sink call this)."""
+    def use_hooks(self, hooks: HookRegistry) -> None:
+        """Name raw records' hooks from ``hooks`` (the runtime or routing sink hands it
+        over once, before the first batch; see :class:`~taproute.routing.sink.NamesHooks`)."""
         if self.hooks is not None and self.hooks is not hooks:
             raise ConfigError("ClickHouseSink is already attached to another HookRegistry")
         self.hooks = hooks
@@ -381,7 +382,7 @@ class ClickHouseSink:
         spec = self.tables[table]
         parts: list[pa.Table] = []
         if spec.raw:
-            names = self.hooks.names() if self.hooks is not None else []
+            names = self.hooks.names() if self.hooks is not None else ()  # a view, no copy
             for item in buffer.items:
                 assert isinstance(item, RecordBatch)
                 layout = self.schema.by_id(int(item.descriptors["layout_id"][0]))
