@@ -17,14 +17,12 @@ Targets (issue #3): routed >= 0.9x direct; direct >= 0.8x bare.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
-from importlib import metadata
 
 import numpy as np
 import pyarrow as pa
-from harness import measure, report
+from harness import arguments, comparison, fmt, interleave, target, write_result
 
 from taproute.actors import RoutingSink
 from taproute.native import make_descriptors
@@ -123,11 +121,7 @@ def run_bare(transport: Transport, data, table: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--url", help="a ClickHouse server instead of chDB")
-    args = parser.parse_args()
+    args = arguments(__doc__, repeat=(5, 2), batches=(64, 16), url=(None, None))
     data = make_data(args.batches)
     with tempfile.TemporaryDirectory() as tmp:
         transport: Transport = ServerTransport(args.url) if args.url else ChdbTransport(tmp)
@@ -137,44 +131,85 @@ def main() -> None:
             engine = f"{engine} (ClickHouse {version})"
         tables = {k: f"taproute_parity_{k}" for k in ("routed", "direct", "bare")}
         try:
-            routed = measure(
-                lambda: run_sink(transport, data, tables["routed"], True), repeat=args.repeat
+            # Interleaved: run in blocks, these three differ by the noise of the minute.
+            got = interleave(
+                {
+                    "routed": lambda: run_sink(transport, data, tables["routed"], True),
+                    "direct": lambda: run_sink(transport, data, tables["direct"], False),
+                    "bare": lambda: run_bare(transport, data, tables["bare"]),
+                },
+                repeat=args.repeat,
             )
-            direct = measure(
-                lambda: run_sink(transport, data, tables["direct"], False), repeat=args.repeat
-            )
-            bare = measure(lambda: run_bare(transport, data, tables["bare"]), repeat=args.repeat)
             if args.url:
                 for table in tables.values():
                     transport.execute(f"DROP TABLE IF EXISTS `{table}`")
         finally:
             transport.close()
+    routed, direct, bare = got["routed"], got["direct"], got["bare"]
     mb_per_row = FLOATS * 4 / 1e6
-    ratios = {
-        "routed_vs_direct": routed["median"] / direct["median"],
-        "direct_vs_bare": direct["median"] / bare["median"],
-    }
-    report(
+    what = (
+        f"{PER_BATCH} rows/batch of {FLOATS} float32 into {'a server' if args.url else 'chDB'}, "
+        "clock stopped at rows counted"
+    )
+    routed_label = "routed (RoutingSink -> ClickHouseSink)"
+    bare_label = "bare INSERT of ready Arrow blocks"
+    comparisons = [
+        comparison(
+            what,
+            routed,
+            direct,
+            taproute_label=routed_label,
+            peer_label="direct ClickHouseSink",
+            unit="rows/s",
+        ),
+        comparison(
+            what,
+            direct,
+            bare,
+            taproute_label="direct ClickHouseSink",
+            peer_label=bare_label,
+            unit="rows/s",
+        ),
+        comparison(
+            what, routed, bare, taproute_label=routed_label, peer_label=bare_label, unit="rows/s"
+        ),
+    ]
+    r_rd = routed["median"] / direct["median"]
+    r_db = direct["median"] / bare["median"]
+    write_result(
         "clickhouse_parity_server" if args.url else "clickhouse_parity",
-        {
-            "engine": "chDB" if not args.url else engine,
-            "parameters": {"batches": args.batches, "repeat": args.repeat},
-            "versions": {p: metadata.version(p) for p in ("chdb", "clickhouse-connect")},
+        title="ClickHouse: routed vs direct sink vs a bare INSERT"
+        + (" (server)" if args.url else " (chDB)"),
+        description=__doc__.split("\n\n")[0],
+        params={
+            "engine": engine if args.url else "chDB",
+            "batches": args.batches,
             "rows_per_run": args.batches * PER_BATCH,
             "payload_bytes_per_row": FLOATS * 4,
-            "peer": "bare INSERT of the same Arrow columns through the same transport",
-            "routed_rows_per_s": routed,
-            "direct_rows_per_s": direct,
-            "bare_rows_per_s": bare,
-            "routed_MB_per_s": routed["median"] * mb_per_row,
-            "direct_MB_per_s": direct["median"] * mb_per_row,
-            "bare_MB_per_s": bare["median"] * mb_per_row,
-            "ratios": ratios,
-            "targets_met": {
-                "routed_vs_direct>=0.9": ratios["routed_vs_direct"] >= 0.9,
-                "direct_vs_bare>=0.8": ratios["direct_vs_bare"] >= 0.8,
-            },
+            "repeat": args.repeat,
         },
+        quick=args.quick,
+        comparisons=comparisons,
+        tables=[
+            {
+                "title": "Rows/s and MB/s (medians)",
+                "columns": ["variant", "rows/s", "MB/s", "spread"],
+                "rows": [
+                    [name, s["median"], s["median"] * mb_per_row, s["spread"]]
+                    for name, s in got.items()
+                ],
+            }
+        ],
+        targets=[
+            target("routed >= 0.9x direct", r_rd >= 0.9, f"{r_rd:.2f}x"),
+            target("direct >= 0.8x bare", r_db >= 0.8, f"{r_db:.2f}x"),
+        ],
+        notes=[
+            f"routed {fmt(routed['median'])} rows/s, direct {fmt(direct['median'])}, bare "
+            f"{fmt(bare['median'])} (spreads {routed['spread']:.0%}, {direct['spread']:.0%}, "
+            f"{bare['spread']:.0%})."
+        ],
+        raw=got,
     )
 
 

@@ -1,138 +1,160 @@
-"""Routing with fan-out against what users would otherwise write, and the
-physical limit.
+"""Fan-out and routing by hook, against what a competent user writes.
 
-Same records (1 KiB each, 1024 per batch), same run, each record going to 3
-null destinations:
+Same records (MiniLM token states, 384 float32), same run, interleaved;
+every destination copies the records' bytes it gets:
 
-- taproute: 3 forward routes on one hook, through the threaded runtime;
-- dict loop: for each record, a dict lookup and a call per destination;
-- asyncio queues: a producer puts each record on 3 ``asyncio.Queue``s,
-  one consumer task per destination;
-- memcpy: ``np.copyto`` of the same payload bytes (the bandwidth a copying
-  router could not beat); taproute's effective GB/s is reported as a
-  fraction of it (it copies nothing, so it can exceed 1).
+- fan-out: one hook, three forward routes, every record to each of 3
+  destinations (every peer sends every record to all 3 too);
+- by hook: each batch mixes records of 8 hooks (as one capture step over 8
+  layers would), 8 routes each taking one hook to its own destination.
 
-Target (issue #6): taproute >= 3x both peers.
+Peers, each batched: numpy dispatch inline (one grouping pass per batch:
+``argsort`` + ``unique`` on output_id), a consumer thread fed a bounded
+``queue.Queue`` of batches, an asyncio consumer task fed an
+``asyncio.Queue`` of batches, and the bare copies with no dispatch at all
+(fan-out only: the floor).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import time
-
 import numpy as np
-from harness import measure, profile_top, report, targets_report
-from route_throughput import PER_BATCH, RECORD, forward_rate, make_batches
+from _workload import (
+    PEERS,
+    Copier,
+    CopySink,
+    Dispatch,
+    descriptors,
+    payloads,
+    routing_sink,
+    schema_for,
+)
+from harness import arguments, comparison, fmt, interleave, timed_rate, write_result
 
-DESTINATIONS = 3
+from taproute.service import create_record_runtime
 
-
-def dict_loop_rate(n_batches: int) -> float:
-    counts = [0] * DESTINATIONS
-
-    def sink(i: int):
-        def submit(record: memoryview) -> None:
-            counts[i] += 1
-
-        return submit
-
-    table = {0: [sink(i) for i in range(DESTINATIONS)]}
-    batches = make_batches(n_batches, 0)
-    started = time.perf_counter()
-    for desc, payload in batches:
-        view = memoryview(payload)
-        for oid, off, length in zip(
-            desc["output_id"].tolist(),
-            desc["offset"].tolist(),
-            desc["length"].tolist(),
-            strict=True,
-        ):
-            record = view[off : off + length]
-            for submit in table[oid]:
-                submit(record)
-    elapsed = time.perf_counter() - started
-    assert counts == [n_batches * PER_BATCH] * DESTINATIONS
-    return n_batches * PER_BATCH / elapsed
+SHAPE = "minilm_token"
+PER_BATCH = 512
+HOOKS = 8
+FANOUT = 3
 
 
-def asyncio_rate(n_batches: int) -> float:
-    batches = make_batches(n_batches, 0)
+def make_batches(n_batches: int, mixed: bool) -> list[tuple]:
+    bufs = payloads(SHAPE, PER_BATCH)
+    ids = np.arange(PER_BATCH) % HOOKS if mixed else 0
+    desc = descriptors(ids, SHAPE, PER_BATCH)
+    return [(desc, bufs[i % len(bufs)]) for i in range(n_batches)]
 
-    async def main() -> float:
-        queues = [asyncio.Queue(maxsize=4096) for _ in range(DESTINATIONS)]
-        counts = [0] * DESTINATIONS
 
-        async def consume(i: int) -> None:
-            queue = queues[i]
-            while True:
-                record = await queue.get()
-                if record is None:
-                    return
-                counts[i] += 1
+def taproute_rate(batches: list[tuple], mixed: bool) -> float:
+    if mixed:
+        dests = {f"d{h}": CopySink() for h in range(HOOKS)}
+        table = {f"layers.{h}": [f"d{h}"] for h in range(HOOKS)}
+    else:
+        dests = {f"d{i}": CopySink() for i in range(FANOUT)}
+        table = {"layers.*": list(dests)}
+    router = routing_sink(schema_for(SHAPE), table, dests)
+    n = len(batches) * PER_BATCH
+    with create_record_runtime(record_sink=router) as runtime:
+        for h in range(HOOKS if mixed else 1):
+            assert runtime.bind_hook(f"layers.{h}", layout=SHAPE) == h
 
-        consumers = [asyncio.create_task(consume(i)) for i in range(DESTINATIONS)]
-        started = time.perf_counter()
+        def body() -> None:
+            for desc, payload in batches:
+                runtime.submit_batch(desc, payload)
+            runtime.flush()
+
+        rate = timed_rate(n, body)
+    expected = n // HOOKS if mixed else n
+    assert all(d.records == expected for d in dests.values())
+    return rate
+
+
+def peer_rate(peer: str, batches: list[tuple], mixed: bool) -> float:
+    if mixed:
+        copiers = [Copier() for _ in range(HOOKS)]
+        dispatch = Dispatch({h: [copiers[h]] for h in range(HOOKS)})
+    else:
+        copiers = [Copier() for _ in range(FANOUT)]
+        dispatch = Dispatch({0: copiers})
+    n = len(batches) * PER_BATCH
+    rate = timed_rate(n, lambda: PEERS[peer](dispatch, batches))
+    expected = n // HOOKS if mixed else n
+    assert all(c.records == expected for c in copiers)
+    return rate
+
+
+def bare_rate(batches: list[tuple]) -> float:
+    copiers = [Copier() for _ in range(FANOUT)]
+
+    def body() -> None:
         for desc, payload in batches:
-            view = memoryview(payload)
-            for off, length in zip(desc["offset"].tolist(), desc["length"].tolist(), strict=True):
-                record = view[off : off + length]
-                for queue in queues:
-                    await queue.put(record)
-        for queue in queues:
-            await queue.put(None)
-        await asyncio.gather(*consumers)
-        elapsed = time.perf_counter() - started
-        assert counts == [n_batches * PER_BATCH] * DESTINATIONS
-        return n_batches * PER_BATCH / elapsed
+            for copier in copiers:
+                copier(desc, payload)
 
-    return asyncio.run(main())
-
-
-def memcpy_gbps(n_batches: int) -> float:
-    batches = make_batches(n_batches, 0)
-    target = np.empty_like(batches[0][1])
-    started = time.perf_counter()
-    for _, payload in batches:
-        np.copyto(target, payload)
-    return n_batches * RECORD * PER_BATCH / (time.perf_counter() - started) / 1e9
+    return timed_rate(len(batches) * PER_BATCH, body)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, default=400)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    taproute = measure(lambda: forward_rate(args.batches, DESTINATIONS), repeat=args.repeat)
-    dict_loop = measure(lambda: dict_loop_rate(args.batches // 8), repeat=args.repeat)
-    queues = measure(lambda: asyncio_rate(args.batches // 32), repeat=args.repeat)
-    memcpy = measure(lambda: memcpy_gbps(args.batches), repeat=args.repeat)
-    taproute_gbps = taproute["median"] * RECORD / 1e9
-    ratios = {
-        "taproute_vs_dict_loop": taproute["median"] / dict_loop["median"],
-        "taproute_vs_asyncio_queues": taproute["median"] / queues["median"],
-        "taproute_GBps_vs_memcpy": taproute_gbps / memcpy["median"],
-    }
-    targets = {
-        "taproute_vs_dict_loop>=3": ratios["taproute_vs_dict_loop"] >= 3,
-        "taproute_vs_asyncio_queues>=3": ratios["taproute_vs_asyncio_queues"] >= 3,
-    }
-    figures = {
-        "record_bytes": RECORD,
-        "records_per_batch": PER_BATCH,
-        "destinations": DESTINATIONS,
-        "peer": "dict-dispatch loop and asyncio-queue fan-out, same records; memcpy of the bytes",
-        "taproute_records_per_s": taproute,
-        "dict_loop_records_per_s": dict_loop,
-        "asyncio_queues_records_per_s": queues,
-        "memcpy_GBps": memcpy,
-        "taproute_effective_GBps": taproute_gbps,
-        "ratios": ratios,
-        "targets": targets_report(targets),
-    }
-    if not all(targets.values()):
-        figures["profile"] = profile_top(lambda: forward_rate(args.batches, DESTINATIONS))
-    report("fanout_peers", figures)
+    args = arguments(__doc__, repeat=(5, 2), batches=(400, 60))
+    comparisons, notes, raw, rows = [], [], {}, []
+    for mixed in (False, True):
+        batches = make_batches(args.batches, mixed)
+        variants = {
+            "taproute": lambda b=batches, m=mixed: taproute_rate(b, m),
+            **{p: (lambda p=p, b=batches, m=mixed: peer_rate(p, b, m)) for p in PEERS},
+        }
+        if not mixed:
+            variants["bare copies (no dispatch)"] = lambda b=batches: bare_rate(b)
+        got = interleave(variants, repeat=args.repeat)
+        case = (
+            f"by hook: {HOOKS} hooks mixed in each batch, {HOOKS} routes"
+            if mixed
+            else f"fan-out: every record to {FANOUT} destinations"
+        )
+        raw["by_hook" if mixed else "fanout"] = got
+        for peer in variants:
+            if peer != "taproute":
+                comparisons.append(
+                    comparison(
+                        f"{case} ({PER_BATCH} MiniLM token records/batch)",
+                        got["taproute"],
+                        got[peer],
+                        taproute_label="taproute",
+                        peer_label=peer,
+                        unit="records/s",
+                    )
+                )
+        rows += [[case, name, s["median"], s["min"], s["max"]] for name, s in got.items()]
+        best = max((p for p in variants if p != "taproute"), key=lambda p: got[p]["median"])
+        notes.append(
+            f"{case}: taproute {fmt(got['taproute']['median'])} records/s; the fastest "
+            f"alternative ({best}) {fmt(got[best]['median'])}: taproute/it "
+            f"{got['taproute']['median'] / got[best]['median']:.2f}x."
+        )
+    write_result(
+        "fanout_peers",
+        title="Fan-out and routing by hook",
+        description=__doc__.split("\n\n")[0],
+        params={
+            "shape": SHAPE,
+            "records_per_batch": PER_BATCH,
+            "hooks": HOOKS,
+            "fanout": FANOUT,
+            "batches": args.batches,
+            "repeat": args.repeat,
+        },
+        quick=args.quick,
+        comparisons=comparisons,
+        tables=[
+            {
+                "title": "Records/s",
+                "columns": ["case", "variant", "median", "min", "max"],
+                "rows": rows,
+            }
+        ],
+        notes=notes,
+        raw=raw,
+    )
 
 
 if __name__ == "__main__":

@@ -1,102 +1,107 @@
-"""Routing throughput: taproute vs a plain-Python per-record dispatch loop.
+"""Routing throughput, one forward route into a destination that copies
+every record's bytes, against what a competent user writes instead.
 
-Same run, same records (1 KiB each, 1024 per batch):
+Same records, same run, repetitions interleaved, for several record shapes
+(MiniLM / GPT-2 token states, a 64-token MiniLM sequence, 1 KiB blobs):
 
-- forward: one forward route into a null destination, through the threaded
-  runtime (producer thread -> ingress -> record worker -> destination actor);
-- plain loop: for each record, look its output_id up in a dict and hand the
-  record's bytes to the same kind of null sink;
-- fan-out: the same hook feeding three forward routes (3 destinations);
-- single submit: one ``runtime.submit`` per record (coalesced at ingress);
-- allocation: tracemalloc peak while forwarding 1 GiB, as a share of it.
+- taproute: ``submit_batch`` per batch from the producer thread, forward
+  route, ``CopySink``; the clock stops when ``flush()`` returns;
+- bare copy: the destination's copy called directly per batch, no routing
+  and no thread: the floor for any router's overhead;
+- numpy dispatch inline: a table output_id -> destinations, one numpy
+  grouping per batch, in the producer thread;
+- thread + ``queue.Queue`` of batches (bounded), consumer dispatching;
+- asyncio: a consumer task fed a bounded ``asyncio.Queue`` of batches.
 
-Targets (issue #2): forward >= 2 M records/s and >= 3x the plain loop;
-fan-out >= 0.7x one route; single submit >= 250 k records/s; < 1% of the
-forwarded bytes allocated.
+Also: taproute into a destination that never reads (the router's floor),
+single-record ``submit`` (coalesced at ingress), and Python-heap bytes
+allocated per batch at two payload sizes (a forward route copies nothing,
+so it should not grow with the payload).
 """
 
 from __future__ import annotations
 
-import argparse
 import tracemalloc
 
-import numpy as np
-from harness import NullSink, measure, report, timed_rate
+from _workload import (
+    PEERS,
+    SHAPES,
+    Copier,
+    CopySink,
+    Dispatch,
+    descriptors,
+    payloads,
+    routing_sink,
+    schema_for,
+)
+from harness import (
+    NullSink,
+    arguments,
+    comparison,
+    fmt,
+    interleave,
+    target,
+    timed_rate,
+    write_result,
+)
 
-from taproute.actors import RoutingSink
-from taproute.native import make_descriptors
-from taproute.routing import Layout, RecordSchema, Route, RoutingConfig
 from taproute.service import create_record_runtime
 
-RECORD = 1024
-PER_BATCH = 1024
-SCHEMA = RecordSchema([Layout("kib", [("bytes", "Array(UInt8)", (RECORD,))])])
+#: (shape, records per batch)
+CASES = [("minilm_token", 256), ("gpt2_token", 256), ("minilm_seq64", 16), ("blob_1KiB", 1024)]
 
 
-class PlainNullSink:
-    """The plain loop's sink: same job, one record at a time."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    def submit(self, record: memoryview) -> None:
-        self.records += 1
+def batches_for(shape: str, per_batch: int, mib: float) -> list[tuple]:
+    record = SHAPES[shape][0] * 4
+    n = max(8, int(mib * 2**20 / (record * per_batch)))
+    bufs = payloads(shape, per_batch)
+    desc = descriptors(0, shape, per_batch)
+    return [(desc, bufs[i % len(bufs)]) for i in range(n)]
 
 
-def make_batches(n_batches: int, output_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    buffers = [
-        np.random.default_rng(i).integers(0, 255, RECORD * PER_BATCH, dtype=np.uint8)
-        for i in range(8)
-    ]
-    desc = make_descriptors(output_id, RECORD, count=PER_BATCH, layout_ids=0)
-    return [(desc, buffers[i % len(buffers)]) for i in range(n_batches)]
-
-
-def forward_rate(n_batches: int, n_routes: int) -> float:
-    sinks = {f"d{i}": NullSink() for i in range(n_routes)}
-    routes = [Route(f"r{i}", "layers.*.q", f"d{i}") for i in range(n_routes)]
-    sink = RoutingSink(RoutingConfig(routes), SCHEMA, sinks, unmatched="drop")
-    with create_record_runtime(record_sink=sink) as runtime:
-        q = runtime.bind_hook("layers.0.q", layout="kib")
-        batches = make_batches(n_batches, q)
+def taproute_rate(shape: str, batches: list[tuple], sink_kind: str = "copy") -> float:
+    dest = CopySink() if sink_kind == "copy" else NullSink()
+    router = routing_sink(schema_for(shape), {"layers.*": ["d"]}, {"d": dest})
+    n = sum(len(d) for d, _ in batches)
+    with create_record_runtime(record_sink=router) as runtime:
+        assert runtime.bind_hook("layers.0", layout=shape) == 0
 
         def body() -> None:
             for desc, payload in batches:
                 runtime.submit_batch(desc, payload)
             runtime.flush()
 
-        rate = timed_rate(n_batches * PER_BATCH, body)
-    assert all(s.records == n_batches * PER_BATCH for s in sinks.values())
+        rate = timed_rate(n, body)
+    assert dest.records == n, (dest.records, n)
     return rate
 
 
-def plain_loop_rate(n_batches: int) -> float:
-    sink = PlainNullSink()
-    table = {0: sink}
-    batches = make_batches(n_batches, 0)
+def peer_rate(peer: str, batches: list[tuple]) -> float:
+    copier = Copier()
+    dispatch = Dispatch({0: [copier]})
+    n = sum(len(d) for d, _ in batches)
+    rate = timed_rate(n, lambda: PEERS[peer](dispatch, batches))
+    assert copier.records == n
+    return rate
+
+
+def bare_rate(batches: list[tuple]) -> float:
+    copier = Copier()
+    n = sum(len(d) for d, _ in batches)
 
     def body() -> None:
         for desc, payload in batches:
-            view = memoryview(payload)
-            ids = desc["output_id"].tolist()
-            offsets = desc["offset"].tolist()
-            lengths = desc["length"].tolist()
-            for oid, off, length in zip(ids, offsets, lengths, strict=True):
-                table[oid].submit(view[off : off + length])
+            copier(desc, payload)
 
-    rate = timed_rate(n_batches * PER_BATCH, body)
-    assert sink.records == n_batches * PER_BATCH
-    return rate
+    return timed_rate(n, body)
 
 
 def single_submit_rate(n_records: int) -> float:
-    null = NullSink()
-    sink = RoutingSink(
-        RoutingConfig([Route("r", "layers.*.q", "d")]), SCHEMA, {"d": null}, unmatched="drop"
-    )
-    payload = bytes(RECORD)
-    with create_record_runtime(record_sink=sink) as runtime:
-        q = runtime.bind_hook("layers.0.q", layout="kib")
+    dest = CopySink()
+    router = routing_sink(schema_for("minilm_token"), {"layers.*": ["d"]}, {"d": dest})
+    payload = payloads("minilm_token", 1)[0].tobytes()
+    with create_record_runtime(record_sink=router) as runtime:
+        q = runtime.bind_hook("layers.0", layout="minilm_token")
 
         def body() -> None:
             submit = runtime.submit
@@ -105,69 +110,138 @@ def single_submit_rate(n_records: int) -> float:
             runtime.flush()
 
         rate = timed_rate(n_records, body)
-    assert null.records == n_records
+    assert dest.records == n_records
     return rate
 
 
-def allocated_share(gib: float) -> dict[str, float]:
-    n_batches = int(gib * 2**30 / (RECORD * PER_BATCH))
-    null = NullSink()
-    sink = RoutingSink(
-        RoutingConfig([Route("r", "layers.*.q", "d")]), SCHEMA, {"d": null}, unmatched="drop"
-    )
-    with create_record_runtime(record_sink=sink) as runtime:
-        q = runtime.bind_hook("layers.0.q", layout="kib")
-        batches = make_batches(n_batches, q)
-        runtime.submit_batch(*batches[0])  # warm every code path before tracing
+def allocated_per_batch(shape: str, per_batch: int, n_batches: int) -> dict[str, float]:
+    """Peak Python-heap growth (tracemalloc, numpy buffers included) while
+    forwarding ``n_batches`` batches, against one batch's payload size."""
+    dest = NullSink()
+    router = routing_sink(schema_for(shape), {"layers.*": ["d"]}, {"d": dest})
+    bufs = payloads(shape, per_batch, distinct=2)
+    desc = descriptors(0, shape, per_batch)
+    with create_record_runtime(record_sink=router) as runtime:
+        runtime.bind_hook("layers.0", layout=shape)
+        runtime.submit_batch(desc, bufs[0])  # warm every code path before tracing
         runtime.flush()
         tracemalloc.start()
+        base, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        for desc, payload in batches:
-            runtime.submit_batch(desc, payload)
+        for i in range(n_batches):
+            runtime.submit_batch(desc, bufs[i % 2])
         runtime.flush()
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    forwarded = n_batches * RECORD * PER_BATCH
-    return {"forwarded_bytes": forwarded, "peak_traced_bytes": peak, "share": peak / forwarded}
+    batch_bytes = per_batch * SHAPES[shape][0] * 4
+    return {
+        "batch_payload_bytes": batch_bytes,
+        "peak_growth_bytes": peak - base,
+        "peak_growth_per_payload_byte_of_one_batch": (peak - base) / batch_bytes,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, default=400)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--gib", type=float, default=1.0)
-    args = parser.parse_args()
-
-    forward = measure(lambda: forward_rate(args.batches, 1), repeat=args.repeat)
-    fanout = measure(lambda: forward_rate(args.batches, 3), repeat=args.repeat)
-    plain = measure(lambda: plain_loop_rate(args.batches // 4), repeat=args.repeat)
-    single = measure(lambda: single_submit_rate(200_000), repeat=args.repeat)
-    alloc = allocated_share(args.gib)
-    ratios = {
-        "forward_vs_plain_loop": forward["median"] / plain["median"],
-        "fanout3_vs_forward": fanout["median"] / forward["median"],
+    args = arguments(__doc__, repeat=(5, 2), mib=(96.0, 12.0), singles=(200_000, 30_000))
+    comparisons, rows, raw = [], [], {}
+    notes = []
+    for shape, per_batch in CASES:
+        batches = batches_for(shape, per_batch, args.mib)
+        variants = {
+            "taproute": lambda s=shape, b=batches: taproute_rate(s, b),
+            "taproute, null destination": lambda s=shape, b=batches: taproute_rate(s, b, "null"),
+            "bare copy (no router)": lambda b=batches: bare_rate(b),
+            **{peer: (lambda p=peer, b=batches: peer_rate(p, b)) for peer in PEERS},
+        }
+        got = interleave(variants, repeat=args.repeat)
+        raw[shape] = got
+        label = f"{SHAPES[shape][1]}, {per_batch}/batch"
+        for peer in ("bare copy (no router)", *PEERS):
+            comparisons.append(
+                comparison(
+                    f"forward route, {label}",
+                    got["taproute"],
+                    got[peer],
+                    taproute_label="taproute",
+                    peer_label=peer,
+                    unit="records/s",
+                )
+            )
+        record_bytes = SHAPES[shape][0] * 4
+        rows.append(
+            [shape, per_batch]
+            + [got[v]["median"] for v in variants]
+            + [got["taproute"]["median"] * record_bytes / 1e9]
+        )
+        best_peer = max(PEERS, key=lambda p: got[p]["median"])
+        notes.append(
+            f"{label}: taproute {fmt(got['taproute']['median'])} records/s "
+            f"({fmt(got['taproute']['median'] * record_bytes / 1e9)} GB/s copied), "
+            f"{got['taproute']['median'] / got['bare copy (no router)']['median']:.2f}x the bare "
+            f"copy; the best peer ({best_peer}) {fmt(got[best_peer]['median'])} records/s, "
+            f"taproute/peer {got['taproute']['median'] / got[best_peer]['median']:.2f}x."
+        )
+    single = interleave(
+        {"single submit": lambda: single_submit_rate(args.singles)}, repeat=args.repeat
+    )["single submit"]
+    alloc = {
+        shape: allocated_per_batch(shape, per, 64 if args.quick else 256)
+        for shape, per in (("blob_1KiB", 64), ("minilm_seq64", 16))
     }
-    targets = {
-        "forward_records_per_s>=2e6": forward["median"] >= 2e6,
-        "forward_vs_plain_loop>=3": ratios["forward_vs_plain_loop"] >= 3,
-        "fanout3_vs_forward>=0.7": ratios["fanout3_vs_forward"] >= 0.7,
-        "single_submit_records_per_s>=2.5e5": single["median"] >= 2.5e5,
-        "allocated_share<0.01": alloc["share"] < 0.01,
-    }
-    report(
-        "route_throughput",
+    raw["single_submit"] = single
+    raw["allocation"] = alloc
+    tables = [
         {
-            "record_bytes": RECORD,
-            "records_per_batch": PER_BATCH,
-            "peer": "plain-Python loop: dict lookup per record into the same kind of null sink",
-            "forward_records_per_s": forward,
-            "fanout3_records_per_s": fanout,
-            "plain_loop_records_per_s": plain,
-            "single_submit_records_per_s": single,
-            "ratios": ratios,
-            "allocation": alloc,
-            "targets_met": targets,
+            "title": "Records/s by shape (medians)",
+            "columns": ["shape", "records/batch", *variants, "taproute GB/s copied"],
+            "rows": rows,
         },
+        {
+            "title": "Single-record submit (coalesced at ingress) and heap growth per batch",
+            "columns": ["figure", "value"],
+            "rows": [
+                ["single submit, MiniLM token records/s (median)", single["median"]],
+                *[
+                    [
+                        f"peak heap growth forwarding {shape} "
+                        f"({a['batch_payload_bytes']:,} B/batch)",
+                        f"{a['peak_growth_bytes']:,} B",
+                    ]
+                    for shape, a in alloc.items()
+                ],
+            ],
+        },
+    ]
+    small, large = alloc["blob_1KiB"], alloc["minilm_seq64"]
+    notes.append(
+        f"Heap growth while forwarding: {small['peak_growth_bytes']:,} B with "
+        f"{small['batch_payload_bytes']:,} B batches, {large['peak_growth_bytes']:,} B with "
+        f"{large['batch_payload_bytes']:,} B batches "
+        f"({large['batch_payload_bytes'] // small['batch_payload_bytes']}x larger)."
+    )
+    targets = [
+        target(
+            "heap growth independent of payload size (<= 2x for a 24x larger payload)",
+            large["peak_growth_bytes"] <= 2 * max(small["peak_growth_bytes"], 1),
+            f"{small['peak_growth_bytes']:,} B vs {large['peak_growth_bytes']:,} B",
+        )
+    ]
+    write_result(
+        "route_throughput",
+        title="Routing throughput, one forward route",
+        description=__doc__.split("\n\n")[0],
+        params={
+            "cases": CASES,
+            "mib_per_run": args.mib,
+            "repeat": args.repeat,
+            "single_records": args.singles,
+        },
+        quick=args.quick,
+        comparisons=comparisons,
+        tables=tables,
+        targets=targets,
+        notes=notes,
+        raw=raw,
     )
 
 

@@ -1,14 +1,19 @@
-"""Run every bench script, each in a fresh process, then write
-``bench/results/report.md`` with PNG charts: every figure beside its peer and
-its target, misses said plainly with the profile of what dominates.
+"""Run every bench script, each in a fresh process, then build ``report.md``
+and its charts from the result files of this commit only.
 
-    python -m bench            # or: python bench/run_all.py [--quick]
+    python -m bench [--quick] [--only a,b] [--report-only] [--commit SHORT]
+
+Scripts are discovered (see bench/README.md): any ``bench/*.py`` that
+imports ``harness``.  Nothing here is specific to one script: the report
+renders each result file's comparisons, tables, curves, targets and notes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -16,361 +21,323 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
 
-#: (script, normal arguments, --quick arguments)
-SCRIPTS: list[tuple[str, list[str], list[str]]] = [
-    ("route_throughput.py", [], ["--repeat", "2", "--batches", "100", "--gib", "0.25"]),
-    ("fanout_peers.py", [], ["--repeat", "2", "--batches", "100"]),
-    (
-        "stateful_vs_bytewax.py",
-        [],
-        ["--repeat", "1", "--records", "50000", "--bytewax-records", "20000"],
-    ),
-    ("clickhouse_parity.py", [], ["--repeat", "1", "--batches", "16"]),
-    ("latency.py", [], ["--seconds", "2"]),
-    ("scaling.py", [], ["--repeat", "1", "--batches", "40"]),
-    ("overload_soak.py", [], ["--duration", "4"]),
+from harness import RESULTS, fmt, results_dir  # noqa: E402
+
+#: Report order; scripts not listed follow alphabetically.
+SCRIPTS = [
+    "route_throughput",
+    "fanout_peers",
+    "stateful_vs_bytewax",
+    "clickhouse_parity",
+    "latency",
+    "scaling",
+    "overload_soak",
+    "inference_cost",
+]
+NOT_SCRIPTS = {"harness", "run_all", "__main__"}
+MARKER = "# bench: not a script"
+
+
+def discover() -> list[str]:
+    """Bench scripts in report order."""
+    found = []
+    for path in HERE.glob("*.py"):
+        name = path.stem
+        if name in NOT_SCRIPTS or name.startswith("_"):
+            continue
+        text = path.read_text()
+        if MARKER in text or ("from harness import" not in text and "import harness" not in text):
+            continue
+        found.append(name)
+    order = {name: i for i, name in enumerate(SCRIPTS)}
+    return sorted(found, key=lambda n: (order.get(n, len(order)), n))
+
+
+def run_scripts(names: list[str], quick: bool) -> dict[str, dict[str, Any]]:
+    """Run each script; returns ``{name: {"seconds", "rc"}}``.  A failing
+    script is reported, and the others still run."""
+    out: dict[str, dict[str, Any]] = {}
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for name in names:
+        started = time.monotonic()
+        print(f"== {name}", flush=True)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if quick else [])],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        seconds = time.monotonic() - started
+        out[name] = {"seconds": seconds, "rc": proc.returncode}
+        print(f"   {seconds:.0f} s, exit {proc.returncode}", flush=True)
+        if proc.returncode:
+            out[name]["stderr_tail"] = proc.stderr[-3000:]
+            print(proc.stderr[-3000:], file=sys.stderr)
+    return out
+
+
+# -- loading results -----------------------------------------------------------
+
+
+def latest_results(folder: Path, quick: bool) -> dict[str, dict[str, Any]]:
+    """The newest result file per script in ``folder`` (full or quick runs)."""
+    best: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for path in folder.glob("*.json"):
+        if path.name.startswith("suite."):
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(record, dict) or "bench" not in record:
+            continue
+        if bool(record.get("quick")) != quick:
+            continue
+        when = (record.get("meta", {}).get("when", ""), path.stat().st_mtime)
+        name = record["bench"]
+        if name not in best or when > best[name][0]:
+            best[name] = (when, record)
+    order = {name: i for i, name in enumerate(SCRIPTS)}
+    return {
+        name: best[name][1] for name in sorted(best, key=lambda n: (order.get(n, len(order)), n))
+    }
+
+
+# -- charts ----------------------------------------------------------------------
+
+
+def chart(curve: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    xs = curve["x"]
+    numeric = all(isinstance(x, int | float) for x in xs)
+    positions = xs if numeric else list(range(len(xs)))
+    for label, ys in curve["series"].items():
+        points = [(x, y) for x, y in zip(positions, ys, strict=False) if y is not None]
+        if not points:
+            continue
+        style = "-o" if "taproute" in label else "--s"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label, markersize=4)
+    if curve.get("log_x") and numeric:
+        ax.set_xscale("log", base=2)
+    if curve.get("log_y"):
+        ax.set_yscale("log")
+    if not numeric:
+        ax.set_xticks(positions, [str(x) for x in xs], rotation=20, fontsize=8)
+    ax.set_xlabel(curve.get("x_label", ""))
+    ax.set_ylabel(curve.get("y_label", ""))
+    ax.set_title(curve["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- report ----------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return fmt(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value).replace("|", "\\|")
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def _comparison_rows(comparisons: list[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for c in comparisons:
+        t, p, r = c["taproute"], c["peer"], c["ratio"]
+        verdict = "taproute" if c["taproute_wins"] else "**peer**"
+        rows.append(
+            [
+                c["what"],
+                f"{t['label']}: {fmt(t['median'])} ({fmt(t['min'])} to {fmt(t['max'])})",
+                f"{p['label']}: {fmt(p['median'])} ({fmt(p['min'])} to {fmt(p['max'])})",
+                c["unit"] + (" (lower is better)" if not c["higher_is_better"] else ""),
+                f"{r['median']:.3g}x ({r['paired_min']:.3g} to {r['paired_max']:.3g})",
+                verdict,
+            ]
+        )
+    return rows
+
+
+COMPARISON_COLUMNS = [
+    "what",
+    "taproute median (min to max)",
+    "peer median (min to max)",
+    "unit",
+    "ratio taproute/peer (paired range)",
+    "better",
 ]
 
 
-def run_scripts(quick: bool) -> dict[str, float]:
-    seconds = {}
-    for script, normal, fast in SCRIPTS:
-        started = time.monotonic()
-        print(f"== {script}", flush=True)
-        subprocess.run(
-            [sys.executable, str(HERE / script), *(fast if quick else normal)],
-            check=True,
-            stderr=subprocess.DEVNULL,
-        )
-        seconds[script] = time.monotonic() - started
-    return seconds
-
-
-def load(name: str) -> dict[str, Any]:
-    return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-def _bar_chart(
-    path: Path,
-    title: str,
-    labels: list[str],
-    values: list[float],
-    unit: str,
-    log: bool = False,
-    target: float | None = None,
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    colors = ["#2b6cb0" if label.startswith("taproute") else "#a0aec0" for label in labels]
-    ax.barh(labels, values, color=colors)
-    if log:
-        ax.set_xscale("log")
-    if target is not None:
-        ax.axvline(target, color="#c53030", linestyle="--", label="target")
-        ax.legend(loc="lower right")
-    ax.set_xlabel(unit)
-    ax.set_title(title)
-    for i, value in enumerate(values):
-        ax.text(value, i, f" {value:,.3g}", va="center", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def charts() -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rt, fo, sb = load("route_throughput"), load("fanout_peers"), load("stateful_vs_bytewax")
-    _bar_chart(
-        RESULTS / "throughput.png",
-        "Records/s, same records, same run (blue: taproute)",
-        [
-            "taproute forward",
-            "plain dict loop (1 route)",
-            "taproute fan-out x3",
-            "dict loop fan-out x3",
-            "asyncio queues fan-out x3",
-            "taproute stateful mean",
-            "Bytewax stateful_map",
-        ],
-        [
-            rt["forward_records_per_s"]["median"],
-            rt["plain_loop_records_per_s"]["median"],
-            fo["taproute_records_per_s"]["median"],
-            fo["dict_loop_records_per_s"]["median"],
-            fo["asyncio_queues_records_per_s"]["median"],
-            sb["taproute_records_per_s"]["median"],
-            sb["bytewax_records_per_s"]["median"],
-        ],
-        "records/s (log scale)",
-        log=True,
-    )
-    lat = load("latency")
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = ["p50_us", "p99_us", "p99_9_us"]
-    for offset, mode in ((-0.2, "forward"), (0.2, "stateless")):
-        ax.bar(
-            [i + offset for i in range(3)],
-            [lat[mode][n] / 1000 for n in names],
-            width=0.4,
-            label=mode,
-        )
-    ax.axhline(2.0, color="#c53030", linestyle="--", label="p99 target")
-    ax.set_xticks(range(3), ["p50", "p99", "p99.9"])
-    _save(
-        fig,
-        ax,
-        "Latency at 50% of capacity (HDR histogram)",
-        "ms, submit -> destination",
-        RESULTS / "latency.png",
-    )
-    sc = load("scaling")
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for mode, curve in sc["records_per_s"].items():
-        ax.plot([int(n) for n in curve], list(curve.values()), marker="o", label=mode)
-    ax.set_xticks([1, 2, 4])
-    ax.set_xlabel(f"workers / owners ({sc['cpu_count']} cores)")
-    _save(
-        fig,
-        ax,
-        "Scaling with a GIL-releasing numpy processor",
-        "records/s",
-        RESULTS / "scaling.png",
-    )
-
-
-def _save(fig: Any, ax: Any, title: str, ylabel: str, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-#: What the profile says, for targets known to sit at the edge on 2 shared cores.
-EXPLANATIONS = {
-    "stateless_p99<=2ms": (
-        "A stateless route hands each batch to a worker thread (`to_thread_run_sync`) and "
-        "back, through the Trio scheduler (`unrolled_run`, `epoll`), while the producer "
-        "thread competes for the same GIL on two cores; the median stays well under 1 ms "
-        "but the tail sits around the 2 ms target from run to run (1.6 to 3.5 ms seen). "
-        "Forward routes, with no thread hop, keep p99 under 1 ms."
-    ),
-    "forward_p99<=2ms": (
-        "The forward route's tail is GIL hand-offs between the producer thread and the "
-        "loop thread on two shared cores; see the profile."
-    ),
-}
-
-
-def _fmt(value: float) -> str:
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def _targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
-    raw = result.get("targets") or result.get("targets_met") or {}
-    return [(name, ok in (True, "met")) for name, ok in raw.items()]
-
-
-def report(seconds: dict[str, float] | None) -> str:
-    rt, fo, sb = load("route_throughput"), load("fanout_peers"), load("stateful_vs_bytewax")
-    ch, lat, sc, ov = (
-        load(n) for n in ("clickhouse_parity", "latency", "scaling", "overload_soak")
-    )
-    rows = [
-        (
-            "Forward route, 1 KiB records, 1024/batch",
-            _fmt(rt["forward_records_per_s"]["median"]),
-            "plain dict loop " + _fmt(rt["plain_loop_records_per_s"]["median"]),
-            f"{rt['ratios']['forward_vs_plain_loop']:.1f}x",
-            ">= 2 M/s and >= 3x",
-        ),
-        (
-            "Fan-out to 3 routes",
-            _fmt(rt["fanout3_records_per_s"]["median"]),
-            "one route " + _fmt(rt["forward_records_per_s"]["median"]),
-            f"{rt['ratios']['fanout3_vs_forward']:.2f}x",
-            ">= 0.7x",
-        ),
-        (
-            "Single-record submit (coalesced)",
-            _fmt(rt["single_submit_records_per_s"]["median"]),
-            "-",
-            "-",
-            ">= 250 k/s",
-        ),
-        (
-            "Payload bytes allocated forwarding 1 GiB",
-            f"{rt['allocation']['share']:.4%}",
-            "-",
-            "-",
-            "< 1%",
-        ),
-        (
-            "Fan-out x3 vs dict loop",
-            _fmt(fo["taproute_records_per_s"]["median"]),
-            "dict loop " + _fmt(fo["dict_loop_records_per_s"]["median"]),
-            f"{fo['ratios']['taproute_vs_dict_loop']:.1f}x",
-            ">= 3x",
-        ),
-        (
-            "Fan-out x3 vs asyncio queues",
-            _fmt(fo["taproute_records_per_s"]["median"]),
-            "asyncio " + _fmt(fo["asyncio_queues_records_per_s"]["median"]),
-            f"{fo['ratios']['taproute_vs_asyncio_queues']:.1f}x",
-            ">= 3x",
-        ),
-        (
-            "Forward GB/s vs memcpy of the bytes",
-            f"{fo['taproute_effective_GBps']:.1f} GB/s",
-            f"memcpy {fo['memcpy_GBps']['median']:.1f} GB/s",
-            f"{fo['ratios']['taproute_GBps_vs_memcpy']:.2f}",
-            "(reported)",
-        ),
-        (
-            "Keyed running mean, 4096 keys x 64 floats",
-            _fmt(sb["taproute_records_per_s"]["median"]),
-            "Bytewax " + _fmt(sb["bytewax_records_per_s"]["median"]),
-            f"{sb['ratios']['taproute_vs_bytewax']:.1f}x",
-            ">= 10x",
-        ),
-        (
-            "ClickHouse (chDB): routed vs direct sink",
-            _fmt(ch["routed_rows_per_s"]["median"]),
-            "direct " + _fmt(ch["direct_rows_per_s"]["median"]),
-            f"{ch['ratios']['routed_vs_direct']:.2f}x",
-            ">= 0.9x",
-        ),
-        (
-            "ClickHouse (chDB): direct vs bare INSERT",
-            _fmt(ch["direct_rows_per_s"]["median"]),
-            "bare " + _fmt(ch["bare_rows_per_s"]["median"]),
-            f"{ch['ratios']['direct_vs_bare']:.2f}x",
-            ">= 0.8x",
-        ),
-    ]
-    lines = [
-        "# taproute bench report",
-        "",
-        f"Machine: {rt['cores']} cores, Python {rt['python']}. Every figure is the median of "
-        "several runs, measured in the same process run as its peer on identical records; "
-        "the JSON beside this file has the spread. Regenerate with `python -m bench`.",
-        "",
-        "![throughput](throughput.png)",
-        "",
-        "| what | taproute | peer | ratio | target |",
-        "| --- | --- | --- | --- | --- |",
-        *[f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows],
-        "",
-        "## Latency",
-        "",
-        "![latency](latency.png)",
-        "",
-        "| route | capacity rec/s | paced at | p50 | p99 | p99.9 | target |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for mode in ("forward", "stateless"):
-        m = lat[mode]
-        lines.append(
-            f"| {mode} | {_fmt(m['capacity_records_per_s'])} | {_fmt(m['paced_records_per_s'])} "
-            f"| {m['p50_us'] / 1000:.2f} ms | {m['p99_us'] / 1000:.2f} ms "
-            f"| {m['p99_9_us'] / 1000:.2f} ms | p99 <= 2 ms |"
-        )
+def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, Any] | None) -> str:
+    lines = ["# taproute bench report", ""]
+    if not results:
+        return "\n".join([*lines, "No result files found.", ""])
+    metas = [r["meta"] for r in results.values()]
+    first = metas[0]
+    commits = sorted({f"{m['commit']}{' (dirty)' if m['dirty'] else ''}" for m in metas})
+    loads = [m["load_average_start"][0] for m in metas if m.get("load_average_start")]
+    loads += [m["load_average_end"][0] for m in metas if m.get("load_average_end")]
+    quick = any(r.get("quick") for r in results.values())
     lines += [
+        "Generated by `bench/run_all.py` from the result files in this folder; every "
+        "figure below comes from them. "
+        + ("**Quick run** (few repetitions, short runs: development only). " if quick else ""),
         "",
-        f"{lat['note']}. The stateless route's p99 sits near its target and varies from "
-        "run to run on this shared 2-core machine (1.4 to 3.5 ms seen): each batch takes a "
-        "worker-thread hop and back through the Trio scheduler, competing with the producer "
-        "for the GIL. Forward routes have no hop.",
+        f"- commit: {', '.join(commits)}",
+        f"- machine: {first['cpu_model']}, {first['cores']} cores; {first['platform']}",
+        f"- 1-minute load average seen during the runs: {min(loads):.2f} to {max(loads):.2f}"
+        if loads
+        else "- load average: not recorded",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in first['versions'].items())}",
+        f"- runs: {', '.join(m['when'] for m in metas[:1])} to {metas[-1]['when']}",
         "",
-        "## Scaling",
-        "",
-        "![scaling](scaling.png)",
-        "",
-        "| workers / owners | " + " | ".join(sc["records_per_s"]["stateless"]) + " |",
-        "| --- | --- | --- | --- |",
-    ]
-    for mode, curve in sc["records_per_s"].items():
-        lines.append(f"| {mode} | " + " | ".join(_fmt(v) for v in curve.values()) + " |")
-    lines += [
-        "",
-        f"On {sc['cpu_count']} cores the stateless curve rises from 1 to 2 workers "
-        f"({sc['speedup_vs_1']['stateless']['2']:.2f}x) and flattens at 4 "
-        f"({sc['speedup_vs_1']['stateless']['4']:.2f}x): two cores, and the record worker "
-        "and producer need one between them. Stateful owners scale less "
-        f"({sc['speedup_vs_1']['stateful']['2']:.2f}x at 2): each owner also updates its "
-        "state slice after the numpy work.",
-        "",
-        "## Overload soak",
-        "",
-        f"A producer offering {_fmt(ov['offered_records_per_s'])} records/s (10x) to a "
-        f"destination that takes {_fmt(ov['destination_capacity_records_per_s'])}/s, for "
-        f"{ov['duration_s']:g} s: {_fmt(ov['submitted'])} submitted, "
-        f"{_fmt(ov['delivered'])} delivered (in = out: "
-        f"{'yes' if ov['submitted'] == ov['delivered'] else 'NO'}); the producer was blocked "
-        f"{ov['producer_blocked_share']:.0%} of the time; RSS grew "
-        f"{ov['rss_peak_growth_MiB']:.1f} MiB against configured capacities of "
-        f"{ov['configured_capacity_bytes'] / 2**20:.0f} MiB (+10% bound "
-        f"{ov['rss_bound_MiB']:.1f} MiB).",
-        "",
-        "## Targets",
+        "Medians of interleaved repetitions; min to max in brackets; ratios are "
+        "taproute / peer with the range of the per-round (paired) ratios. "
+        "'better' names who wins on the median.",
         "",
     ]
-    missed = []
-    for name, result in (
-        ("route_throughput", rt),
-        ("fanout_peers", fo),
-        ("stateful_vs_bytewax", sb),
-        ("clickhouse_parity", ch),
-        ("latency", lat),
-        ("scaling", sc),
-        ("overload_soak", ov),
-    ):
-        for target, ok in _targets(result):
-            lines.append(f"- {name}: `{target}` — {'met' if ok else '**MISSED**'}")
-            if not ok:
-                missed.append((name, target, result))
-    if missed:
-        lines += ["", "## What dominates where a target is missed", ""]
-        for name, target, result in missed:
-            profile = result.get("profile") or [
-                line for key, value in result.items() if key.endswith("profile") for line in value
-            ]
-            lines.append(f"### {name}: `{target}`")
-            lines.append("")
-            if target in EXPLANATIONS:
-                lines += [EXPLANATIONS[target], ""]
-            lines += ["```", *(profile or ["(no profile recorded)"]), "```", ""]
-    if seconds:
+    all_comparisons = [(name, c) for name, r in results.items() for c in r.get("comparisons", [])]
+    if all_comparisons:
+        wins = sum(1 for _, c in all_comparisons if c["taproute_wins"])
         lines += [
+            "## Summary: every comparison",
             "",
-            f"Suite wall time: {sum(seconds.values()):.0f} s "
-            f"({', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}).",
+            f"taproute is better on the median in {wins} of {len(all_comparisons)} "
+            "comparisons; where a peer wins, it says **peer**.",
+            "",
+            *_table(
+                ["bench", *COMPARISON_COLUMNS],
+                [[name, *row] for name, c in all_comparisons for row in _comparison_rows([c])],
+            ),
+            "",
         ]
+    all_targets = [(name, t) for name, r in results.items() for t in r.get("targets", [])]
+    if all_targets:
+        lines += [
+            "## Targets",
+            "",
+            *_table(
+                ["bench", "target", "this run", "figures"],
+                [
+                    [n, t["name"], "met" if t["met"] else "**MISSED**", t["detail"]]
+                    for n, t in all_targets
+                ],
+            ),
+            "",
+        ]
+    for name, result in results.items():
+        meta = result["meta"]
+        lines += [f"## {result.get('title') or name} (`{name}.py`)", ""]
+        if result.get("description"):
+            lines += [result["description"], ""]
+        lines += [
+            f"Run {meta['when']}, {meta.get('duration_s')} s, load average "
+            f"{meta.get('load_average_start')} → {meta.get('load_average_end')}; "
+            f"parameters: `{json.dumps(meta.get('params', {}), sort_keys=True)}`",
+            "",
+        ]
+        for note in result.get("notes", []):
+            lines += [f"- {note}"]
+        if result.get("notes"):
+            lines.append("")
+        if result.get("comparisons"):
+            lines += [*_table(COMPARISON_COLUMNS, _comparison_rows(result["comparisons"])), ""]
+        for i, curve in enumerate(result.get("curves", [])):
+            png = f"{name}-{i}.png"
+            try:
+                chart(curve, folder / png)
+                lines += [f"![{curve['title']}]({png})", ""]
+            except Exception as exc:  # a chart failing must not lose the report
+                lines += [f"(chart failed: {exc})", ""]
+            columns = [curve.get("x_label") or "x", *curve["series"]]
+            rows = [
+                [x, *[ys[j] if j < len(ys) else None for ys in curve["series"].values()]]
+                for j, x in enumerate(curve["x"])
+            ]
+            lines += [f"**{curve['title']}** ({curve.get('y_label', '')})", ""]
+            lines += [*_table(columns, rows), ""]
+        for table in result.get("tables", []):
+            lines += [f"**{table['title']}**", "", *_table(table["columns"], table["rows"]), ""]
+        for t in result.get("targets", []):
+            lines.append(
+                f"- target `{t['name']}`: {'met' if t['met'] else '**MISSED**'} — {t['detail']}"
+            )
+        if result.get("targets"):
+            lines.append("")
+        profile = result.get("raw", {}).get("profile")
+        if profile:
+            lines += ["Profile (all threads, CPU time):", "", "```", *profile, "```", ""]
+    if suite:
+        lines += [
+            "## Suite",
+            "",
+            *_table(
+                ["script", "seconds", "exit"],
+                [[n, round(s["seconds"]), s["rc"]] for n, s in suite.items()],
+            ),
+            "",
+        ]
+        failed = [n for n, s in suite.items() if s["rc"]]
+        if failed:
+            lines += [f"Scripts that failed this run (no result above): {', '.join(failed)}", ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report")
+    parser.add_argument("--quick", action="store_true", help="short runs (a few minutes in all)")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report only")
+    parser.add_argument("--only", help="comma-separated scripts to run")
+    parser.add_argument("--commit", help="results folder to report on (default: this commit)")
     args = parser.parse_args()
-    seconds = None if args.report_only else run_scripts(args.quick)
-    charts()
-    (RESULTS / "report.md").write_text(report(seconds))
-    print(f"wrote {RESULTS / 'report.md'}")
+    folder = RESULTS / args.commit if args.commit else results_dir()
+    suite = None
+    if not args.report_only:
+        names = discover()
+        if args.only:
+            wanted = args.only.split(",")
+            names = [n for n in names if n in wanted]
+        suite = run_scripts(names, args.quick)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ("suite.quick.json" if args.quick else "suite.json")).write_text(
+            json.dumps(suite, indent=1) + "\n"
+        )
+    elif (folder / ("suite.quick.json" if args.quick else "suite.json")).exists():
+        suite = json.loads(
+            (folder / ("suite.quick.json" if args.quick else "suite.json")).read_text()
+        )
+    results = latest_results(folder, args.quick)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "report.quick.md" if args.quick else "report.md"
+    (folder / name).write_text(render(results, folder, suite))
+    print(f"wrote {folder / name}")
+    if not args.quick:
+        # The latest full report, where the README links to it (charts stay
+        # in the commit's folder).
+        text = re.sub(r"\]\(([^)/]+\.png)\)", rf"]({folder.name}/\1)", (folder / name).read_text())
+        (RESULTS / "report.md").write_text(text)
+        print(f"wrote {RESULTS / 'report.md'}")
+    if suite and any(s["rc"] for s in suite.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
