@@ -2,7 +2,8 @@
 
 - :class:`RoutingSink` / :func:`open_routing_sink`: the routing sink and its
   Trio-native form.
-- :class:`Mailbox`, :class:`FailureLatch`, counters: the pieces it is built of.
+- :class:`Mailbox`, :class:`DestinationActor`, counters: the pieces it is built of
+  (route actors: ``forward``, ``pool``, ``owners``, sharing ``route_actor`` and ``retry``).
 """
 
 from taproute.actors.counters import (
@@ -12,7 +13,6 @@ from taproute.actors.counters import (
     RouterSnapshot,
 )
 from taproute.actors.destination import DestinationActor, DestinationSpec
-from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.routing_sink import RoutingSink, open_routing_sink
 
@@ -20,7 +20,6 @@ __all__ = [
     "DestinationActor",
     "DestinationCounters",
     "DestinationSpec",
-    "FailureLatch",
     "IngressCounters",
     "Mailbox",
     "RouteCounters",

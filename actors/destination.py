@@ -14,11 +14,11 @@ import trio
 
 from taproute.actors.counters import DestinationCounters
 from taproute.actors.inflight import InFlight
-from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground
 
 #: A destination given as a sink is leased; given as a factory, the routing

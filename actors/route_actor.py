@@ -32,11 +32,11 @@ from taproute.actors.attempt import Attempt, Outcome, call_processor
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
 from taproute.actors.inflight import InFlight
-from taproute.actors.latch import FailureLatch
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.retry import RetryQueue
 from taproute.routing.batch import RecordBatch, RowBatch
 from taproute.routing.failures import FailureCode, FailureHandler, RecordFailure
+from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import PlannedRoute
 
 
@@ -189,15 +189,15 @@ class RouteActor:
         assert attempt.code is not None and attempt.error is not None
         self.counters.failed += len(attempt.batch)
         failure = RecordFailure(
-            self.name,
-            self.planned.route.processor,
-            attempt.error,
-            attempt.batch,
-            attempt.code,
-            max(attempt.failures, 1),
-            attempt.first_failure_wall or time.time(),
-            attempt.last_failure_wall or time.time(),
-            attempt.traceback,
+            route=self.name,
+            processor=self.planned.route.processor,
+            error=attempt.error,
+            records=attempt.batch,
+            code=attempt.code,
+            attempts=max(attempt.failures, 1),
+            first_failure_at=attempt.first_failure_wall or time.time(),
+            last_failure_at=attempt.last_failure_wall or time.time(),
+            traceback=attempt.traceback,
         )
         try:
             result = self._on_failure(failure)

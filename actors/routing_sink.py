@@ -32,7 +32,6 @@ from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
-from taproute.actors.latch import FailureLatch
 from taproute.actors.owners import StatefulRoute
 from taproute.actors.pool import StatelessRoute
 from taproute.actors.route_actor import RouteActor
@@ -49,6 +48,8 @@ from taproute.routing.errors import (
 )
 from taproute.routing.failures import FailureHandler, log_failure
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import RoutePlan, Unmatched
 from taproute.routing.predicates import evaluate_predicate
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
@@ -96,8 +97,8 @@ class RoutingSink:
         hooks: HookRegistry | None = None,
         registry: ProcessorRegistry = REGISTRY,
         on_failure: FailureHandler = log_failure,
-        destination_capacity: int = 262_144,
-        destination_capacity_bytes: int = 512 * 2**20,
+        destination_capacity: int = DESTINATION_QUEUE_RECORDS,
+        destination_capacity_bytes: int = DESTINATION_QUEUE_BYTES,
     ) -> None:
         self.hooks = hooks if hooks is not None else HookRegistry()
         self.schema = schema

@@ -38,6 +38,7 @@ from taproute.routing.failures import (
     log_failure,
 )
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
 from taproute.routing.layout import Column, Layout
 from taproute.routing.plan import PlannedRoute, RoutePlan
 from taproute.routing.processors import (
@@ -67,6 +68,7 @@ __all__ = [
     "Failed",
     "FailureCode",
     "FailureHandler",
+    "FailureLatch",
     "FailurePolicy",
     "GlobMatchesNothing",
     "HookBindingError",

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 
 from taproute.routing.batch import RecordBatch
-from taproute.routing.errors import ConfigError
+from taproute.routing.checks import NON_NEGATIVE, config_check
+from taproute.routing.limits import capped_backoff
 
 logger = logging.getLogger("taproute.routing")
 
@@ -66,9 +65,7 @@ class ProcessorFailed(Exception):
     """The exception form of a :class:`Failed` result, as it is stored and reported."""
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0 or math.isnan(value):
-        raise ConfigError(f"failure policy {attribute.name} must be >= 0, got {value!r}")
+_non_negative = config_check(*NON_NEGATIVE, must=">= 0", owner=lambda _: "failure policy")
 
 
 @attrs.frozen
@@ -96,7 +93,7 @@ class FailurePolicy:
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure (1-based)."""
-        return min(self.max_backoff, self.initial_backoff * self.multiplier ** (failures - 1))
+        return capped_backoff(self.initial_backoff, self.multiplier, self.max_backoff, failures)
 
     def gives_up(self, code: FailureCode, failures: int, first_at: float, now: float) -> bool:
         """Whether a unit that has now failed ``failures`` times is given up."""
@@ -105,7 +102,7 @@ class FailurePolicy:
         return failures >= self.max_failures and now - first_at >= self.failure_window
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, kw_only=True)
 class RecordFailure:
     """Records a route gave up on, and why.
 

@@ -8,9 +8,12 @@ from collections.abc import Callable, Iterable
 import attrs
 import numpy as np
 import numpy.typing as npt
+from attrs import validators as v
 
+from taproute.routing.checks import NAME, POSITIVE_INT, config_check
 from taproute.routing.errors import ConfigError, DuplicateRouteName
 from taproute.routing.failures import FailurePolicy
+from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS
 
 
 class RouteMode(enum.StrEnum):
@@ -35,9 +38,16 @@ def _to_outputs(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"route {attribute.name} must be a positive int, got {value!r}")
+def _route(route: Route) -> str:
+    name = route.name  # validators run once every field is set; it may be the invalid one
+    return f"route {name!r}" if isinstance(name, str) and name else "route"
+
+
+_positive = config_check(*POSITIVE_INT, must="a positive int", owner=_route)
+_name = config_check(*NAME, must="a non-empty string", owner=_route)
+_outputs = config_check(
+    v.min_len(1), v.deep_iterable(v.and_(*NAME)), must="non-empty names", owner=_route
+)
 
 
 @attrs.frozen
@@ -49,35 +59,20 @@ class Route:
     of the route's mailboxes; when full, the record worker waits.
     """
 
-    name: str = attrs.field()
-    outputs: tuple[str, ...] = attrs.field(converter=_to_outputs)
-    destination: str = attrs.field()
-    mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=RouteMode)
-    processor: str | None = None
-    capacity: int = attrs.field(default=65_536, validator=_positive)
-    capacity_bytes: int = attrs.field(default=256 * 2**20, validator=_positive)
-    workers: int = attrs.field(default=1, validator=_positive)
-    failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy)
+    name: str = attrs.field(validator=_name)
+    outputs: tuple[str, ...] = attrs.field(converter=_to_outputs, validator=_outputs)
+    destination: str = attrs.field(validator=_name)
+    # What a route *is* (name, outputs, destination) may be positional; how it
+    # runs is always spelled out.
+    mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=RouteMode, kw_only=True)
+    processor: str | None = attrs.field(default=None, kw_only=True)
+    capacity: int = attrs.field(default=QUEUE_RECORDS, validator=_positive, kw_only=True)
+    capacity_bytes: int = attrs.field(default=QUEUE_BYTES, validator=_positive, kw_only=True)
+    workers: int = attrs.field(default=1, validator=_positive, kw_only=True)
+    failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy, kw_only=True)
     #: ``predicate(descriptors) -> bool array`` (True: the route takes the
     #: record), or ``(bool array, reason)`` naming why it declined the rest.
-    predicate: Predicate | None = attrs.field(default=None, eq=False)
-
-    @name.validator
-    def _check_name(self, _: object, value: str) -> None:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"route name must be a non-empty string, got {value!r}")
-
-    @outputs.validator
-    def _check_outputs(self, _: object, value: tuple[str, ...]) -> None:
-        if not value or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(
-                f"route {self.name!r}: outputs must be non-empty names, got {value!r}"
-            )
-
-    @destination.validator
-    def _check_destination(self, _: object, value: str) -> None:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"route {self.name!r}: destination must be a name, got {value!r}")
+    predicate: Predicate | None = attrs.field(default=None, eq=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.mode is RouteMode.FORWARD and self.processor is not None:

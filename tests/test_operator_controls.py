@@ -169,14 +169,14 @@ def test_cli_lists_shows_skips_and_reroutes_and_doctor_warns(tmp_path, chdb_tran
     long_ago = time.time() - 1200
     store.put(
         RecordFailure(
-            "checked",
-            "fail.invalid_when_broken",
-            ValueError("values out of range"),
-            vec_batch(0, 2),
-            FailureCode.HANDLER_INVALID,
-            1,
-            long_ago,
-            long_ago,
+            route="checked",
+            processor="fail.invalid_when_broken",
+            error=ValueError("values out of range"),
+            records=vec_batch(0, 2),
+            code=FailureCode.HANDLER_INVALID,
+            attempts=1,
+            first_failure_at=long_ago,
+            last_failure_at=long_ago,
         )
     )
     store.close()

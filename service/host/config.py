@@ -214,11 +214,11 @@ class ServiceConfig:
                         r.name,
                         r.outputs,
                         r.destination,
-                        r.mode,
-                        r.processor,
-                        r.capacity,
-                        r.capacity_bytes,
-                        r.workers,
+                        mode=r.mode,
+                        processor=r.processor,
+                        capacity=r.capacity,
+                        capacity_bytes=r.capacity_bytes,
+                        workers=r.workers,
                     )
                 )
             except ConfigError as exc:

@@ -25,11 +25,12 @@ import attrs
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
-from taproute.actors.latch import FailureLatch
 from taproute.native import BufferLease
 from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import SinkClosed, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     DescribesRecords,
@@ -62,10 +63,10 @@ class RecordRuntime:
         *,
         schema: RecordSchema | None = None,
         hooks: HookRegistry | None = None,
-        capacity_records: int = 65_536,
-        capacity_bytes: int = 256 * 2**20,
+        capacity_records: int = QUEUE_RECORDS,
+        capacity_bytes: int = QUEUE_BYTES,
         when_full: WhenFull = "block",
-        coalesce_records: int = 4096,
+        coalesce_records: int = COALESCE_RECORDS,
         name: str = "taproute",
     ) -> None:
         self.record_sink = record_sink

@@ -27,6 +27,7 @@ import trio
 
 from taproute.routing.errors import ConfigError
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
 from taproute.service.host.http import HttpConfig, build_app, serve_http
@@ -159,10 +160,10 @@ def create_record_runtime(
     *,
     schema: RecordSchema | None = None,
     hooks: HookRegistry | None = None,
-    capacity_records: int = 65_536,
-    capacity_bytes: int = 256 * 2**20,
+    capacity_records: int = QUEUE_RECORDS,
+    capacity_bytes: int = QUEUE_BYTES,
     when_full: WhenFull = "block",
-    coalesce_records: int = 4096,
+    coalesce_records: int = COALESCE_RECORDS,
     name: str = "taproute",
     http: HttpConfig | None = None,
     dead_letters: DeadLetterStore | None = None,

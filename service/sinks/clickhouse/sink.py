@@ -23,10 +23,11 @@ import numpy as np
 import pyarrow as pa
 import trio
 
-from taproute.actors.latch import FailureLatch
 from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import capped_backoff
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.columns import raw_table, rows_table
 from taproute.service.sinks.clickhouse.deduplication import check_deduplication
@@ -71,7 +72,7 @@ class Retry:
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure (1-based)."""
-        return min(self.max_backoff, self.initial_backoff * self.multiplier ** (failures - 1))
+        return capped_backoff(self.initial_backoff, self.multiplier, self.max_backoff, failures)
 
 
 @attrs.define

@@ -1,6 +1,7 @@
-"""The first-failure latch of a routing sink.
+"""The first-failure latch: of a routing sink, a runtime, a destination.
 
-The first failure anywhere (a destination raising, an internal error) is
+A plain value (no Trio, no IO), so every layer that latches uses the same
+one.  The first failure anywhere (a destination raising, an internal error) is
 kept; later ones are counted where they happen but never replace it.  Every
 later ``submit``/``flush``/``close`` raises the latched one.
 """

@@ -1,0 +1,87 @@
+"""Config values: keyword-only where many fields, validated by attrs' own
+validators into ConfigError, one home per default and per formula."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from taproute.actors import RoutingSink
+from taproute.routing import (
+    ConfigError,
+    FailureCode,
+    FailurePolicy,
+    RecordFailure,
+    Route,
+    limits,
+)
+from taproute.service import Retry, create_record_runtime
+from taproute.service.host.runtime import RecordRuntime
+from tests.conftest import vec_batch
+
+
+def test_how_a_route_runs_is_keyword_only():
+    Route("r", "a", "d", mode="stateless", processor="p")  # what it is may be positional
+    with pytest.raises(TypeError):
+        Route("r", "a", "d", "stateless", "p")  # type: ignore[misc]
+
+
+def test_a_record_failure_is_built_by_keyword_only():
+    with pytest.raises(TypeError):
+        RecordFailure("r", None, ValueError("x"), vec_batch(0, 1))  # type: ignore[misc]
+    failure = RecordFailure(
+        route="r", processor=None, error=ValueError("x"), records=vec_batch(0, 1)
+    )
+    assert failure.code is FailureCode.HANDLER_PANIC and failure.attempts == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"name": ""}, "route: name must be a non-empty string, got ''"),
+        ({"outputs": []}, "route 'r': outputs must be non-empty names, got ()"),
+        ({"outputs": ["a", ""]}, "route 'r': outputs must be non-empty names"),
+        ({"destination": 3}, "route 'r': destination must be a non-empty string, got 3"),
+        ({"workers": 0}, "route 'r': workers must be a positive int, got 0"),
+        ({"capacity": "many"}, "route 'r': capacity must be a positive int, got 'many'"),
+    ],
+)
+def test_route_fields_are_checked_into_config_errors(fields, message):
+    given = {"name": "r", "outputs": "a", "destination": "d", **fields}
+    with pytest.raises(ConfigError) as caught:
+        Route(**given)
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), "soon"])
+def test_failure_policy_fields_are_checked_into_config_errors(value):
+    with pytest.raises(ConfigError, match=r"failure policy: deadline must be >= 0"):
+        FailurePolicy(deadline=value)
+
+
+def default(function, name: str):
+    return inspect.signature(function).parameters[name].default
+
+
+def test_queue_bounds_have_one_home():
+    route = Route("r", "a", "d")
+    assert (route.capacity, route.capacity_bytes) == (limits.QUEUE_RECORDS, limits.QUEUE_BYTES)
+    for function in (RecordRuntime.__init__, create_record_runtime):
+        assert default(function, "capacity_records") == limits.QUEUE_RECORDS
+        assert default(function, "capacity_bytes") == limits.QUEUE_BYTES
+        assert default(function, "coalesce_records") == limits.COALESCE_RECORDS
+    assert default(RoutingSink.__init__, "destination_capacity") == limits.DESTINATION_QUEUE_RECORDS
+    assert (
+        default(RoutingSink.__init__, "destination_capacity_bytes")
+        == limits.DESTINATION_QUEUE_BYTES
+    )
+
+
+def test_route_and_insert_retries_back_off_by_the_one_formula():
+    policy = FailurePolicy(initial_backoff=0.5, multiplier=3.0, max_backoff=10.0)
+    retry = Retry(initial_backoff=0.5, multiplier=3.0, max_backoff=10.0)
+    expected = [0.5, 1.5, 4.5, 10.0, 10.0]
+    assert [policy.backoff(n) for n in range(1, 6)] == expected
+    assert [retry.backoff(n) for n in range(1, 6)] == expected
+    assert [limits.capped_backoff(0.5, 3.0, 10.0, n) for n in range(1, 6)] == expected
