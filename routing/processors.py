@@ -79,6 +79,12 @@ class ProcessorSpec:
     key: KeyFunction | None = None
     key_range: int | None = None
     slot: SlotSpec | None = None
+    #: Stateful only, for replay on several workers: ``merge(a, b) -> slots``
+    #: combines two partial states of the same keys (arrays of shape
+    #: ``(m, *slot.shape)``); ``finish(state, keys) -> rows`` turns the final
+    #: state of ``keys`` into rows of the output layout.
+    merge: Callable[[Any, Any], Any] | None = None
+    finish: Callable[[Any, Any], Any] | None = None
 
 
 class ProcessorRegistry:
@@ -148,12 +154,16 @@ def stateful_processor(
     output: str,
     input: str | None,
     key: KeyFunction = request_key,
+    merge: Callable[[Any, Any], Any] | None = None,
+    finish: Callable[[Any, Any], Any] | None = None,
     registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records, keys, state) -> rows | None`` as stateful processor ``name``.
 
     ``key(descriptors)`` maps each record to a key in ``[0, key_range)``; the
-    route keeps one ``slot``-shaped state per key.
+    route keeps one ``slot``-shaped state per key.  ``merge`` and ``finish``
+    (optional) let a replay combine partial states from several workers and
+    write the final state as rows (see ``taproute.service.replay``).
     """
     if not isinstance(key_range, int) or key_range <= 0:
         raise ConfigError(
@@ -162,7 +172,9 @@ def stateful_processor(
 
     def decorate(fn: F) -> F:
         registry.register(
-            ProcessorSpec(name, fn, ProcessorKind.STATEFUL, input, output, key, key_range, slot)
+            ProcessorSpec(
+                name, fn, ProcessorKind.STATEFUL, input, output, key, key_range, slot, merge, finish
+            )
         )
         return fn
 

@@ -39,6 +39,19 @@ from taproute.service.host.http import HttpConfig
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.replay import (
+    ClickHouseCorpus,
+    ClickHouseTable,
+    Filters,
+    ParquetCorpus,
+    ParquetDir,
+    ProcessResult,
+    ReplayConfig,
+    ReplayReport,
+    UnitsFailed,
+    batch_processor,
+    run_replay,
+)
 from taproute.service.sinks.capture import CaptureSink
 from taproute.service.sinks.clickhouse import (
     Batching,
@@ -50,6 +63,17 @@ from taproute.service.sinks.clickhouse import (
 )
 
 __all__ = [
+    "run_replay",
+    "batch_processor",
+    "UnitsFailed",
+    "ReplayReport",
+    "ReplayConfig",
+    "ProcessResult",
+    "ParquetDir",
+    "ParquetCorpus",
+    "Filters",
+    "ClickHouseTable",
+    "ClickHouseCorpus",
     "DESCRIPTOR_DTYPE",
     "Batching",
     "CaptureSink",

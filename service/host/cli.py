@@ -1,4 +1,4 @@
-"""The ``taproute`` command: demo, check, run, trace, dead-letters."""
+"""The ``taproute`` command: demo, check, run, trace, dead-letters, replay."""
 
 from __future__ import annotations
 
@@ -199,6 +199,10 @@ def _parser() -> argparse.ArgumentParser:
     letters.add_argument("--code")
     letters.add_argument("--older-than", type=float, help="seconds since the last failure")
     letters.add_argument("--state", default="dead", choices=["dead", "skipped", "rerouted", "all"])
+
+    from taproute.service.replay import cli as replay_cli
+
+    replay_cli.add_parser(commands)
     return parser
 
 
@@ -225,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if getattr(args, name) is not None
             }
             return trace(args.config, args.hook, fields)
+        if args.command == "replay":
+            from taproute.service.replay import cli as replay_cli
+
+            return replay_cli.main(args)
         return dead_letters(args)
     except TaprouteError as exc:
         print(exc, file=sys.stderr)

@@ -1,0 +1,173 @@
+"""The run ledger: what a replay did, stored beside its outputs, and the
+checkpoint a resume starts from.
+
+``<runs>/<run id>/ledger.json`` holds the run id, the config and its hash,
+the params, every finished unit with its output row counts and attempts,
+failed units with their errors, per-phase timings (read, process, write:
+p50/p95) and start/end times; ``state.npz`` holds a stateful processor's
+K x N state as of the same checkpoint.  Both are replaced atomically
+(written aside, then renamed), ledger last, so a crash leaves a consistent
+pair.  The driver owns the ledger, whatever the backend.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from taproute.service.replay.errors import ConfigChanged, UnknownRun
+
+PHASES = ("read", "process", "write")
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """A stable hash of a JSON-able config."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _diff(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new)):
+            out += _diff(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        return out
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """p50/p95 (and count, total) of a phase's per-unit seconds."""
+    if not samples:
+        return {"count": 0, "total": 0.0, "p50": 0.0, "p95": 0.0}
+    values = np.asarray(samples)
+    return {
+        "count": len(samples),
+        "total": float(values.sum()),
+        "p50": float(np.percentile(values, 50)),
+        "p95": float(np.percentile(values, 95)),
+    }
+
+
+class RunLedger:
+    """One run's ledger and checkpoint, in ``runs_dir / run_id``."""
+
+    def __init__(self, directory: Path, data: dict[str, Any]) -> None:
+        self.directory = directory
+        self.data = data
+        self.timings: dict[str, list[float]] = {p: list(data["timings"].get(p, [])) for p in PHASES}
+
+    @property
+    def run_id(self) -> str:
+        return str(self.data["run_id"])
+
+    @classmethod
+    def create(cls, runs_dir: Path, config: dict[str, Any], units_planned: int) -> RunLedger:
+        """A new run (id: UTC time + random suffix)."""
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+        run_id = f"r{stamp}-{uuid.uuid4().hex[:6]}"
+        data: dict[str, Any] = {
+            "run_id": run_id,
+            "config_hash": config_hash(config),
+            "config": config,
+            "params": config.get("params", {}),
+            "status": "running",
+            "started_at": _now(),
+            "ended_at": None,
+            "resumes": [],
+            "units_planned": units_planned,
+            "units": {},
+            "failed": {},
+            "final_written": False,
+            "checkpoints": 0,
+            "timings": {},
+            "phases": {},
+        }
+        ledger = cls(runs_dir / run_id, data)
+        ledger.directory.mkdir(parents=True, exist_ok=False)
+        return ledger
+
+    @classmethod
+    def resume(cls, runs_dir: Path, run_id: str, config: dict[str, Any]) -> RunLedger:
+        """Reopen ``run_id``; refuse when the config differs, naming what changed."""
+        path = runs_dir / run_id / "ledger.json"
+        if not path.is_file():
+            known = sorted(p.parent.name for p in runs_dir.glob("*/ledger.json"))
+            raise UnknownRun(f"no run {run_id!r} under {runs_dir} (runs there: {known or 'none'})")
+        data = json.loads(path.read_text())
+        if data["config_hash"] != config_hash(config):
+            changes = _diff(data["config"], config)
+            raise ConfigChanged(
+                f"run {run_id} was started with another configuration (hash "
+                f"{data['config_hash']}, now {config_hash(config)}); changed: " + "; ".join(changes)
+            )
+        data["resumes"].append(_now())
+        data["status"] = "running"
+        data["failed"] = {}  # failed units are tried again
+        return cls(path.parent, data)
+
+    # -- progress -----------------------------------------------------------
+
+    def done(self, unit_id: str) -> bool:
+        return unit_id in self.data["units"]
+
+    def record_unit(
+        self,
+        unit_id: str,
+        *,
+        records: int,
+        outputs: dict[str, int],
+        attempts: int,
+        seconds: dict[str, float],
+        stats: dict[str, float],
+    ) -> None:
+        self.data["units"][unit_id] = {
+            "records": records,
+            "outputs": outputs,
+            "attempts": attempts,
+            "seconds": {k: round(v, 6) for k, v in seconds.items()},
+            "stats": stats,
+        }
+        for phase in PHASES:
+            self.timings[phase].append(seconds.get(phase, 0.0))
+
+    def record_failure(self, unit_id: str, error: str) -> None:
+        self.data["failed"][unit_id] = error
+
+    # -- checkpoint ---------------------------------------------------------
+
+    def checkpoint(self, state: tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None) -> None:
+        """Write state (if any) then the ledger, each atomically."""
+        if state is not None:
+            aside = self.directory / "state.tmp.npz"
+            np.savez(aside, slots=state[0], valid=state[1])
+            os.replace(aside, self.directory / "state.npz")
+        self.data["checkpoints"] += 1
+        self.data["timings"] = self.timings
+        self.data["phases"] = {p: percentiles(v) for p, v in self.timings.items()}
+        self.data["checkpointed_at"] = _now()
+        aside = self.directory / "ledger.tmp.json"
+        aside.write_text(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+        os.replace(aside, self.directory / "ledger.json")
+
+    def load_state(self) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None:
+        path = self.directory / "state.npz"
+        if not path.is_file():
+            return None
+        with np.load(path) as saved:
+            return saved["slots"], saved["valid"]
+
+    def finish(self, state: tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None) -> None:
+        self.data["status"] = "failed" if self.data["failed"] else "finished"
+        self.data["ended_at"] = _now()
+        self.checkpoint(state)

@@ -1,0 +1,495 @@
+"""The replay driver: validate, plan, run units on a backend, write lanes,
+checkpoint, resume.
+
+::
+
+    from taproute.service import ClickHouseCorpus, ParquetDir, run_replay
+    report = run_replay(
+        source=ClickHouseCorpus.chdb("taproute-data", "activations"),
+        processor="demo.head_norms", schema=SCHEMA,
+        outputs={"head_norms": ParquetDir("out/head_norms")},
+    )
+
+Lifecycle (the document's, in plain order): check the processor, corpus and
+outputs; build the feed plan; open or resume the ledger (and the stateful
+state); start the backend (``init`` runs per worker); feed units (read by the
+driver), collect each unit's rows and write them on their lanes; checkpoint on
+the cadence; write a stateful processor's final rows; close the ledger.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.native import StateRegion
+from taproute.routing.processors import ProcessorKind, ProcessorSpec
+from taproute.routing.schema import RecordSchema
+from taproute.service.replay.backends import BackendName, InProcess, Schedule, open_backend
+from taproute.service.replay.corpus import ClickHouseCorpus, Corpus
+from taproute.service.replay.errors import (
+    LayoutMismatch,
+    MergeRequired,
+    ReplayConfigError,
+    UnitsFailed,
+)
+from taproute.service.replay.jobs import (
+    JobSpec,
+    UnitJob,
+    UnitOutcome,
+    import_modules,
+    lanes_of,
+    lookup,
+    merge_partial,
+)
+from taproute.service.replay.lanes import (
+    ClickHouseTable,
+    LaneTarget,
+    ParquetDir,
+    describe_targets,
+    open_lane,
+    parse_target,
+)
+from taproute.service.replay.ledger import RunLedger, config_hash
+from taproute.service.replay.progress import Progress
+from taproute.service.replay.units import WorkUnit
+from taproute.service.sinks.clickhouse.transport import ChdbTransport, Transport
+
+StatefulOutput = Literal["auto", "units", "final"]
+State = tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]
+
+
+def _targets(value: Mapping[str, LaneTarget | str]) -> dict[str, LaneTarget]:
+    return {k: parse_target(v) if isinstance(v, str) else v for k, v in value.items()}
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise ReplayConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ReplayConfig:
+    """One replay: what to read, which processor, where rows go, how to run.
+
+    - ``source``: a :class:`ClickHouseCorpus` or :class:`ParquetCorpus` (with its filters);
+    - ``processor``: a registered live (stateless/stateful) or batch processor;
+      ``modules`` are imported first (and in every worker) to register it;
+    - ``outputs``: lane -> :class:`ClickHouseTable` / :class:`ParquetDir`
+      (default: table ``replay_<layout>`` on ``clickhouse``);
+    - ``clickhouse``: where ClickHouse lanes write (default: the corpus's);
+    - ``on_bind``: listeners the replay's hook registry calls for every hook
+      it binds (as a live program subscribes them, e.g. to map hooks to layers);
+    - ``backend`` / ``workers`` / ``schedule``: ``inprocess`` (1 worker),
+      ``processes`` or ``ray``; ``static`` bags or a ``pull`` queue;
+    - ``stateful_output``: ``units`` writes the rows each unit returns (as live
+      does; one worker carrying the state), ``final`` writes ``finish``'s rows
+      of the final state once; ``auto`` is ``final`` when the processor
+      registered a ``finish``;
+    - checkpoints every ``checkpoint_units`` units or ``checkpoint_seconds``;
+      a failing unit is tried ``retries`` more times, then recorded failed.
+    """
+
+    source: Corpus
+    processor: str
+    schema: RecordSchema
+    outputs: Mapping[str, LaneTarget] = attrs.field(factory=dict, converter=_targets)
+    clickhouse: Transport | None = None
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+    modules: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    on_bind: tuple[Callable[[str, int], None], ...] = attrs.field(default=(), converter=tuple)
+    backend: BackendName = "inprocess"
+    workers: int = attrs.field(default=1, validator=_positive)
+    schedule: Schedule = "static"
+    unit_rows: int = attrs.field(default=4096, validator=_positive)
+    checkpoint_units: int = attrs.field(default=16, validator=_positive)
+    checkpoint_seconds: float = attrs.field(default=30.0, validator=_positive)
+    retries: int = 2
+    runs_dir: Path | None = None
+    stateful_output: StatefulOutput = "auto"
+    progress: bool | None = None
+    #: Called with each unit id once its rows are written (tests, custom reporting).
+    on_unit: Callable[[str], None] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ReplayReport:
+    """What a run did (or, for a dry run, would do)."""
+
+    run_id: str | None
+    ledger: Path | None
+    plan: list[WorkUnit]
+    lanes: dict[str, str]
+    units_run: int = 0
+    units_skipped: int = 0
+    records: int = 0
+    rows_written: dict[str, int] = attrs.field(factory=dict)
+    failed: dict[str, str] = attrs.field(factory=dict)
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        """Human-readable summary (what the CLI prints)."""
+        rows = sum(u.rows for u in self.plan)
+        head = f"plan: {len(self.plan)} work unit(s), ~{rows:,} records; lanes: " + ", ".join(
+            f"{k} -> {v}" for k, v in self.lanes.items()
+        )
+        if self.dry_run:
+            return "\n".join(
+                [head, *(f"  {u.describe()}" for u in self.plan), "dry run: nothing written"]
+            )
+        written = ", ".join(f"{k}: {v:,}" for k, v in self.rows_written.items()) or "none"
+        return (
+            f"{head}\nrun {self.run_id}: {self.units_run} unit(s) run, {self.units_skipped} "
+            f"already done, {len(self.failed)} failed; {self.records:,} records in "
+            f"{self.seconds:.2f} s; rows written: {written}\nledger: {self.ledger}"
+        )
+
+
+class _Run:
+    """One execution of a config (the driver's state)."""
+
+    def __init__(self, config: ReplayConfig) -> None:
+        self.config = config
+        import_modules(config.modules)
+        self.spec = lookup(config.processor)
+        self.source = config.source
+        self.transport = config.clickhouse
+        if self.transport is None and isinstance(self.source, ClickHouseCorpus):
+            self.transport = self.source.transport
+        self.stateful = (
+            isinstance(self.spec, ProcessorSpec) and self.spec.kind is ProcessorKind.STATEFUL
+        )
+        self.final_rows = self._final_mode()
+        self.partial = self.stateful and config.backend != "inprocess"
+        self._check()
+        layouts = lanes_of(self.spec)
+        self.targets = self._resolve_targets(layouts)
+        self.lanes = {
+            lane: open_lane(lane, target, config.schema.layout(layouts[lane]), self.transport)
+            for lane, target in self.targets.items()
+        }
+
+    # -- validation ---------------------------------------------------------
+
+    def _final_mode(self) -> bool:
+        mode = self.config.stateful_output
+        if not self.stateful:
+            return False
+        assert isinstance(self.spec, ProcessorSpec)
+        if mode == "final" and self.spec.finish is None:
+            raise MergeRequired(
+                f"stateful processor {self.spec.name!r} has no finish(state, keys) registered; "
+                "stateful_output='final' needs one"
+            )
+        return mode == "final" or (mode == "auto" and self.spec.finish is not None)
+
+    def _check(self) -> None:
+        config, spec = self.config, self.spec
+        if spec.input is not None and spec.input != self.source.layout:
+            raise LayoutMismatch(
+                f"processor {spec.name!r} reads layout {spec.input!r}, but the corpus holds "
+                f"layout {self.source.layout!r}"
+            )
+        self.source.check(config.schema)
+        if config.schedule not in ("static", "pull"):
+            raise ReplayConfigError(
+                f"unknown schedule {config.schedule!r}; expected static or pull"
+            )
+        if self.stateful and config.backend != "inprocess":
+            assert isinstance(spec, ProcessorSpec)
+            missing = [n for n in ("merge", "finish") if getattr(spec, n) is None]
+            if missing or not self.final_rows:
+                raise MergeRequired(
+                    f"stateful processor {spec.name!r} on backend {config.backend!r} "
+                    f"({config.workers} worker(s)) needs a registered merge and finish to combine "
+                    f"the workers' partial states (missing: {', '.join(missing) or 'none'}; "
+                    f"stateful_output={config.stateful_output!r}); run it on backend "
+                    "'inprocess', or register them: @stateful_processor(..., merge=..., finish=...)"
+                )
+
+    def _resolve_targets(self, layouts: dict[str, str]) -> dict[str, LaneTarget]:
+        unknown = sorted(set(self.config.outputs) - set(layouts))
+        if unknown:
+            raise ReplayConfigError(
+                f"outputs name lane(s) {unknown} that processor {self.spec.name!r} does not "
+                f"have; its lanes: {sorted(layouts)}"
+            )
+        targets: dict[str, LaneTarget] = {}
+        for lane, layout in sorted(layouts.items()):
+            target = self.config.outputs.get(lane)
+            if target is None:
+                if self.transport is None:
+                    raise ReplayConfigError(
+                        f"lane {lane!r} has no output target and the run has no ClickHouse; "
+                        "give outputs={lane: ParquetDir(...)} or clickhouse=..."
+                    )
+                target = ClickHouseTable(f"replay_{layout}")
+            targets[lane] = target
+        return targets
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the outputs: hashed; a resume must match it."""
+        schema = self.config.schema
+        layouts = {self.source.layout, *lanes_of(self.spec).values()}
+        return {
+            "source": self.source.identity(),
+            "processor": self.spec.name,
+            "params": dict(self.config.params),
+            "lanes": describe_targets(self.targets),
+            "unit_rows": self.config.unit_rows,
+            "stateful_output": "final" if self.final_rows else ("units" if self.stateful else None),
+            "layouts": {
+                name: [[c.name, c.type, list(c.shape)] for c in schema.layout(name).columns]
+                for name in sorted(layouts)
+            },
+        }
+
+    def runs_dir(self) -> Path:
+        if self.config.runs_dir is not None:
+            return Path(self.config.runs_dir)
+        for target in self.targets.values():
+            if isinstance(target, ParquetDir):
+                return Path(target.path).parent / "_replay_runs"
+        if isinstance(self.transport, ChdbTransport):
+            return self.transport.path.parent / f"{self.transport.path.name}-replay-runs"
+        return Path("taproute-replay-runs")
+
+    # -- running -----------------------------------------------------------
+
+    def dry_run(self, plan: list[WorkUnit]) -> ReplayReport:
+        for lane in self.lanes.values():
+            try:
+                lane.prepare(create=False)
+            except ReplayConfigError:
+                raise
+            except Exception as exc:
+                if "does not exist" not in str(exc):
+                    raise
+        return ReplayReport(
+            run_id=None,
+            ledger=None,
+            plan=plan,
+            lanes=describe_targets(self.targets),
+            dry_run=True,
+        )
+
+    def run(self, plan: list[WorkUnit], resume: str | None) -> ReplayReport:
+        config = self.config
+        identity = self.identity()
+        for lane in self.lanes.values():
+            lane.prepare(create=True)
+        runs = self.runs_dir()
+        if resume is None:
+            runs.mkdir(parents=True, exist_ok=True)
+            ledger = RunLedger.create(runs, identity, len(plan))
+        else:
+            ledger = RunLedger.resume(runs, resume, identity)
+        state = self._initial_state(ledger)
+        job = JobSpec(
+            processor=self.spec.name,
+            schema=config.schema,
+            layout=self.source.layout,
+            hooks=tuple(self.source.hooks()),
+            params=dict(config.params),
+            modules=config.modules,
+            on_bind=config.on_bind,
+            state_mode="partial" if self.partial else "carry",
+            unit_rows=not self.final_rows,
+            run_id=ledger.run_id,
+            backend=config.backend,
+            resumed=resume is not None,
+        )
+        todo = [u for u in plan if not ledger.done(u.id)]
+        progress = Progress(len(todo), sum(u.rows for u in todo), enabled=config.progress)
+        started = time.perf_counter()
+        backend = open_backend(config.backend, job, config.workers, config.schedule)
+        if isinstance(backend, InProcess) and state is not None and backend.job.state is not None:
+            backend.job.state.slots[...], backend.job.state.valid[...] = state
+            state = None
+        self._ledger, self._backend, self._state = ledger, backend, state
+        self._written: dict[str, int] = collections.Counter()
+        records = 0
+        try:
+            records = self._drive(todo, progress)
+            if self.final_rows and not ledger.data["failed"] and not ledger.data["final_written"]:
+                self._write_final(job)
+        finally:
+            progress.close()
+            ledger.finish(self._current_state())
+            backend.close()
+        report = ReplayReport(
+            run_id=ledger.run_id,
+            ledger=ledger.directory / "ledger.json",
+            plan=plan,
+            lanes=describe_targets(self.targets),
+            units_run=len(todo) - len(ledger.data["failed"]),
+            units_skipped=len(plan) - len(todo),
+            records=records,
+            rows_written=dict(self._written),
+            failed=dict(ledger.data["failed"]),
+            seconds=time.perf_counter() - started,
+        )
+        if report.failed:
+            error = UnitsFailed(
+                ledger.run_id, {u: e.splitlines()[0] for u, e in report.failed.items()}
+            )
+            error.report = report  # type: ignore[attr-defined]
+            raise error
+        return report
+
+    def _initial_state(self, ledger: RunLedger) -> State | None:
+        if not self.stateful:
+            return None
+        saved = ledger.load_state()
+        if saved is not None:
+            return saved
+        assert isinstance(self.spec, ProcessorSpec) and self.spec.slot and self.spec.key_range
+        region = StateRegion(self.spec.key_range, self.spec.slot.shape, self.spec.slot.dtype, 1)
+        return region.slots, region.valid
+
+    def _current_state(self) -> State | None:
+        backend = self._backend
+        if isinstance(backend, InProcess) and backend.job.state is not None:
+            return backend.job.state.slots, backend.job.state.valid
+        return self._state
+
+    def _drive(self, todo: list[WorkUnit], progress: Progress) -> int:
+        config, backend = self.config, self._backend
+        workers = backend.workers
+        units = {u.id: u for u in todo}
+        pull = config.schedule == "pull" and workers > 1
+        bags: list[collections.deque[WorkUnit]] = (
+            [collections.deque(todo)]
+            if pull
+            else [collections.deque(todo[w::workers]) for w in range(workers)]
+        )
+        depth = 1 if isinstance(backend, InProcess) else 2
+        busy = [0] * len(bags)
+        attempts: collections.Counter[str] = collections.Counter()
+        read_seconds: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        records = 0
+        since_checkpoint, checkpointed_at = 0, time.monotonic()
+
+        def feed() -> None:
+            for b, bag in enumerate(bags):
+                limit = depth * (workers if pull else 1)
+                while bag and busy[b] < limit:
+                    unit = bag.popleft()
+                    t0 = time.perf_counter()
+                    table = self.source.read(unit)
+                    read_seconds[unit.id] = time.perf_counter() - t0
+                    owner[unit.id] = b
+                    busy[b] += 1
+                    backend.submit(None if pull else b, unit.id, table)
+
+        feed()
+        while any(busy):
+            _, outcome = backend.next_outcome()
+            b = owner[outcome.unit_id]
+            busy[b] -= 1
+            unit = units[outcome.unit_id]
+            attempts[unit.id] += 1
+            if outcome.error is not None:
+                if outcome.retryable and attempts[unit.id] <= config.retries:
+                    bags[b].appendleft(unit)
+                else:
+                    self._ledger.record_failure(unit.id, outcome.error)
+            else:
+                records += outcome.records
+                self._finish_unit(unit, outcome, attempts[unit.id], read_seconds[unit.id])
+                progress.advance(outcome.records)
+                since_checkpoint += 1
+                if (
+                    since_checkpoint >= config.checkpoint_units
+                    or time.monotonic() - checkpointed_at >= config.checkpoint_seconds
+                ):
+                    self._ledger.checkpoint(self._current_state())
+                    since_checkpoint, checkpointed_at = 0, time.monotonic()
+                if config.on_unit is not None:
+                    config.on_unit(unit.id)
+            feed()
+        return records
+
+    def _finish_unit(
+        self, unit: WorkUnit, outcome: UnitOutcome, attempts: int, read: float
+    ) -> None:
+        t0 = time.perf_counter()
+        counts: dict[str, int] = {}
+        for lane_name, data in outcome.outputs.items():
+            self.lanes[lane_name].write(data, run_id=self._ledger.run_id, part=unit.id)
+            counts[lane_name] = data.num_rows
+            self._written[lane_name] += data.num_rows
+        if outcome.partial is not None:
+            assert isinstance(self.spec, ProcessorSpec) and self._state is not None
+            region = StateRegion(self.spec.key_range or 1, (1,), "int8", 1)
+            region.slots, region.valid = self._state
+            merge_partial(self.spec, region, outcome.partial)
+            self._state = (region.slots, region.valid)
+        self._ledger.record_unit(
+            unit.id,
+            records=outcome.records,
+            outputs=counts,
+            attempts=attempts,
+            seconds={
+                "read": read,
+                "process": outcome.process_seconds,
+                "write": time.perf_counter() - t0,
+            },
+            stats=outcome.stats,
+        )
+
+    def _write_final(self, job: JobSpec) -> None:
+        backend = self._backend
+        unit_job = backend.job if isinstance(backend, InProcess) else UnitJob(job)
+        state = self._current_state()
+        assert state is not None and isinstance(self.spec, ProcessorSpec)
+        region = unit_job.new_state()
+        region.slots[...], region.valid[...] = state
+        data = unit_job.finish_rows(region)
+        if data is not None:
+            lane = self.spec.output
+            self.lanes[lane].write(data, run_id=self._ledger.run_id, part="final")
+            self._written[lane] += data.num_rows
+        self._ledger.data["final_written"] = True
+
+
+def run_replay(
+    config: ReplayConfig | None = None,
+    *,
+    resume: str | None = None,
+    dry_run: bool = False,
+    **settings: Any,
+) -> ReplayReport:
+    """Run (or, with ``dry_run``, validate and plan) one replay.
+
+    Give a :class:`ReplayConfig`, or its fields as keywords.  Everything is
+    checked before the first unit runs.  Raises :class:`UnitsFailed` (with
+    ``.report``) when units failed past their retries; the others finished
+    and are in the ledger, and ``resume=run_id`` retries the failed ones.
+    """
+    if config is None:
+        config = ReplayConfig(**settings)
+    elif settings:
+        config = attrs.evolve(config, **settings)
+    run = _Run(config)
+    plan = config.source.plan(config.unit_rows)
+    if dry_run:
+        return run.dry_run(plan)
+    return run.run(plan, resume)
+
+
+def config_digest(config: ReplayConfig) -> str:
+    """The hash a resume of ``config`` must match (shown by ``--dry-run``)."""
+    return config_hash(_Run(config).identity())
+
+
+__all__: Sequence[str] = ["ReplayConfig", "ReplayReport", "run_replay"]

@@ -1,0 +1,423 @@
+"""Replay: the registered processors over a corpus captured by the live path
+give what live routing gave; every bad input is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import tests.replay_processors as rp
+from taproute.actors import RoutingSink
+from taproute.native import make_descriptors
+from taproute.routing import Route, RoutingConfig, UnknownProcessor
+from taproute.service import SchemaMismatch, create_record_runtime
+from taproute.service.replay import (
+    ClickHouseCorpus,
+    ClickHouseTable,
+    ConfigChanged,
+    Filters,
+    LayoutMismatch,
+    MergeRequired,
+    MissingSource,
+    NotExactlyOnce,
+    ParquetDir,
+    ReplayConfigError,
+    UnitsFailed,
+    UnknownRun,
+    run_replay,
+)
+from tests.processors import SCHEMA
+
+HOOKS = ("layers.0.attn.q", "layers.1.attn.q")
+KEYS = 48
+STEPS = 3
+
+
+def capture(clickhouse, *, keys: int = KEYS) -> None:
+    """The live path: a runtime routes `vec` records raw, through test.norms and
+    through replay.running_sum, into ClickHouse tables {p}_raw_vec, {p}_norm, {p}_sum."""
+    config = RoutingConfig(
+        [
+            Route("raw", "layers.*", "ch"),
+            Route("norms", "layers.*", "ch", mode="stateless", processor="test.norms", workers=2),
+            Route(
+                "sums", "layers.*", "ch", mode="stateful", processor="replay.running_sum", workers=2
+            ),
+        ]
+    )
+    sink = RoutingSink(
+        config,
+        SCHEMA,
+        {"ch": lambda: clickhouse.sink(SCHEMA, raw=["vec"], rows=["norm", "sum"])},
+        unmatched="drop",
+    )
+    rng = np.random.default_rng(7)
+    with create_record_runtime(record_sink=sink) as runtime:
+        ids = [runtime.bind_hook(h, layout="vec") for h in HOOKS]
+        seq = 0
+        for step in range(STEPS):
+            for hook_id in ids:
+                n = keys
+                values = rng.integers(-50, 50, size=(n, 4)).astype(np.float32)
+                desc = make_descriptors(
+                    hook_id,
+                    16,
+                    count=n,
+                    layout_ids=SCHEMA.layout_id("vec"),
+                    keys=np.arange(n),
+                    steps=step,
+                    seqs=np.arange(seq, seq + n),
+                )
+                seq += n
+                runtime.submit_batch(desc, values)
+        runtime.flush(timeout=60)
+
+
+@pytest.fixture
+def corpus(clickhouse, tmp_path):
+    capture(clickhouse)
+    return clickhouse
+
+
+def source(ch, **kwargs) -> ClickHouseCorpus:
+    return ClickHouseCorpus(ch.transport, "vec", table=f"{ch.prefix}_raw_vec", **kwargs)
+
+
+def settings(ch, tmp_path, **kwargs):
+    base = dict(
+        source=source(ch),
+        schema=SCHEMA,
+        modules=("tests.replay_processors",),
+        runs_dir=tmp_path / "runs",
+        unit_rows=40,
+        progress=False,
+    )
+    base.update(kwargs)
+    return base
+
+
+def rows(ch, table: str, order: str) -> list[dict]:
+    return ch.query(f"SELECT * FROM {table} ORDER BY {order}").to_pylist()
+
+
+def test_stateless_replay_equals_live_exactly(corpus, tmp_path):
+    ch = corpus
+    report = run_replay(
+        **settings(ch, tmp_path, processor="test.norms"),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_replay_norm")},
+    )
+    assert report.units_run == len(report.plan) > 4  # several units per hook
+    assert report.rows_written == {"norm": KEYS * STEPS * len(HOOKS)}
+    live = rows(ch, f"{ch.prefix}_norm", "seq")
+    replayed = rows(ch, f"{ch.prefix}_replay_norm", "seq")
+    assert len(live) == KEYS * STEPS * len(HOOKS)
+    assert replayed == live  # same input bytes, same function: bit for bit
+
+
+def test_stateful_replay_final_state_equals_live_last_rows(corpus, tmp_path):
+    ch = corpus
+    report = run_replay(
+        **settings(ch, tmp_path, processor="replay.running_sum"),
+        outputs={"sum": ClickHouseTable(f"{ch.prefix}_replay_sum")},
+    )
+    # Live writes a running row per record; its final state per key is the
+    # row with the largest count.  Replay (stateful_output auto -> final,
+    # since the processor registered finish) writes the final state once.
+    live = rows(
+        ch,
+        f"(SELECT key AS key, argMax(total, count) AS total, max(count) AS n "
+        f"FROM {ch.prefix}_sum GROUP BY key)",
+        "key",
+    )
+    replayed = rows(ch, f"{ch.prefix}_replay_sum", "key")
+    assert report.rows_written == {"sum": 16}
+    assert [r["key"] for r in replayed] == [r["key"] for r in live] == list(range(16))
+    assert [r["count"] for r in replayed] == [r["n"] for r in live]  # integers: exact
+    # Sums of integer-valued float32 inputs are exact in float64 in any order.
+    assert [r["total"] for r in replayed] == [r["total"] for r in live]
+
+
+def test_units_mode_writes_running_rows_like_live(corpus, tmp_path):
+    ch = corpus
+    run_replay(
+        **settings(ch, tmp_path, processor="replay.running_sum", stateful_output="units"),
+        outputs={"sum": ClickHouseTable(f"{ch.prefix}_replay_sum")},
+    )
+    replayed = ch.query(f"SELECT count() AS n, max(count) AS c FROM {ch.prefix}_replay_sum")
+    assert replayed.to_pylist() == [{"n": KEYS * STEPS * len(HOOKS), "c": KEYS // 16 * STEPS * 2}]
+
+
+def test_filters_select_hooks_keys_and_steps(corpus, tmp_path):
+    ch = corpus
+    filters = Filters(hooks=["layers.1.*"], keys=(10, 20), steps=(1, 3))
+    report = run_replay(
+        **settings(ch, tmp_path, processor="test.norms", source=source(ch, filters=filters)),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_replay_norm")},
+    )
+    got = ch.query(
+        f"SELECT min(key) AS lo, max(key) AS hi, count() AS n FROM {ch.prefix}_replay_norm"
+    ).to_pylist()
+    assert got == [{"lo": 10, "hi": 19, "n": 10 * 2}]
+    assert report.records == 20
+    assert all(u.hook == "layers.1.attn.q" for u in report.plan)
+
+
+def test_plan_is_deterministic_with_stable_unit_ids(corpus, tmp_path):
+    ch = corpus
+    a = run_replay(**settings(ch, tmp_path, processor="test.norms"), dry_run=True)
+    b = run_replay(**settings(ch, tmp_path, processor="test.norms"), dry_run=True)
+    assert [u.id for u in a.plan] == [u.id for u in b.plan]
+    assert len({u.id for u in a.plan}) == len(a.plan)
+    assert sum(u.rows for u in a.plan) == KEYS * STEPS * len(HOOKS)
+
+
+def test_dry_run_validates_and_writes_nothing(corpus, tmp_path):
+    ch = corpus
+    report = run_replay(
+        **settings(ch, tmp_path, processor="test.norms"),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_dry")},
+        dry_run=True,
+    )
+    text = report.describe()
+    assert f"~{KEYS * STEPS * len(HOOKS):,} records" in text and "dry run" in text
+    assert ch.transport.describe(f"{ch.prefix}_dry") is None
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ledger_records_run_units_counts_and_phase_timings(corpus, tmp_path):
+    ch = corpus
+    report = run_replay(
+        **settings(ch, tmp_path, processor="test.norms", params={"note": "x"}),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_replay_norm")},
+    )
+    ledger = json.loads(report.ledger.read_text())
+    assert ledger["run_id"] == report.run_id
+    assert ledger["status"] == "finished" and ledger["params"] == {"note": "x"}
+    assert len(ledger["config_hash"]) == 16
+    assert ledger["started_at"] <= ledger["ended_at"]
+    assert set(ledger["units"]) == {u.id for u in report.plan}
+    assert sum(u["outputs"]["norm"] for u in ledger["units"].values()) == 288
+    assert {u["records"] for u in ledger["units"].values()} == {u.rows for u in report.plan}
+    for phase in ("read", "process", "write"):
+        stats = ledger["phases"][phase]
+        assert stats["count"] == len(report.plan)
+        assert 0 < stats["p50"] <= stats["p95"]
+
+
+def test_batch_processor_contract_two_lanes_init_and_stats(corpus, tmp_path):
+    ch = corpus
+    rp.INIT_CALLS.clear()
+    report = run_replay(
+        **settings(ch, tmp_path, processor="replay.batch_norms", params={"scale": 2.0}),
+        outputs={"norms": ParquetDir(str(tmp_path / "norms")), "sums": f"clickhouse:{ch.prefix}_s"},
+    )
+    assert [{"run_id": report.run_id, "params": {"scale": 2.0}, "resume": False}] == rp.INIT_CALLS
+    import pyarrow.parquet as pq
+
+    norms = pq.read_table(tmp_path / "norms").sort_by("seq")
+    live = ch.query(f"SELECT norm FROM {ch.prefix}_norm ORDER BY seq").column("norm")
+    np.testing.assert_allclose(norms.column("norm").to_numpy(), live.to_numpy() * 2, rtol=1e-6)
+    sums = ch.query(f"SELECT sum(count) AS n FROM {ch.prefix}_s").to_pylist()
+    assert sums == [{"n": 288}]
+    ledger = json.loads(report.ledger.read_text())
+    assert sum(u["stats"]["records"] for u in ledger["units"].values()) == 288
+
+
+# -- bad input -----------------------------------------------------------------
+
+
+def test_unknown_processor_is_refused(corpus, tmp_path):
+    with pytest.raises(UnknownProcessor, match="nope"):
+        run_replay(**settings(corpus, tmp_path, processor="nope"))
+
+
+def test_layout_mismatch_between_corpus_and_processor(corpus, tmp_path):
+    with pytest.raises(LayoutMismatch, match="reads layout 'tokens'.*holds layout 'vec'"):
+        from taproute.routing import stateless_processor
+
+        @stateless_processor("replay.reads_tokens", input="tokens", output="norm")
+        def reads_tokens(records):  # pragma: no cover - never called
+            return None
+
+        run_replay(**settings(corpus, tmp_path, processor="replay.reads_tokens"))
+
+
+def test_missing_corpus_table(clickhouse, tmp_path):
+    with pytest.raises(MissingSource, match="corpus table 'nope_raw_vec' does not exist"):
+        run_replay(
+            **settings(
+                clickhouse,
+                tmp_path,
+                processor="test.norms",
+                source=ClickHouseCorpus(clickhouse.transport, "vec", table="nope_raw_vec"),
+            )
+        )
+
+
+def test_output_table_with_another_schema(corpus, tmp_path):
+    ch = corpus
+    ch.transport.execute(
+        f"CREATE TABLE {ch.prefix}_bad (key Int64, seq Int64, norm Float64) ENGINE = MergeTree "
+        "ORDER BY tuple() SETTINGS non_replicated_deduplication_window = 100"
+    )
+    with pytest.raises(SchemaMismatch, match="column 'norm' expected Float32, found Float64"):
+        run_replay(
+            **settings(ch, tmp_path, processor="test.norms"),
+            outputs={"norm": ClickHouseTable(f"{ch.prefix}_bad")},
+        )
+
+
+def test_output_table_without_dedup_window_is_refused(corpus, tmp_path):
+    ch = corpus
+    ch.transport.execute(
+        f"CREATE TABLE {ch.prefix}_nodedup (key Int64, seq Int64, norm Float32) "
+        "ENGINE = MergeTree ORDER BY tuple()"
+    )
+    with pytest.raises(NotExactlyOnce, match="no deduplication window"):
+        run_replay(
+            **settings(ch, tmp_path, processor="test.norms"),
+            outputs={"norm": ClickHouseTable(f"{ch.prefix}_nodedup")},
+        )
+
+
+def test_unknown_lane_is_refused(corpus, tmp_path):
+    with pytest.raises(ReplayConfigError, match=r"lane\(s\) \['nrom'\].*lanes: \['norm'\]"):
+        run_replay(
+            **settings(corpus, tmp_path, processor="test.norms"), outputs={"nrom": "parquet:x"}
+        )
+
+
+def test_stateful_on_several_workers_without_merge_is_refused(corpus, tmp_path):
+    with pytest.raises(MergeRequired, match="needs a registered merge and finish.*merge, finish"):
+        run_replay(
+            **settings(corpus, tmp_path, processor="test.running_sum"),
+            backend="processes",
+            workers=2,
+        )
+
+
+def test_failing_unit_is_retried_then_recorded_and_others_finish(corpus, tmp_path):
+    ch = corpus
+    with pytest.raises(UnitsFailed, match="2 work unit") as caught:
+        run_replay(
+            **settings(ch, tmp_path, processor="replay.fails_on_key", retries=1),
+            outputs={"norm": ClickHouseTable(f"{ch.prefix}_f")},
+        )
+    report = caught.value.report
+    assert len(report.failed) == 2  # key 13 of each hook
+    assert all("cannot handle key(s) [13]" in e for e in report.failed.values())
+    assert report.units_run == len(report.plan) - 2
+    ledger = json.loads(report.ledger.read_text())
+    assert ledger["status"] == "failed" and set(ledger["failed"]) == set(report.failed)
+    assert f"--resume {report.run_id}" in str(caught.value)
+    written = ch.query(f"SELECT count() AS n FROM {ch.prefix}_f").to_pylist()[0]["n"]
+    bad_rows = sum(u.rows for u in report.plan if u.id in report.failed)
+    assert written == 288 - bad_rows
+
+
+def test_transient_failure_is_retried(corpus, tmp_path):
+    ch = corpus
+    rp.FLAKY_CALLS[0] = 0
+    report = run_replay(
+        **settings(ch, tmp_path, processor="replay.flaky"),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_fl")},
+    )
+    assert not report.failed and report.rows_written == {"norm": 288}
+    ledger = json.loads(report.ledger.read_text())
+    assert sorted(u["attempts"] for u in ledger["units"].values())[-1] == 2
+
+
+def test_resume_with_another_config_is_refused_naming_the_change(corpus, tmp_path):
+    ch = corpus
+    first = run_replay(
+        **settings(ch, tmp_path, processor="test.norms"),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_r")},
+    )
+    with pytest.raises(ConfigChanged, match=r"unit_rows: 40 -> 50"):
+        run_replay(
+            **settings(ch, tmp_path, processor="test.norms", unit_rows=50),
+            outputs={"norm": ClickHouseTable(f"{ch.prefix}_r")},
+            resume=first.run_id,
+        )
+
+
+def test_resume_of_an_unknown_run(corpus, tmp_path):
+    with pytest.raises(UnknownRun, match="no run 'r-missing'"):
+        run_replay(**settings(corpus, tmp_path, processor="test.norms"), resume="r-missing")
+
+
+# -- the command -----------------------------------------------------------------
+
+
+def cli(ch, tmp_path, *extra: str) -> list[str]:
+    return [
+        "replay",
+        "--schema",
+        "tests.processors:SCHEMA",
+        "--import",
+        "tests.replay_processors",
+        "--chdb",
+        str(ch.transport.path),
+        "--layout",
+        "vec",
+        "--table",
+        f"{ch.prefix}_raw_vec",
+        "--unit-rows",
+        "40",
+        "--runs",
+        str(tmp_path / "runs"),
+        *extra,
+    ]
+
+
+def test_cli_dry_run_then_run_then_failing_run(corpus, tmp_path, capsys):
+    from taproute.service.host.cli import main
+
+    ch = corpus
+    out = f"norm=clickhouse:{ch.prefix}_cli"
+    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--output", out, "--dry-run")) == 0
+    printed = capsys.readouterr().out
+    assert "work unit(s), ~288 records" in printed and "config hash: " in printed
+    assert "hook=layers.0.attn.q  keys 0..13" in printed
+    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--output", out)) == 0
+    assert "rows written: norm: 288" in capsys.readouterr().out
+    assert ch.query(f"SELECT count() AS n FROM {ch.prefix}_cli").to_pylist() == [{"n": 288}]
+    bad = f"norm=clickhouse:{ch.prefix}_cli_bad"
+    code = main(cli(ch, tmp_path, "--processor", "replay.fails_on_key", "--output", bad))
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "2 work unit(s) failed" in captured.err and "cannot handle key(s) [13]" in captured.err
+    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--keys", "9")) == 1
+    assert "--keys '9': expected LO:HI" in capsys.readouterr().err
+
+
+# -- backends ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "workers", "schedule"),
+    [("processes", 2, "static"), ("processes", 2, "pull")],
+)
+def test_backends_give_the_inprocess_outputs(corpus, tmp_path, backend, workers, schedule):
+    ch = corpus
+    outputs = {}
+    for name, kwargs in (
+        ("inprocess", {}),
+        (backend, {"backend": backend, "workers": workers, "schedule": schedule}),
+    ):
+        for processor, lane in (("test.norms", "norm"), ("replay.running_sum", "sum")):
+            table = f"{ch.prefix}_{name}_{lane}"
+            run_replay(
+                **settings(ch, tmp_path, processor=processor, **kwargs),
+                outputs={lane: ClickHouseTable(table)},
+            )
+            outputs[name, lane] = ch.query(
+                f"SELECT * FROM {table} ORDER BY key, {'seq' if lane == 'norm' else 'count'}"
+            )
+    assert outputs["inprocess", "norm"].num_rows == 288
+    assert outputs[backend, "norm"].equals(outputs["inprocess", "norm"])
+    # Stateful via merge: partial sums per unit, merged by the driver.
+    assert outputs["inprocess", "sum"].num_rows == 16
+    assert outputs[backend, "sum"].to_pylist() == outputs["inprocess", "sum"].to_pylist()
