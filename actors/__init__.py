@@ -8,7 +8,6 @@
 
 from taproute.actors.counters import (
     DestinationCounters,
-    IngressCounters,
     RouteCounters,
     RouterSnapshot,
 )
@@ -20,7 +19,6 @@ __all__ = [
     "DestinationActor",
     "DestinationCounters",
     "DestinationSpec",
-    "IngressCounters",
     "Mailbox",
     "RouteCounters",
     "RouterSnapshot",

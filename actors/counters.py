@@ -1,79 +1,112 @@
-"""Live counters of a routing sink and the snapshot that feeds every exporter.
+"""What a routing sink counts, and the snapshot that feeds every exporter.
 
-Counters are plain integers bumped on the Trio loop; :func:`snapshot`-style
-methods return detached copies that are safe to hand to other threads.
+Each field declares what it is: a *count* (monotonic since start: exported
+as a Prometheus counter) or *live* state (what is queued or held now: a
+gauge), with its metric name and help text.  Exporters read these
+declarations (:func:`declared`); nothing else lists the fields again.
+
+Counters are plain integers bumped on the Trio loop; every ``snapshot()``
+returns a detached copy that is safe to hand to other threads.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
+
+Kind = Literal["count", "live"]
+
+
+def count(metric: str, help: str) -> Any:
+    """A monotonic count (starts at 0), exported as counter ``metric``."""
+    return attrs.field(default=0, metadata={"kind": "count", "metric": metric, "help": help})
+
+
+def live(metric: str, help: str, default: int | None = 0) -> Any:
+    """Live state (what is there now), exported as gauge ``metric``."""
+    return attrs.field(default=default, metadata={"kind": "live", "metric": metric, "help": help})
+
+
+@attrs.frozen
+class Declared:
+    """One declared field: its name, kind, metric name and help text."""
+
+    field: str
+    kind: Kind
+    metric: str
+    help: str
+
+
+def declared(cls: type, kind: Kind | None = None) -> Iterator[Declared]:
+    """The declared fields of counters class ``cls`` (of one ``kind``), in order."""
+    for field in attrs.fields(cls):
+        meta = field.metadata
+        if "kind" in meta and (kind is None or meta["kind"] == kind):
+            yield Declared(field.name, meta["kind"], meta["metric"], meta["help"])
 
 
 @attrs.define
 class RouteCounters:
     """Per route, in records.
 
-    ``queue_depth``: waiting in the route's mailboxes; ``backlog``: accepted
-    by the route and not yet done (waiting or being processed); ``processed``:
-    input records done; ``emitted``: records (forward) or rows (processed)
-    handed to the destination; ``failed``: input records that failed;
-    ``valid_slots``: stateful routes' slots holding state (else None);
-    ``parked``: records waiting for a retry or behind a failing key;
-    ``retries``: retries made; ``recovered``: records processed after failing;
-    ``failures_by_code``: failed records per failure code (each attempt counts);
-    ``declined``/``last_decline``: records the route's predicate declined, and why.
+    Counts: ``processed`` input records done; ``emitted`` records (forward) or
+    rows (processed) handed to the destination; ``failed`` input records given
+    up; ``retries`` made; ``recovered`` records processed after failing;
+    ``declined`` by the route's predicate (``last_decline``: why, last time);
+    ``failures_by_code``: failed records per failure code (each attempt counts).
+
+    Live: ``queue_depth`` waiting in the route's mailboxes; ``backlog``
+    accepted and not yet done (waiting or being processed); ``parked``
+    waiting for a retry or behind a failing key; ``valid_slots`` stateful
+    routes' slots holding state (else None).
     """
 
     name: str
     mode: str
     destination: str
-    queue_depth: int = 0
-    backlog: int = 0
-    processed: int = 0
-    emitted: int = 0
-    failed: int = 0
-    valid_slots: int | None = None
-    parked: int = 0
-    retries: int = 0
-    recovered: int = 0
-    declined: int = 0
+    queue_depth: int = live("taproute_route_queue_depth_records", "Records waiting in mailboxes.")
+    backlog: int = live("taproute_route_backlog_records", "Records accepted and not done.")
+    processed: int = count("taproute_route_processed_records", "Input records a route processed.")
+    emitted: int = count("taproute_route_emitted_records", "Records or rows a route sent on.")
+    failed: int = count(
+        "taproute_route_failed_records", "Input records a route gave up on (dead-lettered)."
+    )
+    valid_slots: int | None = live(
+        "taproute_route_valid_slots", "State slots holding state (stateful routes).", None
+    )
+    parked: int = live(
+        "taproute_route_parked_records", "Records waiting for a retry or behind a failing key."
+    )
+    retries: int = count("taproute_route_retries", "Retries of parked records.")
+    recovered: int = count("taproute_route_recovered_records", "Records processed after failing.")
+    declined: int = count(
+        "taproute_route_declined_records", "Records the route's predicate declined."
+    )
     last_decline: str | None = None
     failures_by_code: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.define
 class DestinationCounters:
-    """Per destination: records and payload bytes submitted, flushes, errors,
-    and what waits in its mailbox."""
+    """Per destination.  Counts: records and payload bytes submitted, batches,
+    flushes, errors.  Live: ``queue_depth``, records waiting in its mailbox."""
 
     name: str
-    records: int = 0
-    bytes: int = 0
+    records: int = count("taproute_destination_sent_records", "Records handed to the sink.")
+    bytes: int = count("taproute_destination_sent_bytes", "Payload bytes handed to the sink.")
     batches: int = 0
-    flushes: int = 0
-    errors: int = 0
-    queue_depth: int = 0
-
-
-@attrs.define
-class IngressCounters:
-    """Producer side: records and batches accepted, records refused when full,
-    seconds producers spent blocked in ``submit``, records queued now and
-    producers blocked now."""
-
-    submitted: int = 0
-    batches: int = 0
-    rejected: int = 0
-    blocked_seconds: float = 0.0
-    queued: int = 0
-    blocked_producers: int = 0
+    flushes: int = count("taproute_destination_flushes", "Flushes of the sink.")
+    errors: int = count("taproute_destination_errors", "Sink calls that raised.")
+    queue_depth: int = live(
+        "taproute_destination_queue_depth_records", "Records waiting for the sink."
+    )
 
 
 @attrs.frozen
 class RouterSnapshot:
-    """Everything counted, at one moment.
+    """Everything a routing sink counted, at one moment.
 
     ``unmatched_forwarded``/``unmatched_dropped``: records no route took, sent
     to the default destination or dropped (``unmatched="drop"``).  ``failure``
@@ -84,7 +117,6 @@ class RouterSnapshot:
     destinations: dict[str, DestinationCounters]
     unmatched_forwarded: int
     unmatched_dropped: int
-    ingress: IngressCounters | None = None
     failure: str | None = None
 
 

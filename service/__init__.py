@@ -35,6 +35,7 @@ from taproute.routing import (
     stateful_processor,
     stateless_processor,
 )
+from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
@@ -84,6 +85,7 @@ __all__ = [
     "FailurePolicy",
     "HttpConfig",
     "IngressFull",
+    "IngressCounters",
     "InvalidInput",
     "Layout",
     "MissingTable",
@@ -102,6 +104,7 @@ __all__ = [
     "RoutingSink",
     "RowBatch",
     "SchemaMismatch",
+    "ServiceSnapshot",
     "SlotSpec",
     "create_record_runtime",
     "make_descriptors",

@@ -140,12 +140,12 @@ def _wait_for_interrupt() -> None:
 
 def report(counters: object, result: DemoResult, transport: object) -> None:
     """Print what each route did, what landed, and one SQL query over it."""
-    from taproute.actors import RouterSnapshot
+    from taproute.service.host.counters import ServiceSnapshot
     from taproute.service.sinks.clickhouse import ChdbTransport
 
-    assert isinstance(counters, RouterSnapshot) and isinstance(transport, ChdbTransport)
+    assert isinstance(counters, ServiceSnapshot) and isinstance(transport, ChdbTransport)
     ingress = counters.ingress
-    records = ingress.submitted if ingress else 0
+    records = ingress.submitted
     print(
         f"taproute demo: all-MiniLM-L6-v2 on {result.sentences} sentences, "
         f"{records} captures routed in {result.seconds:.1f} s"

@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from taproute.actors.counters import RouterSnapshot
 from taproute.routing.errors import IngressFull
+from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
@@ -42,13 +42,13 @@ class HttpConfig:
     token: str | None = attrs.field(default=None, repr=False)
 
 
-def snapshot_as_json(snapshot: RouterSnapshot) -> dict[str, Any]:
+def snapshot_as_json(snapshot: ServiceSnapshot) -> dict[str, Any]:
     """The snapshot as plain JSON-able data."""
     return attrs.asdict(snapshot)
 
 
 def build_app(
-    snapshot: Callable[[], RouterSnapshot],
+    snapshot: Callable[[], ServiceSnapshot],
     *,
     controls: DeadLetterControls | None = None,
     trace: Callable[..., Any] | None = None,

@@ -20,10 +20,10 @@ from typing import Literal
 import attrs
 import numpy as np
 
-from taproute.actors.counters import IngressCounters
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
+from taproute.service.host.counters import IngressCounters
 
 WhenFull = Literal["block", "reject"]
 

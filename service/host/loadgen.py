@@ -10,10 +10,10 @@ from typing import TextIO
 import numpy as np
 import numpy.typing as npt
 
-from taproute.actors import RouterSnapshot
 from taproute.native import make_descriptors
 from taproute.routing.layout import Layout
 from taproute.service.host.config import ProducerHook, ServiceConfig
+from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.service import create_record_runtime
 
@@ -46,7 +46,7 @@ def run_load(
     duration: float,
     seed: int = 0,
     out: TextIO = sys.stdout,
-) -> RouterSnapshot:
+) -> ServiceSnapshot:
     """Submit ``rate`` records/s for ``duration`` seconds; return the final counters."""
     if not config.producer.hooks:
         raise ValueError(
@@ -96,12 +96,12 @@ def run_load(
 
 
 def _progress(
-    out: TextIO, elapsed: float, duration: float, submitted: int, counters: RouterSnapshot
+    out: TextIO, elapsed: float, duration: float, submitted: int, counters: ServiceSnapshot
 ) -> None:
     width = 30
     done = min(1.0, elapsed / duration)
     bar = "#" * int(done * width) + "." * (width - int(done * width))
-    blocked = counters.ingress.blocked_seconds if counters.ingress else 0.0
+    blocked = counters.ingress.blocked_seconds
     delivered = sum(d.records for d in counters.destinations.values())
     failed = sum(r.failed for r in counters.routes.values())
     rate = submitted / elapsed if elapsed > 0 else 0.0

@@ -21,7 +21,6 @@ from contextlib import suppress
 from types import TracebackType
 from typing import Any
 
-import attrs
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
@@ -40,6 +39,7 @@ from taproute.routing.sink import (
     RunsInBackground,
 )
 from taproute.routing.validation import check_batch
+from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import Control, Ingress, WhenFull
 
 #: Something else to host on the runtime's loop: started with ``nursery.start``
@@ -372,7 +372,7 @@ class RecordRuntime:
         """The latched failure, or None."""
         return self._latch.failure
 
-    def counters(self) -> RouterSnapshot:
+    def snapshot(self) -> ServiceSnapshot:
         """Ingress counters plus the record sink's (when it keeps any); any thread."""
         loop_running = self._thread is not None and self._thread.is_alive()
         if not loop_running or threading.current_thread() is self._thread:
@@ -382,17 +382,23 @@ class RecordRuntime:
         except trio.RunFinishedError:
             return self._snapshot_in_loop()
 
-    def _snapshot_in_loop(self) -> RouterSnapshot:
-        ingress = self._ingress.snapshot()
+    def counters(self) -> ServiceSnapshot:
+        """Same as :meth:`snapshot` (the name the README's examples use)."""
+        return self.snapshot()
+
+    def _snapshot_in_loop(self) -> ServiceSnapshot:
         observable = self._observable
-        snapshot = RouterSnapshot({}, {}, 0, 0) if observable is None else observable.snapshot()
+        sink = RouterSnapshot({}, {}, 0, 0) if observable is None else observable.snapshot()
         failure = self._latch.failure or (
             None if self._reports_failure is None else self._reports_failure.failure
         )
-        return attrs.evolve(
-            snapshot,
-            ingress=ingress,
+        return ServiceSnapshot(
+            routes=sink.routes,
+            destinations=sink.destinations,
+            unmatched_forwarded=sink.unmatched_forwarded,
+            unmatched_dropped=sink.unmatched_dropped,
             failure=None if failure is None else str(failure),
+            ingress=self._ingress.snapshot(),
         )
 
 

@@ -76,6 +76,7 @@ class RecordService:
         self.asubmit_batch = runtime.asubmit_batch
         self.bind_hook = runtime.bind_hook
         self.flush = runtime.flush
+        self.snapshot = runtime.snapshot
         self.counters = runtime.counters
 
     async def _serve_http(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -83,7 +84,7 @@ class RecordService:
         assert self.http is not None
         runtime = self.runtime
         app = build_app(
-            runtime.counters,  # on the loop thread: read directly, no crossing
+            runtime.snapshot,  # on the loop thread: read directly, no crossing
             controls=self.controls,
             trace=self._trace,
         )

@@ -1,0 +1,45 @@
+"""What the service counts on top of its record sink: the ingress, and the
+snapshot that joins both.
+
+The ingress belongs to the runtime (producer threads, not the routing sink),
+so its counters live here; fields declare count or live state as the routing
+sink's do (:mod:`taproute.actors.counters`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from taproute.actors.counters import RouterSnapshot, count, live
+
+
+@attrs.define
+class IngressCounters:
+    """Producer side.  Counts: records and batches accepted, records refused
+    when full, seconds producers spent blocked in ``submit``.  Live: records
+    queued now and producers blocked now."""
+
+    submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
+    batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
+    rejected: int = count(
+        "taproute_ingress_rejected_records", "Records refused because ingress was full."
+    )
+    blocked_seconds: float = count(
+        "taproute_ingress_blocked_seconds", "Seconds producers spent blocked in submit."
+    )
+    queued: int = live("taproute_ingress_queued_records", "Records accepted and not yet routed.")
+    blocked_producers: int = live(
+        "taproute_ingress_blocked_producers", "Producers blocked in submit now."
+    )
+
+
+@attrs.frozen
+class ServiceSnapshot(RouterSnapshot):
+    """The record sink's snapshot (empty routes/destinations for a plain sink)
+    plus the runtime's ``ingress``; ``failure`` is the first failure latched by
+    the runtime or the sink."""
+
+    ingress: IngressCounters = attrs.Factory(IngressCounters)
+
+
+__all__ = ["IngressCounters", "ServiceSnapshot"]

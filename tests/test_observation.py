@@ -1,0 +1,92 @@
+"""One observation verb: ``snapshot()`` on runtime, routing sink, routes and
+destinations; counts (monotonic) declared apart from live state (now)."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from taproute.actors import DestinationCounters, RouteCounters, RouterSnapshot, RoutingSink
+from taproute.actors.counters import declared
+from taproute.routing import Route, RoutingConfig
+from taproute.service import IngressCounters, ServiceSnapshot, create_record_runtime
+from taproute.service.host.metrics import SnapshotCollector
+from tests.processors import SCHEMA
+from tests.sinks import NullSink
+
+
+def test_every_counters_class_declares_counts_apart_from_live_state():
+    live = {d.field for d in declared(RouteCounters, "live")}
+    assert live == {"queue_depth", "backlog", "valid_slots", "parked"}
+    assert {d.field for d in declared(DestinationCounters, "live")} == {"queue_depth"}
+    assert {d.field for d in declared(IngressCounters, "live")} == {"queued", "blocked_producers"}
+    names = [
+        d.metric
+        for cls in (RouteCounters, DestinationCounters, IngressCounters)
+        for d in declared(cls)
+    ]
+    assert len(names) == len(set(names))  # one metric per field
+
+
+def sink() -> RoutingSink:
+    return RoutingSink(
+        RoutingConfig(
+            [
+                Route("raw", "layers.*", "cap"),
+                Route("sums", "layers.*", "cap", mode="stateful", processor="test.running_sum"),
+            ]
+        ),
+        SCHEMA,
+        {"cap": NullSink()},
+        unmatched="drop",
+    )
+
+
+def test_runtime_and_sink_answer_snapshot_with_live_state_drained_and_counts_kept():
+    routing = sink()
+    with create_record_runtime(record_sink=routing) as runtime:
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        for i in range(12):
+            runtime.submit(q, np.full(4, i, np.float32))
+        runtime.flush()
+        snap = runtime.snapshot()
+        assert isinstance(snap, ServiceSnapshot) and runtime.counters() == snap
+        inner = routing.snapshot()
+        assert type(inner) is RouterSnapshot and inner.routes == snap.routes
+    assert snap.ingress.submitted == 12
+    for route in snap.routes.values():
+        counts = {d.field: getattr(route, d.field) for d in declared(RouteCounters, "count")}
+        live = {d.field: getattr(route, d.field) for d in declared(RouteCounters, "live")}
+        assert counts["processed"] == 12
+        # After a flush nothing waits anywhere; what stays is what was done.
+        assert {k: v for k, v in live.items() if k != "valid_slots"} == {
+            "queue_depth": 0,
+            "backlog": 0,
+            "parked": 0,
+        }
+    assert snap.routes["sums"].valid_slots == 1  # every record had key 0
+    assert snap.routes["raw"].valid_slots is None
+
+
+def test_metric_types_follow_the_declarations():
+    snap = ServiceSnapshot(
+        routes={"r": RouteCounters("r", "forward", "d", processed=3, queue_depth=2)},
+        destinations={"d": DestinationCounters("d", records=3, queue_depth=1)},
+        unmatched_forwarded=0,
+        unmatched_dropped=0,
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    for cls, instance in ((RouteCounters, snap.routes["r"]), (IngressCounters, snap.ingress)):
+        for d in declared(cls):
+            name = d.metric.removesuffix("_total")
+            family = families[name]
+            assert family.type == ("counter" if d.kind == "count" else "gauge"), d.field
+            if getattr(instance, d.field) is not None and family.samples:
+                assert family.samples[0].value == getattr(instance, d.field)
+    assert attrs.asdict(snap)["ingress"]["submitted"] == 0
