@@ -7,6 +7,8 @@ destination that holds the batch holds one lease; the callback fires exactly
 once, when the last lease is returned.
 """
 
+from cpython.pyport cimport PY_SSIZE_T_MAX
+
 
 class LeaseError(RuntimeError):
     """A lease was acquired after release, or released more often than acquired."""
@@ -35,6 +37,8 @@ cdef class BufferLease:
             raise LeaseError("cannot acquire a lease on a buffer that was already released")
         if n < 0:
             raise ValueError(f"acquire count must be >= 0, got {n}")
+        if n > PY_SSIZE_T_MAX - self._holders:
+            raise OverflowError(f"acquiring {n} more leases overflows the holder count")
         self._holders += n
 
     cpdef void release(self) except *:

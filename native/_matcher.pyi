@@ -4,6 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 UNMATCHED: int
+MAX_OUTPUT_IDS: int
 
 class RouteTable:
     n_routes: int

@@ -17,6 +17,10 @@ cnp.import_array()
 #: Route index used in :meth:`RouteTable.group` results for unmatched records.
 UNMATCHED = -1
 
+#: Output ids a table maps: ``0 .. MAX_OUTPUT_IDS - 1`` (hooks are numbered
+#: densely from 0, and the table is an array indexed by output_id).
+MAX_OUTPUT_IDS = 2**24
+
 
 cdef class RouteTable:
     """Maps output_id to the set of routes it feeds.
@@ -44,7 +48,9 @@ cdef class RouteTable:
         self._set_routes = np.zeros(0, dtype=np.int32)
 
     def assign(self, uint32_t output_id, routes):
-        """Route ``output_id`` to ``routes`` (an iterable of route indices)."""
+        """Route ``output_id`` (< :data:`MAX_OUTPUT_IDS`) to ``routes`` (route indices)."""
+        if output_id >= MAX_OUTPUT_IDS:
+            raise ValueError(f"output_id {output_id} outside [0, {MAX_OUTPUT_IDS})")
         key = tuple(sorted(set(int(r) for r in routes)))
         for r in key:
             if r < 0 or r >= self.n_routes:

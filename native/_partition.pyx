@@ -4,6 +4,11 @@
 A stateful route's K keys are split into contiguous ranges, one per owner
 actor: owner ``j`` owns keys ``k`` with ``k * n_owners // K == j``.  Contiguous
 ranges keep each owner's slice of the K x N state region contiguous too.
+
+The product ``k * n_owners`` is formed in 128 bits, so every ``int64`` key
+and key range gives the exact owner (a 64-bit product overflows for keys
+past ``2**63 / n_owners`` and, with bounds checks off, indexes out of the
+result arrays).
 """
 
 import numpy as np
@@ -12,12 +17,30 @@ from libc.stdint cimport int64_t
 
 cnp.import_array()
 
+cdef extern from *:
+    """
+    /* floor(k * n / range) for 0 <= k < range, 1 <= n <= range: the 128-bit
+       product cannot overflow and the quotient is < n. */
+    static inline Py_ssize_t taproute_owner(long long k, long long n, long long range) {
+        return (Py_ssize_t)(((__int128)k * (__int128)n) / (__int128)range);
+    }
+    """
+    Py_ssize_t taproute_owner(long long k, long long n, long long range) nogil
+
+
+cdef _check_partition(int64_t key_range, Py_ssize_t n_owners):
+    if key_range <= 0:
+        raise ValueError(f"key_range must be > 0, got {key_range}")
+    if n_owners <= 0 or n_owners > key_range:
+        raise ValueError(f"n_owners must be in [1, key_range={key_range}], got {n_owners}")
+
 
 def owner_of(int64_t key, int64_t key_range, Py_ssize_t n_owners):
     """The owner index of one key (for diagnostics and tests)."""
+    _check_partition(key_range, n_owners)
     if key < 0 or key >= key_range:
         raise ValueError(f"key {key} outside [0, {key_range})")
-    return (key * n_owners) // key_range
+    return taproute_owner(key, n_owners, key_range)
 
 
 def partition_keys(const int64_t[::1] keys, int64_t key_range, Py_ssize_t n_owners):
@@ -26,12 +49,10 @@ def partition_keys(const int64_t[::1] keys, int64_t key_range, Py_ssize_t n_owne
     Returns ``(per_owner, out_of_range)``: ``per_owner[j]`` is an ``intp``
     array of positions into ``keys`` owned by owner ``j`` (``None`` if it has
     none), and ``out_of_range`` holds the positions whose key is outside
-    ``[0, key_range)`` (``None`` if all are valid).
+    ``[0, key_range)`` (``None`` if all are valid).  ``n_owners`` must be in
+    ``[1, key_range]`` (a stateful route has at most one owner per key).
     """
-    if key_range <= 0:
-        raise ValueError(f"key_range must be > 0, got {key_range}")
-    if n_owners <= 0:
-        raise ValueError(f"n_owners must be > 0, got {n_owners}")
+    _check_partition(key_range, n_owners)
     cdef Py_ssize_t n = keys.shape[0]
     cdef Py_ssize_t slots = n_owners + 1   # last slot: out of range
     owner_arr = np.empty(n, dtype=np.intp)
@@ -45,7 +66,7 @@ def partition_keys(const int64_t[::1] keys, int64_t key_range, Py_ssize_t n_owne
         if k < 0 or k >= key_range:
             o = n_owners
         else:
-            o = <Py_ssize_t>((k * n_owners) // key_range)
+            o = taproute_owner(k, n_owners, key_range)
         owner[i] = o
         counts[o] += 1
     offsets_arr = np.zeros(slots + 1, dtype=np.intp)

@@ -7,7 +7,7 @@ it into an exception with a message.  No Python work per record.
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t
+from libc.stdint cimport INT64_MAX, int64_t
 
 include "_descriptor.pxi"
 
@@ -35,10 +35,15 @@ def check_descriptors(
     Returns ``(code, index, total)``: the first bad record's code and index, or
     ``(OK, -1, total)`` with ``total`` the payload bytes the records cover.
 
-    Per layout id ``l``: ``fixed_size[l] > 0`` means the payload is exactly that
-    long; ``< 0`` that the layout cannot be a payload; ``0`` that it is ``tail_prefix[l]`` bytes plus a whole number of
-    ``tail_element[l]``-byte elements.  With no layouts given (empty arrays)
-    layouts are not checked.
+    Per layout id ``l``: ``fixed_size[l] > 0`` means the payload is exactly
+    that long; ``< 0`` that the layout cannot be a payload; ``0`` that it is
+    ``tail_prefix[l]`` bytes plus a whole number of ``tail_element[l]``-byte
+    elements.  With no layouts given (empty arrays) layouts are not checked.
+
+    The three rule arrays must have one entry per layout, with prefixes and
+    elements >= 0, and ``payload_size`` and ``bound_ids`` must be >= 0
+    (ValueError otherwise).  ``total`` saturates at ``2**63 - 1``
+    (overlapping ranges may cover more bytes than that).
     """
     cdef Py_ssize_t n = descriptors.shape[0]
     cdef Py_ssize_t n_layouts = fixed_size.shape[0]
@@ -46,6 +51,21 @@ def check_descriptors(
     cdef int64_t off, length, fixed, prefix, element
     cdef int64_t total = 0
     cdef unsigned int layout
+    if tail_prefix.shape[0] != n_layouts or tail_element.shape[0] != n_layouts:
+        raise ValueError(
+            f"rule arrays differ in length: fixed_size {n_layouts}, "
+            f"tail_prefix {tail_prefix.shape[0]}, tail_element {tail_element.shape[0]}"
+        )
+    if payload_size < 0:
+        raise ValueError(f"payload_size must be >= 0, got {payload_size}")
+    if bound_ids < 0:
+        raise ValueError(f"bound_ids must be >= 0, got {bound_ids}")
+    for i in range(n_layouts):
+        if tail_prefix[i] < 0 or tail_element[i] < 0:
+            raise ValueError(
+                f"layout {i}: tail_prefix and tail_element must be >= 0, got "
+                f"{tail_prefix[i]} and {tail_element[i]}"
+            )
     for i in range(n):
         if descriptors[i].output_id >= bound_ids:
             return UNBOUND_OUTPUT_ID, i, total
@@ -53,7 +73,7 @@ def check_descriptors(
         length = descriptors[i].length
         if off < 0 or length < 0 or off > payload_size or length > payload_size - off:
             return RANGE_OUTSIDE_BUFFER, i, total
-        total += length
+        total = INT64_MAX if length > INT64_MAX - total else total + length
         if n_layouts == 0:
             continue
         layout = descriptors[i].layout_id
