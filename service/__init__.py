@@ -62,6 +62,12 @@ from taproute.service.sinks.clickhouse import (
     Retry,
     SchemaMismatch,
 )
+from taproute.service.sinks.clickhouse.readback import (
+    Capture,
+    ReadBackError,
+    load_captures,
+    load_rows,
+)
 
 __all__ = [
     "run_replay",
@@ -75,6 +81,10 @@ __all__ = [
     "Filters",
     "ClickHouseTable",
     "ClickHouseCorpus",
+    "Capture",
+    "ReadBackError",
+    "load_captures",
+    "load_rows",
     "DESCRIPTOR_DTYPE",
     "Batching",
     "CaptureSink",

@@ -1,0 +1,201 @@
+"""Reading back what a ClickHouse sink wrote: raw captures and processor rows.
+
+The inverse of :mod:`taproute.service.sinks.clickhouse.columns`, so it lives
+beside it (the flattening rules -- ``values`` with ``values_shape`` beside it
+-- are decided there).  Works on any :class:`Transport`: chDB in-process or a
+server through clickhouse-connect.
+
+- :func:`load_captures`: raw records by hook (name or glob), key, step range
+  and layer, each with its real shape restored (``values_shape`` as written;
+  a one-dimensional shape from older tables is reshaped to ``[-1, width]``
+  when ``width`` is given), as numpy arrays or torch tensors.
+- :func:`load_rows`: processor rows of a table as a numpy structured array of
+  the output layout's dtype (fixed-shape arrays restored), filtered alike.
+
+Layer = the first integer in the hook name (``encoder.layer.3.output`` -> 3),
+the same rule the signal processors use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from taproute.routing.errors import ConfigError
+from taproute.routing.layout import Layout
+from taproute.service.sinks.clickhouse.transport import Transport
+
+
+class ReadBackError(ConfigError):
+    """A read-back request that cannot be answered (no such column, bad shape)."""
+
+
+@attrs.frozen
+class Capture:
+    """One raw record read back: its descriptor fields and its values, real shape."""
+
+    hook: str
+    key: int
+    step: int
+    seq: int
+    values: Any  # numpy array, or torch tensor with as_torch=True
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _glob_regex(pattern: str) -> str:
+    """A shell glob (``*``, ``?``, ``[...]``) as an anchored RE2 regex."""
+    out, i = ["^"], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[" and "]" in pattern[i + 1 :]:
+            end = pattern.index("]", i + 1)
+            out.append("[" + pattern[i + 1 : end].replace("!", "^", 1) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out) + "$"
+
+
+def _where(
+    *,
+    hook: str | None,
+    key: int | Iterable[int] | None,
+    steps: tuple[int, int] | None,
+    layer: int | None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """A WHERE clause: ``steps`` is a half-open ``(first, stop)`` range."""
+    terms = []
+    if hook is not None:
+        if any(c in hook for c in "*?["):
+            terms.append(f"match(hook, {_literal(_glob_regex(hook))})")
+        else:
+            terms.append(f"hook = {_literal(hook)}")
+    if key is not None:
+        keys = [int(key)] if isinstance(key, (int, np.integer)) else [int(k) for k in key]
+        terms.append(f"key IN ({', '.join(map(str, keys)) or 'NULL'})")
+    if steps is not None:
+        terms.append(f"step >= {int(steps[0])} AND step < {int(steps[1])}")
+    if layer is not None:
+        terms.append(f"extract(hook, '[0-9]+') = {_literal(str(int(layer)))}")
+    for column, value in (extra or {}).items():
+        terms.append(f"`{column}` = {int(value)}")
+    return f" WHERE {' AND '.join(terms)}" if terms else ""
+
+
+def _lists(column: pa.ChunkedArray) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
+    """Flat values and offsets of a list column."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(array, pa.ChunkedArray):  # pragma: no cover - empty result
+        array = pa.array([], type=column.type)
+    flat = array.flatten().to_numpy(zero_copy_only=False)
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    return flat, offsets
+
+
+def load_captures(
+    transport: Transport,
+    table: str,
+    *,
+    hook: str | None = None,
+    key: int | Iterable[int] | None = None,
+    steps: tuple[int, int] | None = None,
+    layer: int | None = None,
+    column: str = "values",
+    width: int | None = None,
+    as_torch: bool = False,
+) -> list[Capture]:
+    """Raw records of ``table`` (e.g. ``raw_activations``) matching the filters,
+    ordered by hook, key, step, seq; ``values`` in the shape they were captured in."""
+    sql = (
+        f"SELECT hook, key, step, seq, `{column}` AS v, `{column}_shape` AS s FROM `{table}`"
+        f"{_where(hook=hook, key=key, steps=steps, layer=layer)} ORDER BY hook, key, step, seq"
+    )
+    result = transport.query(sql)
+    if result.num_rows == 0:
+        return []
+    flat, offsets = _lists(result.column("v"))
+    shape_flat, shape_offsets = _lists(result.column("s"))
+    hooks = result.column("hook").to_pylist()
+    keys, step_values, seqs = (result.column(c).to_numpy() for c in ("key", "step", "seq"))
+    out = []
+    for i in range(result.num_rows):
+        values = flat[offsets[i] : offsets[i + 1]]
+        shape = tuple(int(v) for v in shape_flat[shape_offsets[i] : shape_offsets[i + 1]])
+        if len(shape) == 1 and width is not None:
+            if shape[0] % width:
+                raise ReadBackError(
+                    f"{table}: record hook={hooks[i]!r} key={int(keys[i])} has {shape[0]} "
+                    f"values, not a multiple of width {width}"
+                )
+            shape = (shape[0] // width, width)
+        if int(np.prod(shape)) != len(values):
+            raise ReadBackError(
+                f"{table}: record hook={hooks[i]!r} key={int(keys[i])}: {column}_shape "
+                f"{list(shape)} does not match its {len(values)} values"
+            )
+        array: Any = values.reshape(shape)
+        if as_torch:
+            import torch
+
+            array = torch.from_numpy(np.array(array))  # owned and writable
+        out.append(Capture(str(hooks[i]), int(keys[i]), int(step_values[i]), int(seqs[i]), array))
+    return out
+
+
+def load_rows(
+    transport: Transport,
+    table: str,
+    layout: Layout,
+    *,
+    hook: str | None = None,
+    key: int | Iterable[int] | None = None,
+    steps: tuple[int, int] | None = None,
+    layer: int | None = None,
+    order_by: str | None = None,
+    **equal: int,
+) -> npt.NDArray[np.void]:
+    """Rows of ``table`` as a structured array of ``layout``'s dtype.
+
+    Filters apply only to columns the layout has (``key``/``step`` for rows
+    that carry them); ``equal`` adds ``column = value`` terms (``window=3``).
+    """
+    names = [c.name for c in layout.columns]
+    for column, value in (("hook", hook), ("key", key), ("step", steps)):
+        if value is not None and column not in names:
+            raise ReadBackError(f"{table}: layout {layout.name!r} has no {column!r} column")
+    for column in equal:
+        if column not in names:
+            raise ReadBackError(f"{table}: layout {layout.name!r} has no {column!r} column")
+    where = _where(hook=hook, key=key, steps=steps, layer=layer, extra=equal)
+    order = f" ORDER BY {order_by}" if order_by else ""
+    columns = ", ".join(f"`{n}`" for n in names)
+    result = transport.query(f"SELECT {columns} FROM `{table}`{where}{order}")
+    rows = np.zeros(result.num_rows, dtype=layout.dtype)
+    if result.num_rows == 0:
+        return rows
+    for col in layout.columns:
+        data = result.column(col.name)
+        if col.is_array and col.shape:
+            flat, _ = _lists(data)
+            rows[col.name] = flat.reshape(result.num_rows, *col.shape)
+        elif col.is_array:
+            flat, offsets = _lists(data)
+            rows[col.name] = [flat[offsets[i] : offsets[i + 1]] for i in range(result.num_rows)]
+        else:
+            rows[col.name] = data.to_numpy(zero_copy_only=False)
+    return rows
