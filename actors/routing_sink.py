@@ -24,8 +24,6 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
 import trio
 
 from taproute.actors.counters import RouterSnapshot
@@ -51,7 +49,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import RoutePlan, Unmatched
-from taproute.routing.predicates import evaluate_predicate
+from taproute.routing.predicates import Groups, PredicateFailed, narrow
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.routes import RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
@@ -259,37 +257,18 @@ class RoutingSink:
                 else:
                     await routes[index].dispatch(part)
 
-    def _apply_predicates(
-        self, batch: RecordBatch, groups: list[tuple[int, npt.NDArray[np.intp] | None]]
-    ) -> list[tuple[int, npt.NDArray[np.intp] | None]]:
-        """Narrow each group by its route's predicate; what no route takes is unmatched."""
-        n = len(batch)
-        taken = np.zeros(n, dtype=bool)
-        unmatched: list[npt.NDArray[np.intp]] = []
-        narrowed: list[tuple[int, npt.NDArray[np.intp] | None]] = []
-        for index, selection in groups:
-            positions = np.arange(n) if selection is None else selection
-            if index == UNMATCHED:
-                unmatched.append(positions)
-                continue
-            route = self._routes[index]
-            if route.planned.route.predicate is not None:
-                try:
-                    mask, reason = evaluate_predicate(route.planned, batch.descriptors[positions])
-                except Exception as exc:  # a broken predicate is a bug: stop loudly
-                    raise self._latch.latch(exc, route=route.name, where="route predicate") from exc
-                declined = int(len(mask) - mask.sum())
-                if declined:
-                    route.counters.declined += declined
-                    route.counters.last_decline = reason
-                positions = positions[mask]
-            if len(positions):
-                taken[positions] = True
-                narrowed.append((index, positions))
-        routed_nowhere = np.flatnonzero(~taken)
-        if len(routed_nowhere):
-            narrowed.append((UNMATCHED, routed_nowhere))
-        return narrowed
+    def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
+        try:
+            return narrow(groups, batch.descriptors, self.plan.routes, self._declined)
+        except PredicateFailed as exc:  # a broken predicate is a bug: stop loudly
+            raise self._latch.latch(
+                exc.cause, route=exc.route, where="route predicate"
+            ) from exc.cause
+
+    def _declined(self, index: int, count: int, reason: str) -> None:
+        counters = self._routes[index].counters
+        counters.declined += count
+        counters.last_decline = reason
 
     def trace(self, hook: str, **fields: Any) -> TraceResult:
         """Where a record of ``hook`` with these descriptor fields would go, and why.

@@ -3,6 +3,7 @@
 - :data:`DESCRIPTOR_DTYPE`, :func:`make_descriptors`: the record descriptor.
 - :class:`RouteTable`: output_id -> route set, one-pass grouping of a batch.
 - :func:`partition_keys`: key -> owner partitioning of a stateful route.
+- :func:`check_descriptors` (and its verdict codes): one-pass batch validation.
 - :class:`BufferLease`: lease counting of shared read-only record buffers.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
@@ -12,16 +13,30 @@ from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
 from taproute.native._state import scatter_add
+from taproute.native._validate import (
+    NOT_A_PAYLOAD_LAYOUT,
+    OK,
+    RANGE_OUTSIDE_BUFFER,
+    UNBOUND_OUTPUT_ID,
+    UNKNOWN_LAYOUT,
+    check_descriptors,
+)
 from taproute.native.descriptor import DESCRIPTOR_DTYPE, make_descriptors
 from taproute.native.state import StateRegion
 
 __all__ = [
     "DESCRIPTOR_DTYPE",
+    "NOT_A_PAYLOAD_LAYOUT",
+    "OK",
+    "RANGE_OUTSIDE_BUFFER",
+    "UNBOUND_OUTPUT_ID",
+    "UNKNOWN_LAYOUT",
     "UNMATCHED",
     "BufferLease",
     "LeaseError",
     "RouteTable",
     "StateRegion",
+    "check_descriptors",
     "make_descriptors",
     "owner_of",
     "partition_keys",

@@ -8,9 +8,12 @@ one record.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import UNMATCHED
 from taproute.routing.plan import PlannedRoute
 
 MAX_REASON = 500
@@ -40,3 +43,53 @@ def evaluate_predicate(
             f"expected ({len(descriptors)},)"
         )
     return mask, one_line(str(reason))
+
+
+#: (route index or UNMATCHED, positions in the batch or None for all of it)
+Groups = list[tuple[int, npt.NDArray[np.intp] | None]]
+
+
+class PredicateFailed(Exception):
+    """A route's predicate raised (or returned the wrong shape): a bug, raised loudly."""
+
+    def __init__(self, route: str, cause: Exception) -> None:
+        super().__init__(f"route {route!r}: predicate failed: {cause}")
+        self.route = route
+        self.cause = cause
+
+
+def narrow(
+    groups: Groups,
+    descriptors: npt.NDArray[np.void],
+    routes: Sequence[PlannedRoute],
+    declined: Callable[[int, int, str], None],
+) -> Groups:
+    """Narrow each route's group by its predicate; what no route takes is unmatched.
+
+    ``declined(route_index, count, reason)`` is told what each predicate
+    declined.  A predicate that fails raises :class:`PredicateFailed`.
+    """
+    n = len(descriptors)
+    taken = np.zeros(n, dtype=bool)
+    narrowed: Groups = []
+    for index, selection in groups:
+        if index == UNMATCHED:
+            continue  # recomputed below: what no route took
+        positions = np.arange(n) if selection is None else selection
+        planned = routes[index]
+        if planned.route.predicate is not None:
+            try:
+                mask, reason = evaluate_predicate(planned, descriptors[positions])
+            except Exception as exc:
+                raise PredicateFailed(planned.name, exc) from exc
+            count = int(len(mask) - mask.sum())
+            if count:
+                declined(index, count, reason)
+            positions = positions[mask]
+        if len(positions):
+            taken[positions] = True
+            narrowed.append((index, positions))
+    routed_nowhere = np.flatnonzero(~taken)
+    if len(routed_nowhere):
+        narrowed.append((UNMATCHED, routed_nowhere))
+    return narrowed

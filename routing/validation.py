@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from taproute.native._validate import (
+from taproute.native import (
     NOT_A_PAYLOAD_LAYOUT,
     OK,
     RANGE_OUTSIDE_BUFFER,
