@@ -29,6 +29,7 @@ class HookRegistry:
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
         self._layouts: list[str | None] = []
+        self._token_shapes: dict[int, tuple[int, ...] | None] = {}
         self._listeners: list[BindListener] = []
         self._names_view: tuple[str, ...] = ()
 
@@ -89,6 +90,18 @@ class HookRegistry:
     def layout_of(self, output_id: int) -> str | None:
         """The layout name declared for ``output_id``'s hook, if any."""
         return self._layouts[output_id]
+
+    def set_token_shape(self, output_id: int, shape: tuple[int, ...] | None) -> None:
+        """Say the shape of one position's values in ``output_id``'s records.
+
+        A record of ``n`` values then has the shape ``[n / prod(shape), *shape]``
+        (a capture hook's ``[tokens, hidden]``); None: a flat ``[n]``.
+        """
+        self._token_shapes[output_id] = None if shape is None else tuple(shape)
+
+    def token_shape_of(self, output_id: int) -> tuple[int, ...] | None:
+        """The shape of one position's values in ``output_id``'s records, if said."""
+        return self._token_shapes.get(output_id)
 
     def names(self) -> tuple[str, ...]:
         """Every bound name, in output_id order.

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 import attrs
+import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype (BFloat16 columns)
 import numpy as np
 
 from taproute.routing.errors import LayoutError
@@ -30,6 +31,9 @@ _SCALARS: dict[str, str] = {
     "UInt64": "<u8",
     "Float32": "<f4",
     "Float64": "<f8",
+    # numpy has no bfloat16 of its own: ml_dtypes' is a real numeric dtype
+    # (casts, arithmetic), so processors compute on BFloat16 values directly.
+    "BFloat16": "bfloat16",
     "Bool": "?",
     "DateTime": "<M8[s]",
 }

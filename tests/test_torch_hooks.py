@@ -10,7 +10,7 @@ from torch import nn
 from taproute.actors import RoutingSink
 from taproute.routing import ConfigError, Layout, RecordSchema, Route, RoutingConfig
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import HostBufferPool, bind_modules, capture_context
+from taproute.service.capture import CaptureWarning, HostBufferPool, bind_modules, capture_context
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])
@@ -42,7 +42,8 @@ def test_hooks_capture_each_sequence_as_a_record_and_return_buffers():
         bindings = bind_modules(runtime, model, "layers.*.linear2", layout="acts", pool=pool)
         assert [b.name for b in bindings] == ["layers.0.linear2", "layers.1.linear2"]
         with torch.inference_mode():
-            model(x)  # outside a capture context: nothing captured
+            with pytest.warns(CaptureWarning, match="outside a capture_context"):
+                model(x)  # outside a capture context: nothing captured, counted
             with capture_context([101, 102, 103], lengths=[5, 2, 4], step=7):
                 model(x)
         runtime.flush()
@@ -52,6 +53,10 @@ def test_hooks_capture_each_sequence_as_a_record_and_return_buffers():
             model(x)  # removed: nothing captured
         runtime.flush()
     assert cap.records == 6
+    assert runtime.counters().ingress.skipped == {
+        "layers.0.linear2": {"no_context": 1},
+        "layers.1.linear2": {"no_context": 1},
+    }
     for batch in cap.record_batches:
         name = runtime.hooks.name_of(int(batch.descriptors["output_id"][0]))
         assert batch.descriptors["key"].tolist() == [101, 102, 103]

@@ -75,7 +75,7 @@ def run(
 
     from taproute.actors import RoutingSink
     from taproute.routing import HookRegistry
-    from taproute.service.capture.hooks import HostBufferPool, bind_modules, capture_context
+    from taproute.service.capture import HostBufferPool, bind_modules, capture_context
     from taproute.service.demo import minilm
     from taproute.service.host.service import create_record_runtime
     from taproute.service.sinks.clickhouse import ChdbTransport, ClickHouseSink

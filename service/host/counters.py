@@ -16,8 +16,9 @@ from taproute.actors.counters import RouterSnapshot, count, live
 @attrs.define
 class IngressCounters:
     """Producer side.  Counts: records and batches accepted, records refused
-    when full, seconds producers spent blocked in ``submit``.  Live: records
-    queued now and producers blocked now."""
+    when full, seconds producers spent blocked in ``submit``, records shed
+    past ``max_block``; what capture hooks dropped or skipped, by hook and
+    reason.  Live: records queued now and producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
     batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
@@ -31,6 +32,13 @@ class IngressCounters:
     blocked_producers: int = live(
         "taproute_ingress_blocked_producers", "Producers blocked in submit now."
     )
+    shed: int = count(
+        "taproute_ingress_shed_records", "Records shed when a producer's max_block ran out."
+    )
+    #: Records capture hooks dropped before submitting them: hook -> reason -> records.
+    dropped: dict[str, dict[str, int]] = attrs.Factory(dict)
+    #: Capture hook calls that captured nothing: hook -> reason -> calls.
+    skipped: dict[str, dict[str, int]] = attrs.Factory(dict)
 
 
 @attrs.frozen

@@ -64,9 +64,15 @@ def build_app(
         return JSONResponse(snapshot_as_json(snapshot()))
 
     async def healthz(request: Request) -> JSONResponse:
-        failure = snapshot().failure
-        if failure is not None:
-            return JSONResponse({"status": "failed", "failure": failure}, status_code=503)
+        snap = snapshot()
+        if snap.failure is not None:
+            return JSONResponse({"status": "failed", "failure": snap.failure}, status_code=503)
+        ingress = snap.ingress
+        if ingress.dropped or ingress.shed:
+            # Capture lost records but the model keeps serving: degraded, not down.
+            return JSONResponse(
+                {"status": "degraded", "dropped": ingress.dropped, "shed": ingress.shed}
+            )
         return JSONResponse({"status": "ok"})
 
     routes = [

@@ -79,10 +79,13 @@ class Ingress:
 
     # -- producer side -----------------------------------------------------
 
-    def _wait_for_space(self, records: int, nbytes: int) -> None:
-        """With the lock held: block (or refuse) until the item fits."""
+    def _wait_for_space(self, records: int, nbytes: int, timeout: float | None = None) -> bool:
+        """With the lock held: block (or refuse) until the item fits.
+
+        With ``timeout`` (seconds), gives up after that long and returns False.
+        """
         if self._fits(records, nbytes):
-            return
+            return True
         if self.when_full == "reject":
             self.counters.rejected += records
             raise IngressFull(
@@ -90,14 +93,22 @@ class Ingress:
                 f"{self._bytes}/{self.capacity_bytes} bytes queued); {records} record(s) refused"
             )
         started = time.perf_counter()
+        deadline = None if timeout is None else started + timeout
         self.counters.blocked_producers += 1
         try:
             while not self._fits(records, nbytes):
                 self._check_open()
-                self._cond.wait()
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
         finally:
             self.counters.blocked_producers -= 1
             self.counters.blocked_seconds += time.perf_counter() - started
+        return True
 
     def _fits(self, records: int, nbytes: int) -> bool:
         if self._records == 0:
@@ -132,16 +143,28 @@ class Ingress:
         with self._cond:
             self._put_locked(batch)
 
-    def _put_locked(self, batch: RecordBatch) -> None:
+    def offer_batch(self, batch: RecordBatch, timeout: float) -> bool:
+        """Queue ``batch``, waiting at most ``timeout`` seconds for room.
+
+        Returns False (nothing queued; the records counted as shed) when the
+        wait ran out: the bound a producer that must not stall sets.
+        """
+        with self._cond:
+            return self._put_locked(batch, timeout)
+
+    def _put_locked(self, batch: RecordBatch, timeout: float | None = None) -> bool:
         """With the lock held: wait for space (or refuse), then queue ``batch``."""
         records, nbytes = len(batch), batch.payload.nbytes
         self._check_open()
-        self._wait_for_space(records, nbytes)
+        if not self._wait_for_space(records, nbytes, timeout):
+            self.counters.shed += records
+            return False
         self._check_open()
         self._seal_pending()
         self._queue.append(batch)
         self.counters.batches += 1
         self._account(records, nbytes)
+        return True
 
     def put_record(self, row: tuple[int, ...], payload: bytes) -> None:
         """Queue one record (descriptor fields without offset/length, and its bytes).
@@ -248,10 +271,27 @@ class Ingress:
             self._queue.clear()
             return items
 
+    def count_dropped(self, hook: str, reason: str, records: int) -> None:
+        """A producer dropped ``records`` of ``hook`` before submitting them (why: ``reason``)."""
+        with self._cond:
+            by_reason = self.counters.dropped.setdefault(hook, {})
+            by_reason[reason] = by_reason.get(reason, 0) + records
+
+    def count_skipped(self, hook: str, reason: str) -> None:
+        """A producer's hook ran and captured nothing (why: ``reason``)."""
+        with self._cond:
+            by_reason = self.counters.skipped.setdefault(hook, {})
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+
     def snapshot(self) -> IngressCounters:
         """A detached copy of the ingress counters."""
         with self._cond:
-            return attrs.evolve(self.counters)
+            counters = self.counters
+            return attrs.evolve(
+                counters,
+                dropped={hook: dict(r) for hook, r in counters.dropped.items()},
+                skipped={hook: dict(r) for hook, r in counters.skipped.items()},
+            )
 
 
 #: Descriptor fields a single-record submit provides (offset/length come at seal time).

@@ -31,6 +31,7 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         yield from _families(IngressCounters, [([], snap.ingress)], [])
+        yield from _capture_families(snap.ingress)
         routes = [([r.name, r.mode, r.destination], r) for r in snap.routes.values()]
         route_labels = ["route", "mode", "destination"]
         yield from _families(RouteCounters, routes, route_labels)
@@ -75,3 +76,25 @@ def _families(
                 if value is not None:
                     family.add_metric(values, value)
             yield family
+
+
+def _capture_families(ingress: IngressCounters) -> Iterator[Metric]:
+    """What capture hooks dropped (records) and skipped (calls), by hook and reason."""
+    for metric, help_text, by_hook in (
+        (
+            "taproute_capture_dropped_records",
+            "Records a capture hook dropped, by hook and reason.",
+            ingress.dropped,
+        ),
+        (
+            "taproute_capture_skipped_calls",
+            "Capture hook calls that captured nothing, by hook and reason.",
+            ingress.skipped,
+        ),
+    ):
+        family = CounterMetricFamily(metric, help_text, labels=["hook", "reason"])
+        for hook, reasons in sorted(by_hook.items()):
+            for reason, n in sorted(reasons.items()):
+                family.add_metric([hook, reason], n)
+        yield family
+

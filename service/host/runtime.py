@@ -68,8 +68,13 @@ class RecordRuntime:
         when_full: WhenFull = "block",
         coalesce_records: int = COALESCE_RECORDS,
         name: str = "taproute",
+        max_block: float | None = None,
     ) -> None:
+        if max_block is not None and not max_block >= 0:
+            raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
         self.record_sink = record_sink
+        #: How long :meth:`offer_batch` may wait for ingress room (None: no bound).
+        self.max_block = max_block
         self._loop_tasks: list[LoopTask] = []
         # The sink's optional capabilities, checked once (routing/sink.py lists them).
         described = record_sink if isinstance(record_sink, DescribesRecords) else None
@@ -272,6 +277,34 @@ class RecordRuntime:
         Safe on the loop thread itself, where waiting for room would deadlock.
         """
         return self._ingress.try_put_batch(self._checked_batch(descriptors, payload, release))
+
+    def offer_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> bool:
+        """``submit_batch`` that waits at most ``max_block`` seconds for ingress room.
+
+        False when the wait ran out: nothing was queued (``release`` is not
+        called; the buffer is still the caller's) and the records are counted
+        as shed.  Without a ``max_block`` it waits as long as ``submit_batch``.
+        The bound a model's capture hooks use, so telemetry never stalls the
+        forward pass longer than the user configured.
+        """
+        batch = self._checked_batch(descriptors, payload, release)
+        if self.max_block is None:
+            self._ingress.put_batch(batch)
+            return True
+        return self._ingress.offer_batch(batch, self.max_block)
+
+    def count_dropped(self, hook: str, reason: str, records: int) -> None:
+        """Count ``records`` of ``hook`` a producer dropped before submitting (``reason``)."""
+        self._ingress.count_dropped(hook, reason, records)
+
+    def count_skipped(self, hook: str, reason: str) -> None:
+        """Count one call of ``hook`` that captured nothing (``reason``)."""
+        self._ingress.count_skipped(hook, reason)
 
     async def asubmit_batch(
         self,

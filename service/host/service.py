@@ -74,6 +74,9 @@ class RecordService:
         self.submit_batch = runtime.submit_batch
         self.try_submit_batch = runtime.try_submit_batch
         self.asubmit_batch = runtime.asubmit_batch
+        self.offer_batch = runtime.offer_batch
+        self.count_dropped = runtime.count_dropped
+        self.count_skipped = runtime.count_skipped
         self.bind_hook = runtime.bind_hook
         self.flush = runtime.flush
         self.snapshot = runtime.snapshot
@@ -113,6 +116,11 @@ class RecordService:
     def failure(self) -> BaseException | None:
         """The latched failure, or None."""
         return self.runtime.failure
+
+    @property
+    def max_block(self) -> float | None:
+        """How long ``offer_batch`` (a capture hook) may block its caller."""
+        return self.runtime.max_block
 
     # -- operator controls ---------------------------------------------------
 
@@ -168,6 +176,7 @@ def create_record_runtime(
     name: str = "taproute",
     http: HttpConfig | None = None,
     dead_letters: DeadLetterStore | None = None,
+    max_block: float | None = None,
 ) -> RecordService:
     """Start a :class:`RecordService` around ``record_sink`` and return it.
 
@@ -178,7 +187,9 @@ def create_record_runtime(
     With ``http``, ``/metrics``, ``/status`` and ``/healthz`` are served from
     the same loop (see ``runtime.http_urls``); with ``dead_letters`` (the
     store the routing sink's ``on_failure`` writes to) also the dead-letter
-    controls.
+    controls.  ``max_block`` (seconds) bounds how long a capture hook may
+    block the model waiting for ingress room; past it, records are shed and
+    counted (``offer_batch``).
     """
     runtime = RecordRuntime(
         record_sink,
@@ -189,6 +200,7 @@ def create_record_runtime(
         when_full=when_full,
         coalesce_records=coalesce_records,
         name=name,
+        max_block=max_block,
     )
     return RecordService(runtime, http=http, dead_letters=dead_letters).start()
 

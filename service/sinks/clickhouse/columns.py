@@ -6,7 +6,7 @@ back (a view), or gathered with one vectorised index otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -17,10 +17,19 @@ from taproute.routing.layout import Column, Layout
 from taproute.routing.records import Records
 from taproute.service.sinks.clickhouse.tables import TableSpec
 
+#: A hook's per-position value shape (``HookRegistry.token_shape_of``).
+TokenShapes = Callable[[int], tuple[int, ...] | None]
+
+_BFLOAT16 = np.dtype("bfloat16")
+
 
 def _arrow(values: npt.NDArray[np.generic]) -> pa.Array:
     """A numpy column as Arrow: zero-copy when it is contiguous and aligned
-    (fields of packed rows may not be; Arrow consumers want aligned buffers)."""
+    (fields of packed rows may not be; Arrow consumers want aligned buffers).
+    Arrow has no bfloat16: those values go as Float32, which is exact, and
+    ClickHouse stores them back in its ``BFloat16`` column exactly."""
+    if values.dtype == _BFLOAT16:
+        values = values.astype(np.float32)
     return pa.array(np.require(values, requirements=["C", "A"]))
 
 
@@ -40,6 +49,41 @@ def _fixed_list(values: npt.NDArray[np.generic]) -> pa.Array:
 def _shape_column(n: int, shapes: npt.NDArray[np.int64]) -> pa.Array:
     """Per-row shape arrays: ``shapes`` is (n, ndim)."""
     return _list_array(shapes.astype(np.uint32), np.full(n, shapes.shape[1], dtype=np.int64))
+
+
+def _tail_shapes(
+    output_ids: npt.NDArray[np.generic],
+    counts: npt.NDArray[np.int64],
+    token_shapes: TokenShapes | None,
+) -> pa.Array:
+    """Each record's real shape: ``[count / prod(s), *s]`` for its hook's token
+    shape ``s`` (``[tokens, hidden]`` for a capture hook), ``[count]`` otherwise."""
+    n = len(counts)
+    shapes = (
+        {}
+        if token_shapes is None
+        else {int(o): token_shapes(int(o)) for o in np.unique(output_ids)}
+    )
+    if not any(shapes.values()):
+        return _shape_column(n, counts[:, None])
+    ndims = np.ones(n, dtype=np.int64)
+    for output_id, shape in shapes.items():
+        if shape:
+            ndims[output_ids == output_id] = 1 + len(shape)
+    flat = np.empty(int(ndims.sum()), dtype=np.uint32)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(ndims[:-1], out=starts[1:])
+    flat[starts] = counts  # flat records; replaced below for shaped hooks
+    for output_id, shape in shapes.items():
+        if not shape:
+            continue
+        rows = np.flatnonzero(output_ids == output_id)
+        size = max(1, int(np.prod(shape)))
+        first = starts[rows]
+        flat[first] = counts[rows] // size
+        for axis, extent in enumerate(shape, start=1):
+            flat[first + axis] = extent
+    return _list_array(flat, ndims)
 
 
 def _scalar_array(values: npt.NDArray[np.generic], column: Column) -> pa.Array:
@@ -69,10 +113,11 @@ def _fixed_columns(
             out[column.name] = _scalar_array(values, column)
 
 
-def _value_columns(records: Records) -> dict[str, pa.Array]:
+def _value_columns(
+    records: Records, token_shapes: TokenShapes | None = None
+) -> dict[str, pa.Array]:
     layout = records.layout
     out: dict[str, pa.Array] = {}
-    n = len(records)
     if layout.is_fixed:
         _fixed_columns(records.rows(), layout.columns, out)
         return out
@@ -89,7 +134,7 @@ def _value_columns(records: Records) -> dict[str, pa.Array]:
     element = tail.element_dtype
     counts = (desc["length"] - layout.prefix_size) // element.itemsize
     out[tail.name] = _list_array(_gather_tails(records.batch, layout.prefix_size, element), counts)
-    out[f"{tail.name}_shape"] = _shape_column(n, counts[:, None])
+    out[f"{tail.name}_shape"] = _tail_shapes(desc["output_id"], counts, token_shapes)
     return out
 
 
@@ -112,9 +157,17 @@ def _gather_tails(
 
 
 def raw_table(
-    batch: RecordBatch, layout: Layout, spec: TableSpec, hook_names: Sequence[str]
+    batch: RecordBatch,
+    layout: Layout,
+    spec: TableSpec,
+    hook_names: Sequence[str],
+    token_shapes: TokenShapes | None = None,
 ) -> pa.Table:
-    """Raw records of ``layout`` as an Arrow table with ``spec``'s columns."""
+    """Raw records of ``layout`` as an Arrow table with ``spec``'s columns.
+
+    ``token_shapes`` gives a hook's per-position value shape, so a variable
+    tail's ``<column>_shape`` is the record's real shape (``[tokens, hidden]``).
+    """
     desc = batch.descriptors
     columns: dict[str, pa.Array] = {
         "hook": pa.DictionaryArray.from_arrays(
@@ -126,7 +179,7 @@ def raw_table(
         "seq": _arrow(desc["seq"]),
         "timestamp": _arrow(desc["timestamp_ns"]).cast(pa.timestamp("ns")),
     }
-    columns.update(_value_columns(Records(batch, layout)))
+    columns.update(_value_columns(Records(batch, layout), token_shapes))
     return pa.table({name: columns[name] for name in spec.column_names})
 
 

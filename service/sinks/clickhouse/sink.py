@@ -392,7 +392,8 @@ class ClickHouseSink:
                         "ClickHouseSink has no hook names for these records: give it the "
                         "HookRegistry the producer binds hooks in (hooks=...)"
                     )
-                parts.append(raw_table(item, layout, spec, names))
+                shapes = self.hooks.token_shape_of if self.hooks is not None else None
+                parts.append(raw_table(item, layout, spec, names, shapes))
         else:
             for item in buffer.items:
                 assert isinstance(item, RowBatch)

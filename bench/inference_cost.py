@@ -1,0 +1,337 @@
+"""What capture costs the model: forward wall time (and tokens/s) with no hooks,
+with a naive user hook, and with taproute capture to a null destination and to
+ClickHouse (chDB), interleaved in one run; plus how long each hook call holds
+the model thread (p50/p99).
+
+Models: GPT-2 built from a config with random weights (layers x (attention,
+MLP, block) hooks) and MiniLM from its weights package (6 x (query, layer)
+hooks), torch on one thread.  Variants, per forward pass:
+
+- ``none``: no hooks (the reference);
+- ``naive``: the hook a user writes first, ``output.detach().cpu().numpy().copy()``
+  appended to a list (the copy a record needs, nothing else);
+- ``taproute_null``: taproute hooks into a runtime whose destination counts
+  records and never reads them (the capture path's own cost);
+- ``taproute_chdb``: taproute hooks into a runtime writing raw records to
+  chDB; timed for the forward passes alone and until ``flush()`` returned
+  (data persisted).
+
+Hold time is measured in separate rounds (timer hooks registered around the
+measured hook would otherwise weigh on the timed forwards).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from harness import arguments, comparison, fmt, interleave, summary, target, write_result
+
+from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record_runtime
+from taproute.service.capture import bind_modules, capture_context
+
+ACTS = Layout("acts", [("values", "Array(Float32)")])
+SCHEMA = RecordSchema([ACTS])
+
+
+class NullSink:
+    """Counts records, reads nothing (the capture path's floor)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    async def submit(self, batch: Any) -> None:
+        self.records += len(batch)
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def gpt2(layers: int, hidden: int) -> tuple[torch.nn.Module, list[str], Callable[..., Any]]:
+    from transformers import GPT2Config, GPT2LMHeadModel, logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=1000, n_positions=256)
+    model = GPT2LMHeadModel(config).eval()
+    patterns = ["transformer.h.*.attn", "transformer.h.*.mlp", "transformer.h.?"]
+    return model, patterns, lambda ids, mask: model(ids, attention_mask=mask)
+
+
+def minilm() -> tuple[torch.nn.Module, list[str], Callable[..., Any]]:
+    from transformers import AutoModel, logging
+
+    from taproute.service.demo.minilm import model_dir
+
+    logging.set_verbosity_error()
+    model = AutoModel.from_pretrained(model_dir()).eval()
+    patterns = ["encoder.layer.*.attention.self.query", "encoder.layer.?"]
+    return model, patterns, lambda ids, mask: model(input_ids=ids, attention_mask=mask)
+
+
+def naive_hooks(model: torch.nn.Module, patterns: list[str], kept: list[Any]) -> list[Any]:
+    import fnmatch
+
+    def hook(_module: Any, _inputs: Any, output: Any) -> None:
+        tensor = output[0] if isinstance(output, tuple) else output
+        kept.append(tensor.detach().cpu().numpy().copy())
+
+    return [
+        module.register_forward_hook(hook)
+        for name, module in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def hooked_modules(model: torch.nn.Module, patterns: list[str]) -> list[torch.nn.Module]:
+    import fnmatch
+
+    return [
+        module
+        for name, module in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, Any]:
+    model, patterns, forward = build()
+    batch, tokens = args.batch, args.tokens
+    torch.manual_seed(1)
+    ids = torch.randint(3, 1000 if name == "gpt2" else 30000, (batch, tokens))
+    mask = torch.ones(batch, tokens, dtype=torch.long)
+    mask[::2, tokens // 2 :] = 0  # half the rows padded to half length
+    keys = list(range(batch))
+    passes = args.passes
+    null_runtime = create_record_runtime(record_sink=NullSink(), schema=SCHEMA)
+    chdb_sink = ClickHouseSink.embedded(SCHEMA, f"{data_dir}/{name}", raw=["acts"])
+    chdb_runtime = create_record_runtime(record_sink=chdb_sink)
+    flush_times: list[float] = []
+    kept: list[Any] = []
+
+    def run_passes() -> float:
+        started = time.perf_counter()
+        with torch.inference_mode(), capture_context(keys, attention_mask=mask):
+            for _ in range(passes):
+                forward(ids, mask)
+        return (time.perf_counter() - started) / passes
+
+    def plain() -> float:
+        return run_passes()
+
+    def naive() -> float:
+        handles = naive_hooks(model, patterns, kept)
+        try:
+            return run_passes()
+        finally:
+            for handle in handles:
+                handle.remove()
+            kept.clear()
+
+    def with_taproute(runtime: Any, flush_into: list[float] | None) -> Callable[[], float]:
+        def variant() -> float:
+            bindings = [b for p in patterns for b in bind_modules(runtime, model, p, layout="acts")]
+            try:
+                started = time.perf_counter()
+                per_pass = run_passes()
+                runtime.flush()
+                if flush_into is not None:
+                    flush_into.append((time.perf_counter() - started) / passes)
+                return per_pass
+            finally:
+                for binding in bindings:
+                    binding.remove()
+                runtime.flush()
+
+        return variant
+
+    variants = {
+        "none": plain,
+        "naive": naive,
+        "taproute_null": with_taproute(null_runtime, None),
+        "taproute_chdb": with_taproute(chdb_runtime, flush_times),
+    }
+    results = interleave(variants, repeat=args.repeat, warmup=1)
+    results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
+    holds = {
+        "naive": hold_times(model, patterns, forward, ids, mask, keys, "naive", None, kept),
+        "taproute_null": hold_times(
+            model, patterns, forward, ids, mask, keys, "taproute", null_runtime, kept
+        ),
+    }
+    hooks = len(hooked_modules(model, patterns))
+    null_runtime.close()
+    chdb_runtime.close()
+    return {
+        "results": results,
+        "holds": holds,
+        "hooks": hooks,
+        "tokens_per_pass": int(mask.sum()),
+        "padded_tokens_per_pass": batch * tokens,
+    }
+
+
+def hold_times(
+    model: torch.nn.Module,
+    patterns: list[str],
+    forward: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[int],
+    kind: str,
+    runtime: Any,
+    kept: list[Any],
+) -> dict[str, Any]:
+    """How long the measured hook holds the model thread, per call (seconds)."""
+    modules = hooked_modules(model, patterns)
+    started: dict[int, float] = {}
+    holds: list[float] = []
+    handles = [
+        m.register_forward_hook(
+            lambda mod, _i, _o: started.__setitem__(id(mod), time.perf_counter())
+        )
+        for m in modules
+    ]
+    if kind == "naive":
+        handles += naive_hooks(model, patterns, kept)
+        bindings: list[Any] = []
+    else:
+        bindings = [b for p in patterns for b in bind_modules(runtime, model, p, layout="acts")]
+    handles += [
+        m.register_forward_hook(
+            lambda mod, _i, _o: holds.append(time.perf_counter() - started[id(mod)])
+        )
+        for m in modules
+    ]
+    try:
+        with torch.inference_mode(), capture_context(keys, attention_mask=mask):
+            for _ in range(20):
+                forward(ids, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for binding in bindings:
+            binding.remove()
+        kept.clear()
+        if runtime is not None:
+            runtime.flush()
+    ordered = sorted(holds)
+    return {
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "calls": len(ordered),
+    }
+
+
+def main() -> None:
+    args = arguments(
+        __doc__.splitlines()[0],
+        repeat=(9, 3),
+        passes=(5, 2),
+        batch=(8, 8),
+        tokens=(64, 32),
+        layers=(4, 2),
+        hidden=(256, 128),
+        threads=(1, 1),
+        models=(["gpt2", "minilm"], ["gpt2"]),
+    )
+    torch.set_num_threads(args.threads)
+    builders = {"gpt2": lambda: gpt2(args.layers, args.hidden), "minilm": minilm}
+    comparisons: list[dict[str, Any]] = []
+    rows: list[list[Any]] = []
+    notes: list[str] = []
+    targets: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="taproute-inference-cost-") as data_dir:
+        for name in args.models:
+            measured = measure_model(name, builders[name], args, data_dir)
+            raw[name] = measured
+            results, holds = measured["results"], measured["holds"]
+            base = results["none"]
+            tokens = measured["tokens_per_pass"]
+            for variant, label in (
+                ("naive", "naive copy hook"),
+                ("taproute_null", "taproute -> null"),
+                ("taproute_chdb", "taproute -> chDB (forward)"),
+                ("taproute_chdb_flushed", "taproute -> chDB (until flush)"),
+            ):
+                comparisons.append(
+                    comparison(
+                        f"{name}: forward time, {label} vs no hooks",
+                        results[variant],
+                        base,
+                        taproute_label=label,
+                        peer_label="no hooks",
+                        unit="s per forward",
+                        higher_is_better=False,
+                    )
+                )
+            for variant, summ in results.items():
+                ratio = summ["median"] / base["median"]
+                rows.append(
+                    [
+                        name,
+                        variant,
+                        fmt(summ["median"] * 1e3),
+                        fmt(ratio),
+                        fmt(summ["spread"]),
+                        fmt(tokens / summ["median"]),
+                    ]
+                )
+            naive_ratio = results["naive"]["median"] / base["median"]
+            null_ratio = results["taproute_null"]["median"] / base["median"]
+            chdb_ratio = results["taproute_chdb"]["median"] / base["median"]
+            flushed_ratio = results["taproute_chdb_flushed"]["median"] / base["median"]
+            notes.append(
+                f"{name} ({measured['hooks']} hooks, {tokens} real of "
+                f"{measured['padded_tokens_per_pass']} positions per pass): forward time "
+                f"relative to no hooks: naive copy {fmt(naive_ratio)}x, taproute -> null "
+                f"{fmt(null_ratio)}x, taproute -> chDB {fmt(chdb_ratio)}x "
+                f"({fmt(flushed_ratio)}x until flush returned). Hook hold time p50/p99: naive "
+                f"{fmt(holds['naive']['p50'] * 1e6)}/{fmt(holds['naive']['p99'] * 1e6)} us, "
+                f"taproute {fmt(holds['taproute_null']['p50'] * 1e6)}/"
+                f"{fmt(holds['taproute_null']['p99'] * 1e6)} us."
+            )
+            targets.append(
+                target(
+                    f"{name}: taproute -> null <= naive copy + 1 point of forward time",
+                    null_ratio <= naive_ratio + 0.01,
+                    f"{fmt(null_ratio)}x vs {fmt(naive_ratio)}x",
+                )
+            )
+            targets.append(
+                target(
+                    f"{name}: hook hold p99 <= 2x the naive hook's",
+                    holds["taproute_null"]["p99"] <= 2 * holds["naive"]["p99"],
+                    f"{fmt(holds['taproute_null']['p99'] * 1e6)} us vs "
+                    f"{fmt(holds['naive']['p99'] * 1e6)} us",
+                )
+            )
+    write_result(
+        "inference_cost",
+        title="What capture costs the model",
+        description=__doc__.split("\n\n")[0],
+        params=vars(args),
+        quick=args.quick,
+        comparisons=comparisons,
+        tables=[
+            {
+                "title": "Forward pass per variant (median of interleaved repetitions)",
+                "columns": ["model", "variant", "ms/forward", "x no hooks", "spread", "tokens/s"],
+                "rows": rows,
+            }
+        ],
+        targets=targets,
+        notes=notes,
+        raw=raw,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Bind capture hooks to a model's modules: one record per sequence per call.
+
+``bind_module(runtime, module, name, layout=...)`` registers a forward hook
+that copies the module's output into a reusable host buffer (pinned on CUDA,
+copied non-blocking, submitted once the copy is complete) and submits one
+record per sequence of the batch under ``name``'s output_id.  Which request
+each row belongs to, which of its positions are real and the decode step come
+from the :func:`~taproute.service.capture.context.capture_context` the server
+sets around its forward pass.
+
+Inference comes first.  By default (``on_error="detach"``) nothing a hook
+does raises into the forward pass: a capture the context or output makes
+impossible is dropped and counted; a binding whose output can never be
+captured as bound, or whose runtime has failed, detaches (its later calls
+are counted as dropped, reason ``detached``); each problem is warned once per
+hook.  ``on_error="raise"`` raises instead (tests, strict users).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from taproute.native import make_descriptors
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.schema import RecordSchema
+from taproute.service.capture.context import _CONTEXT
+from taproute.service.capture.errors import CaptureError, ContextMismatch, warn_capture
+from taproute.service.capture.extract import (
+    Select,
+    by_row,
+    check_cast,
+    check_select,
+    pick,
+    plan,
+    torch_dtype,
+)
+from taproute.service.capture.pool import HostBufferPool
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+OnError = Literal["detach", "raise"]
+
+
+class CaptureTarget(Protocol):
+    """What capture hooks need of the runtime (a ``RecordService`` or ``RecordRuntime``)."""
+
+    @property
+    def schema(self) -> RecordSchema | None: ...
+
+    @property
+    def hooks(self) -> HookRegistry: ...
+
+    def bind_hook(self, name: str, *, layout: str | None = None) -> int: ...
+
+    def offer_batch(
+        self, descriptors: Any, payload: Any, release: Callable[[], object] | None = None
+    ) -> bool: ...
+
+    def count_dropped(self, hook: str, reason: str, records: int) -> None: ...
+
+    def count_skipped(self, hook: str, reason: str) -> None: ...
+
+
+# Why records were not captured (the ``reason`` label of the counters).
+NO_CONTEXT = "no_context"  # skipped: the hook ran outside any capture context
+INVALID_CONTEXT = "invalid_context"  # dropped: lengths/mask/keys do not fit the output
+BAD_OUTPUT = "bad_output"  # dropped, binding detached: output can't be captured as bound
+RUNTIME_FAILED = "runtime_failed"  # dropped, binding detached: submit raised
+DETACHED = "detached"  # dropped: calls after the binding detached
+MAX_BLOCK = "max_block"  # dropped: ingress stayed full longer than max_block
+
+
+class HookBinding:
+    """A registered capture hook.
+
+    ``detached`` is set (with ``error``) once the binding stopped capturing
+    because its output cannot be captured as bound or the runtime failed;
+    :meth:`remove` unregisters the hook.
+    """
+
+    def __init__(self, name: str, output_id: int) -> None:
+        self.name = name
+        self.output_id = output_id
+        self.error: BaseException | None = None
+        self._handle: Any = None
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def detached(self) -> bool:
+        """True once the binding stopped capturing after an error."""
+        return self.error is not None
+
+    def remove(self) -> None:
+        """Stop capturing (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        with self._lock:
+            if reason in self._warned:
+                return
+            self._warned.add(reason)
+        warn_capture(message)
+
+
+def _layout_element(target: CaptureTarget, layout: str, name: str) -> np.dtype[Any]:
+    if target.schema is None:
+        raise CaptureError(
+            f"bind_module({name!r}): the runtime has no schema (layouts to capture into)"
+        )
+    spec = target.schema.layout(layout)
+    tail = spec.tail
+    if tail is None or spec.prefix_size:
+        raise CaptureError(
+            f"bind_module({name!r}): layout {layout!r} must be a single variable-length "
+            "Array column (captures vary in token count)"
+        )
+    return tail.element_dtype
+
+
+def _check_parameters(
+    module: torch.nn.Module, dst: torch.dtype, *, name: str, layout: str, narrow: bool
+) -> None:
+    """A module computing in floats cannot fill an integer layout: refuse at bind time."""
+    for parameter in module.parameters(recurse=True):
+        if parameter.is_floating_point():
+            check_cast(parameter.dtype, dst, hook=name, layout=layout, narrow=narrow)
+            return
+
+
+def bind_module(
+    runtime: CaptureTarget,
+    module: torch.nn.Module,
+    name: str,
+    *,
+    layout: str,
+    select: Select = None,
+    token_major: bool = False,
+    narrow: bool = False,
+    on_error: OnError = "detach",
+    pool: HostBufferPool | None = None,
+) -> HookBinding:
+    """Capture ``module``'s output as records of ``layout`` under hook ``name``.
+
+    ``select`` says what to take from an output that is not one tensor: an
+    index (tuples, lists), a key or attribute name (dicts, ``ModelOutput``)
+    or a callable; without it the output must be a tensor or a tuple/list
+    whose first item is one.  The captured tensor is ``(batch, ...)``: row
+    ``i`` becomes one record keyed by the context's ``keys[i]``.  Dimension 1
+    of a tensor with 3 or more dimensions is its token axis: the record holds
+    the row's real positions (``lengths`` or ``attention_mask``), shaped
+    ``[tokens, *rest]``; a 2-D ``(batch, features)`` output gives each row
+    whole.  ``token_major=True``: the tensor is ``(batch * tokens, ...)``, as
+    MoE routers return their logits.
+
+    Values keep their dtype when the layout's element type is the same; a
+    widening cast (bf16 -> Float32) is exact and allowed; one that changes
+    values (float -> integer, fp32 -> BFloat16) is refused unless ``narrow``
+    (floats only).  Checked now where it can be (layout, ``select``, the
+    module's parameter dtype), else at the first call.
+    """
+    import torch
+
+    if on_error not in ("detach", "raise"):
+        raise CaptureError(f"bind_module({name!r}): on_error must be 'detach' or 'raise'")
+    check_select(select, hook=name)
+    element = _layout_element(runtime, layout, name)
+    dst = torch_dtype(element)
+    _check_parameters(module, dst, name=name, layout=layout, narrow=narrow)
+    output_id = runtime.bind_hook(name, layout=layout)
+    layout_id = runtime.schema.layout_id(layout)  # type: ignore[union-attr]
+    hooks = runtime.hooks
+    pool = pool or HostBufferPool()
+    binding = HookBinding(name, output_id)
+    checked: set[torch.dtype] = set()
+    shape_noted: list[tuple[int, ...] | None] = []
+
+    def capture(output: Any, context: Any) -> None:
+        """Copy and submit one call's records; CaptureError when impossible."""
+        picked = pick(output, select, hook=name)
+        tensor = by_row(picked, context, hook=name, token_major=token_major)
+        if tensor.dtype not in checked:
+            check_cast(tensor.dtype, dst, hook=name, layout=layout, narrow=narrow)
+            checked.add(tensor.dtype)
+        tensor = tensor.detach()
+        if tensor.dtype != dst:
+            tensor = tensor.to(dst)  # exact (checked above) or narrowing on purpose
+        records = plan(tensor, context, hook=name, token_axis=token_major or tensor.dim() >= 3)
+        if not shape_noted or shape_noted[0] != records.token_shape:
+            shape_noted[:] = [records.token_shape]
+            hooks.set_token_shape(output_id, records.token_shape)
+        source = records.source
+        nbytes = source.numel() * source.element_size()
+        buffer = pool.take(nbytes)
+        host = buffer[:nbytes].view(dst).view(source.shape)
+        host.copy_(source, non_blocking=source.is_cuda)
+        if source.is_cuda:
+            torch.cuda.current_stream(source.device).synchronize()  # the D2H copy is complete
+        descriptors = make_descriptors(
+            output_id,
+            records.lengths,
+            offsets=records.offsets,
+            layout_ids=layout_id,
+            keys=np.asarray(context.keys, dtype=np.int64),
+            steps=context.step,
+        )
+        try:
+            queued = runtime.offer_batch(
+                descriptors, buffer.numpy()[:nbytes], lambda: pool.give_back(buffer)
+            )
+        except BaseException:
+            pool.give_back(buffer)  # refused: the runtime never took it
+            raise
+        if not queued:
+            pool.give_back(buffer)
+            runtime.count_dropped(name, MAX_BLOCK, len(context.keys))
+            binding._warn_once(
+                MAX_BLOCK,
+                f"hook {name!r}: ingress stayed full longer than max_block; records shed "
+                "(counted as dropped, reason 'max_block')",
+            )
+
+    def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        context = _CONTEXT.get()
+        if context is None:
+            runtime.count_skipped(name, NO_CONTEXT)
+            binding._warn_once(
+                NO_CONTEXT,
+                f"hook {name!r} ran outside a capture_context: nothing captured (in a worker "
+                "thread, run the model through carry_context(...)); counted as skipped",
+            )
+            return
+        if binding.error is not None:
+            runtime.count_dropped(name, DETACHED, len(context.keys))
+            return
+        try:
+            capture(output, context)
+        except ContextMismatch as exc:
+            if on_error == "raise":
+                raise
+            # A context that doesn't fit loses this call only.
+            runtime.count_dropped(name, INVALID_CONTEXT, len(context.keys))
+            binding._warn_once(
+                INVALID_CONTEXT, f"{exc}; records dropped (reason 'invalid_context')"
+            )
+        except CaptureError as exc:
+            if on_error == "raise":
+                raise
+            # An output that can't be captured as bound (type, dtype) would lose
+            # every call: the binding detaches.
+            binding.error = exc
+            runtime.count_dropped(name, BAD_OUTPUT, len(context.keys))
+            binding._warn_once(
+                BAD_OUTPUT, f"{exc}; the hook detached and drops its records (reason 'detached')"
+            )
+        except Exception as exc:
+            if on_error == "raise":
+                raise
+            binding.error = exc
+            runtime.count_dropped(name, RUNTIME_FAILED, len(context.keys))
+            binding._warn_once(
+                RUNTIME_FAILED,
+                f"hook {name!r}: capture failed ({type(exc).__name__}: {exc}); the hook "
+                "detached and drops its records from now on (reason 'detached')",
+            )
+
+    binding._handle = module.register_forward_hook(hook)
+    return binding
+
+
+def bind_modules(
+    runtime: CaptureTarget,
+    model: torch.nn.Module,
+    pattern: str,
+    *,
+    layout: str,
+    prefix: str = "",
+    select: Select = None,
+    token_major: bool = False,
+    narrow: bool = False,
+    on_error: OnError = "detach",
+    pool: HostBufferPool | None = None,
+) -> list[HookBinding]:
+    """Bind every submodule whose qualified name matches ``pattern`` (a glob).
+
+    Hook names are ``prefix + qualified name``; one buffer pool serves all;
+    the other options are :func:`bind_module`'s.  Raises if nothing matches.
+    """
+    matches = [
+        (qualified, module)
+        for qualified, module in model.named_modules()
+        if qualified and fnmatch.fnmatchcase(qualified, pattern)
+    ]
+    if not matches:
+        raise CaptureError(f"bind_modules: no submodule of the model matches {pattern!r}")
+    pool = pool or HostBufferPool()
+    return [
+        bind_module(
+            runtime,
+            module,
+            prefix + qualified,
+            layout=layout,
+            select=select,
+            token_major=token_major,
+            narrow=narrow,
+            on_error=on_error,
+            pool=pool,
+        )
+        for qualified, module in matches
+    ]

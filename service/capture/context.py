@@ -1,0 +1,171 @@
+"""The capture context: which request each batch row is, which positions are real.
+
+The server sets it around a forward pass (:func:`capture_context`); every
+capture hook that fires inside reads it.  It lives in a :mod:`contextvars`
+variable, so it follows the code that set it, and is carried into a worker
+thread only explicitly (:func:`carry_context`): a thread pool does not copy
+contextvars on its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.service.capture.errors import CaptureError, ContextMismatch
+
+if TYPE_CHECKING:
+    import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@attrs.frozen(kw_only=True)
+class CaptureContext:
+    """What the server knows about the forward pass in flight.
+
+    ``keys[i]`` is the request id of batch row ``i`` and ``step`` the decode
+    step.  Which positions of a row are real tokens comes from ``lengths``
+    (row ``i``'s first ``lengths[i]`` positions: right padding) or from
+    ``attention_mask`` (the positions where it is non-zero, whatever the
+    padding side); with neither, every position is real.
+
+    ``starts``/``counts`` are each row's first real position and number of
+    real positions when those positions are one run (``runs`` True), which
+    lets a hook describe records as slices of one copied buffer; ``mask`` is
+    the boolean mask (on the mask's device) for the general case.
+    """
+
+    keys: tuple[int, ...]
+    step: int = 0
+    lengths: tuple[int, ...] | None = None
+    positions: int | None = None
+    starts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
+    counts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
+    runs: bool = True
+    mask: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+    @property
+    def has_positions(self) -> bool:
+        """True when lengths or a mask say which positions are real."""
+        return self.counts is not None
+
+
+def build_context(
+    keys: Sequence[int],
+    *,
+    lengths: Sequence[int] | None = None,
+    attention_mask: Any = None,
+    step: int = 0,
+) -> CaptureContext:
+    """Check and precompute a :class:`CaptureContext` (see :func:`capture_context`)."""
+    key_tuple = tuple(int(k) for k in keys)
+    rows = len(key_tuple)
+    if lengths is not None and attention_mask is not None:
+        raise CaptureError("capture_context: give lengths or attention_mask, not both")
+    if lengths is not None:
+        counts = np.asarray([int(n) for n in lengths], dtype=np.int64)
+        if len(counts) != rows:
+            raise ContextMismatch(
+                f"capture_context: {len(counts)} lengths for {rows} keys (one length per row)"
+            )
+        negative = np.flatnonzero(counts < 0)
+        if len(negative):
+            row = int(negative[0])
+            raise ContextMismatch(f"capture_context: lengths[{row}] = {counts[row]} is negative")
+        return CaptureContext(
+            keys=key_tuple,
+            step=int(step),
+            lengths=tuple(int(n) for n in counts),
+            starts=np.zeros(rows, dtype=np.int64),
+            counts=counts,
+        )
+    if attention_mask is not None:
+        return _mask_context(key_tuple, attention_mask, int(step))
+    return CaptureContext(keys=key_tuple, step=int(step))
+
+
+def _mask_context(keys: tuple[int, ...], attention_mask: Any, step: int) -> CaptureContext:
+    import torch
+
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() != 2 or mask.shape[0] != len(keys):
+        raise ContextMismatch(
+            f"capture_context: attention_mask must be (rows, positions) with {len(keys)} rows "
+            f"(one per key), got shape {tuple(mask.shape)}"
+        )
+    mask = mask != 0
+    host = mask.cpu().numpy()
+    counts = host.sum(axis=1, dtype=np.int64)
+    positions = host.shape[1]
+    any_real = counts > 0
+    starts = np.where(any_real, host.argmax(axis=1), 0).astype(np.int64)
+    ends = np.where(any_real, positions - host[:, ::-1].argmax(axis=1), 0)
+    runs = bool(np.all(ends - starts == counts))
+    return CaptureContext(
+        keys=keys,
+        step=step,
+        positions=positions,
+        starts=starts,
+        counts=counts,
+        runs=runs,
+        mask=None if runs else mask,
+    )
+
+
+_CONTEXT: contextvars.ContextVar[CaptureContext | None] = contextvars.ContextVar(
+    "taproute_capture_context", default=None
+)
+
+
+def current_context() -> CaptureContext | None:
+    """The capture context in effect here, or None."""
+    return _CONTEXT.get()
+
+
+@contextmanager
+def capture_context(
+    keys: Sequence[int],
+    *,
+    lengths: Sequence[int] | None = None,
+    attention_mask: Any = None,
+    step: int = 0,
+) -> Iterator[CaptureContext]:
+    """Set the request ids (and real positions, decode step) of the forward pass inside.
+
+    ``keys``: one request id per batch row.  ``lengths``: real tokens per row,
+    counted from position 0 (right padding).  ``attention_mask``: a
+    ``(rows, positions)`` tensor or array, non-zero where a token is real (left
+    or right padding, or holes).  Give one of the two, or neither when every
+    position is real.  Checked here: one length per key, a mask row per key.
+    """
+    context = build_context(keys, lengths=lengths, attention_mask=attention_mask, step=step)
+    token = _CONTEXT.set(context)
+    try:
+        yield context
+    finally:
+        _CONTEXT.reset(token)
+
+
+def carry_context(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` bound to the capture context in effect now, to run in another thread.
+
+    ``executor.submit(carry_context(model), input_ids)`` runs the forward
+    pass in the pool's thread under the caller's capture context; without it
+    the hooks there see no context and capture nothing (counted as skipped,
+    reason ``no_context``).
+    """
+    snapshot = contextvars.copy_context()
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        # A copy per call: one Context cannot be entered by two threads at once.
+        return snapshot.copy().run(fn, *args, **kwargs)
+
+    return run
