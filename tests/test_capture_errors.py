@@ -335,3 +335,16 @@ def test_carry_context_takes_the_capture_context_into_a_worker_thread():
         assert rt.record_sink.records == 8
         assert rt.record_sink.descriptors()["key"].tolist() == [5, 6] * 4
         assert rt.counters().ingress.skipped == {"transformer.h.0": {"no_context": 1}}
+
+
+def test_a_hook_whose_per_position_shape_varies_reports_flat_shapes():
+    ident = nn.Identity()
+    with runtime() as rt:
+        binding = bind_module(rt, ident, "scores", layout="acts", on_error="raise")
+        with capture_context([1]):
+            ident(torch.zeros(1, 2, 3, 3))
+            assert rt.hooks.token_shape_of(binding.output_id) == (3, 3)
+            ident(torch.zeros(1, 2, 5, 5))  # one shape no longer fits every record
+            assert rt.hooks.token_shape_of(binding.output_id) is None
+            ident(torch.zeros(1, 2, 3, 3))
+            assert rt.hooks.token_shape_of(binding.output_id) is None

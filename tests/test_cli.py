@@ -48,7 +48,7 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
         "SELECT values, values_shape FROM raw_activations "
         "WHERE hook = 'encoder.layer.2.attention.self.query' AND key = 3"
     ).to_pylist()
-    assert len(row) == 1 and row[0]["values_shape"] == [real_tokens * 384]
+    assert len(row) == 1 and row[0]["values_shape"] == [real_tokens, 384]  # the real shape
     np.testing.assert_allclose(
         np.array(row[0]["values"], np.float32), expected, rtol=1e-5, atol=1e-5
     )

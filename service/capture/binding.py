@@ -195,9 +195,14 @@ def bind_module(
         if tensor.dtype != dst:
             tensor = tensor.to(dst)  # exact (checked above) or narrowing on purpose
         records = plan(tensor, context, hook=name, token_axis=token_major or tensor.dim() >= 3)
-        if not shape_noted or shape_noted[0] != records.token_shape:
-            shape_noted[:] = [records.token_shape]
+        if not shape_noted:
+            shape_noted.append(records.token_shape)
             hooks.set_token_shape(output_id, records.token_shape)
+        elif shape_noted[0] is not None and shape_noted[0] != records.token_shape:
+            # Records of one hook share one token shape; when it varies, say
+            # none (flat shapes) rather than a shape older records don't have.
+            shape_noted[0] = None
+            hooks.set_token_shape(output_id, None)
         source = records.source
         nbytes = source.numel() * source.element_size()
         buffer = pool.take(nbytes)
@@ -210,7 +215,7 @@ def bind_module(
             records.lengths,
             offsets=records.offsets,
             layout_ids=layout_id,
-            keys=np.asarray(context.keys, dtype=np.int64),
+            keys=context.key_array,
             steps=context.step,
         )
         try:

@@ -10,6 +10,7 @@ contextvars on its own.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -51,6 +52,11 @@ class CaptureContext:
     counts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
     runs: bool = True
     mask: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+    @functools.cached_property
+    def key_array(self) -> npt.NDArray[np.int64]:
+        """``keys`` as an int64 array (computed once per context, not per hook)."""
+        return np.asarray(self.keys, dtype=np.int64)
 
     @property
     def has_positions(self) -> bool:
