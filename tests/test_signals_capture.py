@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from taproute.actors import RoutingSink  # noqa: E402
 from taproute.routing import RecordSchema, Route, RoutingConfig  # noqa: E402
-from taproute.service.capture.hooks import capture_context  # noqa: E402
+from taproute.service.capture import capture_context  # noqa: E402
 from taproute.service.host.service import create_record_runtime  # noqa: E402
 from taproute.service.signals import experts, pathways, qk, taps, twonn  # noqa: E402
 from taproute.service.sinks.clickhouse import ClickHouseSink  # noqa: E402
@@ -91,7 +91,7 @@ def minilm_run(chdb_transport):
     direct: dict[tuple[str, int], np.ndarray] = {}
 
     def drive(runtime):
-        from taproute.service.capture.hooks import bind_modules
+        from taproute.service.capture import bind_modules
 
         taps.bind_qk(runtime, model, "encoder.layer.*.attention.self")
         bind_modules(runtime, model, "encoder.layer.?.output", layout="hidden")

@@ -85,11 +85,12 @@ class HookBinding:
     :meth:`remove` unregisters the hook.
     """
 
-    def __init__(self, name: str, output_id: int) -> None:
+    def __init__(self, name: str, output_id: int, handle: Any = None) -> None:
         self.name = name
         self.output_id = output_id
         self.error: BaseException | None = None
-        self._handle: Any = None
+        #: What :meth:`remove` removes (a torch hook handle, or anything with ``remove()``).
+        self._handle: Any = handle
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 

@@ -97,4 +97,3 @@ def _capture_families(ingress: IngressCounters) -> Iterator[Metric]:
             for reason, n in sorted(reasons.items()):
                 family.add_metric([hook, reason], n)
         yield family
-

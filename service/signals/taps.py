@@ -1,6 +1,6 @@
 """PyTorch hooks that capture the signal processors' inputs.
 
-Each tap is built on :func:`taproute.service.capture.hooks.bind_module`: the
+Each tap is built on :func:`taproute.service.capture.bind_module`: the
 hooks here assemble a tensor ``[batch, tokens, ...]`` and pass it through a
 tiny identity module that ``bind_module`` captures, so the capture context,
 padding cut, buffer pool and "never outside a capture" rules are the same.
@@ -24,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from taproute.routing import ConfigError
-from taproute.service.capture.hooks import HookBinding, HostBufferPool, bind_module
+from taproute.service.capture import HookBinding, HostBufferPool, bind_module
 
 if TYPE_CHECKING:
     import torch
