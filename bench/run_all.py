@@ -36,8 +36,11 @@ SCRIPTS = [
     "overload_soak",
     "inference_cost",
 ]
-NOT_SCRIPTS = {"harness", "run_all", "__main__"}
+NOT_SCRIPTS = {"harness", "run_all", "__main__", "inference_server"}
 MARKER = "# bench: not a script"
+#: A script running longer than this is stopped and reported as failed.
+TIMEOUT_S = 1800
+QUICK_TIMEOUT_S = 300
 
 
 def discover() -> list[str]:
@@ -63,18 +66,24 @@ def run_scripts(names: list[str], quick: bool) -> dict[str, dict[str, Any]]:
     for name in names:
         started = time.monotonic()
         print(f"== {name}", flush=True)
-        proc = subprocess.run(
-            [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if quick else [])],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if quick else [])],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=QUICK_TIMEOUT_S if quick else TIMEOUT_S,
+            )
+            rc, stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, stderr = -1, f"timed out after {exc.timeout} s\n{exc.stderr or ''}"
         seconds = time.monotonic() - started
-        out[name] = {"seconds": seconds, "rc": proc.returncode}
-        print(f"   {seconds:.0f} s, exit {proc.returncode}", flush=True)
-        if proc.returncode:
-            out[name]["stderr_tail"] = proc.stderr[-3000:]
-            print(proc.stderr[-3000:], file=sys.stderr)
+        out[name] = {"seconds": seconds, "rc": rc}
+        print(f"   {seconds:.0f} s, exit {rc}", flush=True)
+        if rc:
+            tail = stderr[-3000:] if isinstance(stderr, str) else repr(stderr)[-3000:]
+            out[name]["stderr_tail"] = tail
+            print(tail, file=sys.stderr)
     return out
 
 
