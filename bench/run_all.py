@@ -68,7 +68,11 @@ def run_scripts(names: list[str], quick: bool) -> dict[str, dict[str, Any]]:
         print(f"== {name}", flush=True)
         try:
             proc = subprocess.run(
-                [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if quick else [])],
+                [
+                    sys.executable,
+                    str(HERE / f"{name}.py"),
+                    *(["--quick"] if quick else []),
+                ],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -132,7 +136,13 @@ def chart(curve: dict[str, Any], path: Path) -> None:
         if not points:
             continue
         style = "-o" if "taproute" in label else "--s"
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label, markersize=4)
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            style,
+            label=label,
+            markersize=4,
+        )
     if curve.get("log_x") and numeric:
         ax.set_xscale("log", base=2)
     if curve.get("log_y"):
@@ -144,6 +154,50 @@ def chart(curve: dict[str, Any], path: Path) -> None:
     ax.set_title(curve["title"], fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def ratio_chart(comparisons: list[tuple[str, dict[str, Any]]], path: Path) -> None:
+    """Every comparison's taproute/peer ratio (log scale; right of 1: taproute better
+    when higher is better), with the paired range as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values, lows, highs, colors = [], [], [], [], []
+    for name, c in comparisons:
+        r = c["ratio"]
+        flip = not c["higher_is_better"]
+        value = 1 / r["median"] if flip else r["median"]
+        lo, hi = (
+            (1 / r["paired_max"], 1 / r["paired_min"])
+            if flip
+            else (r["paired_min"], r["paired_max"])
+        )
+        labels.append(
+            f"{name}: {c['taproute']['label']} vs {c['peer']['label']}; {c['what']}"[:110]
+        )
+        values.append(value)
+        lows.append(max(value - lo, 0))
+        highs.append(max(hi - value, 0))
+        colors.append("#2f855a" if c["taproute_wins"] else "#c53030")
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(labels) + 1.2))
+    ys = list(range(len(labels)))[::-1]
+    # Bars start at 1 (parity) and reach the ratio, left for a loss, right for a win.
+    ax.barh(
+        ys, [v - 1 for v in values], left=1, color=colors, xerr=[lows, highs], error_kw={"lw": 0.7}
+    )
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(ys, labels, fontsize=6)
+    ax.set_xlabel("taproute advantage (x, log): > 1 taproute better, < 1 the peer better")
+    ax.set_title(
+        "Every comparison in this report (bars: median, whiskers: paired range)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -226,12 +280,18 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
     ]
     all_comparisons = [(name, c) for name, r in results.items() for c in r.get("comparisons", [])]
     if all_comparisons:
+        try:
+            ratio_chart(all_comparisons, folder / "ratios.png")
+        except Exception as exc:  # a chart failing must not lose the report
+            print(f"ratio chart failed: {exc}", file=sys.stderr)
         wins = sum(1 for _, c in all_comparisons if c["taproute_wins"])
         lines += [
             "## Summary: every comparison",
             "",
             f"taproute is better on the median in {wins} of {len(all_comparisons)} "
             "comparisons; where a peer wins, it says **peer**.",
+            "",
+            "![every comparison](ratios.png)",
             "",
             *_table(
                 ["bench", *COMPARISON_COLUMNS],
@@ -269,7 +329,10 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
         if result.get("notes"):
             lines.append("")
         if result.get("comparisons"):
-            lines += [*_table(COMPARISON_COLUMNS, _comparison_rows(result["comparisons"])), ""]
+            lines += [
+                *_table(COMPARISON_COLUMNS, _comparison_rows(result["comparisons"])),
+                "",
+            ]
         for i, curve in enumerate(result.get("curves", [])):
             png = f"{name}-{i}.png"
             try:
@@ -279,13 +342,21 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
                 lines += [f"(chart failed: {exc})", ""]
             columns = [curve.get("x_label") or "x", *curve["series"]]
             rows = [
-                [x, *[ys[j] if j < len(ys) else None for ys in curve["series"].values()]]
+                [
+                    x,
+                    *[ys[j] if j < len(ys) else None for ys in curve["series"].values()],
+                ]
                 for j, x in enumerate(curve["x"])
             ]
             lines += [f"**{curve['title']}** ({curve.get('y_label', '')})", ""]
             lines += [*_table(columns, rows), ""]
         for table in result.get("tables", []):
-            lines += [f"**{table['title']}**", "", *_table(table["columns"], table["rows"]), ""]
+            lines += [
+                f"**{table['title']}**",
+                "",
+                *_table(table["columns"], table["rows"]),
+                "",
+            ]
         for t in result.get("targets", []):
             lines.append(
                 f"- target `{t['name']}`: {'met' if t['met'] else '**MISSED**'} — {t['detail']}"
@@ -294,7 +365,14 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
             lines.append("")
         profile = result.get("raw", {}).get("profile")
         if profile:
-            lines += ["Profile (all threads, CPU time):", "", "```", *profile, "```", ""]
+            lines += [
+                "Profile (all threads, CPU time):",
+                "",
+                "```",
+                *profile,
+                "```",
+                "",
+            ]
     if suite:
         lines += [
             "## Suite",
@@ -307,7 +385,10 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
         ]
         failed = [n for n, s in suite.items() if s["rc"]]
         if failed:
-            lines += [f"Scripts that failed this run (no result above): {', '.join(failed)}", ""]
+            lines += [
+                f"Scripts that failed this run (no result above): {', '.join(failed)}",
+                "",
+            ]
     return "\n".join(lines) + "\n"
 
 

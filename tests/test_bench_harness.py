@@ -66,3 +66,50 @@ def test_comparison_says_who_wins():
     assert not harness.comparison(
         "x", fast, slow, taproute_label="t", peer_label="p", unit="ms", higher_is_better=False
     )["taproute_wins"]
+
+
+def test_report_is_rendered_from_result_files_and_says_when_a_peer_wins(
+    tmp_path, monkeypatch, capsys
+):
+    import run_all
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    slow, fast = harness.summary([1.0, 1.2, 0.9]), harness.summary([3.0, 3.3, 2.9])
+    folder = harness.write_result(
+        "plugged_in",
+        params={},
+        quick=False,
+        comparisons=[
+            harness.comparison(
+                "x", slow, fast, taproute_label="t", peer_label="numpy", unit="records/s"
+            )
+        ],
+        curves=[
+            {
+                "title": "c",
+                "x_label": "n",
+                "y_label": "r/s",
+                "x": [1, 2],
+                "series": {"taproute": [1.0, 2.0]},
+            }
+        ],
+        targets=[harness.target("t >= peer", False, "0.33x")],
+    ).parent
+    results = run_all.latest_results(folder, quick=False)
+    assert list(results) == ["plugged_in"]
+    text = run_all.render(results, folder, None)
+    assert "**peer**" in text and "**MISSED**" in text and "0.333x" in text
+    assert "taproute is better on the median in 0 of 1" in text
+    assert (folder / "plugged_in-0.png").exists()
+
+
+def test_discover_picks_up_any_script_that_imports_the_harness(tmp_path, monkeypatch):
+    import run_all
+
+    (tmp_path / "mine.py").write_text("from harness import write_result\n")
+    (tmp_path / "helper.py").write_text("import numpy\n")
+    (tmp_path / "_shared.py").write_text("from harness import fmt\n")
+    (tmp_path / "server.py").write_text("import harness\n# bench: not a script\n")
+    (tmp_path / "route_throughput.py").write_text("import harness\n")
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    assert run_all.discover() == ["route_throughput", "mine"]
