@@ -1,0 +1,207 @@
+"""What the example inference server captures, and where it goes (issue #17).
+
+Three routes over the hooks :mod:`bench.inference_server` binds:
+
+- ``raw``: the hidden states of a few layers (MiniLM layers 0 and 5, every
+  GPT-2 block) forwarded untouched to ClickHouse -> ``raw_activations``;
+- ``head_norms`` (stateless): per attention head, the mean L2 norm of the
+  query vectors over a record's tokens -> ``head_norms``, one row per
+  (record, head);
+- ``request_summary`` (stateful, keyed by request id): token count and mean /
+  max token-norm of the last layer's hidden states over every forward pass
+  of a request, emitted once when the request is done -> ``request_summary``.
+
+Request completion: until key completion exists (issue #15), the server
+marks a finished request with one empty record under ``<model>.request_done``
+on the same stateful route, submitted after the request's last capture; the
+route sees a key's records in submission order, so the marker is the last
+thing the summary sees of that request, and it emits the row then and frees
+the slot.  With ``complete(key)`` the marker becomes that call.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.native import StateRegion
+from taproute.service import (
+    Layout,
+    Records,
+    RecordSchema,
+    Route,
+    RoutingConfig,
+    SlotSpec,
+    stateful_processor,
+    stateless_processor,
+)
+
+ACTIVATIONS = Layout("activations", [("values", "Array(Float32)")])
+HEAD_NORMS = Layout(
+    "head_norms",
+    [
+        ("request", "Int64"),
+        ("step", "UInt32"),
+        ("hook", "LowCardinality(String)"),
+        ("head", "UInt16"),
+        ("tokens", "UInt32"),
+        ("norm", "Float32"),
+    ],
+)
+REQUEST_SUMMARY = Layout(
+    "request_summary",
+    [
+        ("request", "Int64"),
+        ("model", "LowCardinality(String)"),
+        ("records", "UInt32"),
+        ("tokens", "UInt32"),
+        ("norm_mean", "Float64"),
+        ("norm_max", "Float64"),
+    ],
+)
+SCHEMA = RecordSchema([ACTIVATIONS, HEAD_NORMS, REQUEST_SUMMARY])
+TABLES = {"raw": "raw_activations", "head_norms": "head_norms", "summary": "request_summary"}
+
+#: Request-summary slots: request ids map to ``id % SUMMARY_SLOTS``; a slot is
+#: reused once its request is done, so this bounds requests in flight, not served.
+SUMMARY_SLOTS = 65_536
+DONE = "request_done"
+
+
+@attrs.frozen
+class ModelHooks:
+    """Which of one model's modules are captured, and how to read them.
+
+    ``hidden`` (glob) goes raw; ``summary`` (one name, among ``hidden``) feeds
+    the per-request summary; ``query`` (glob) feeds the per-head statistic,
+    whose first ``width`` elements per token are the query vector of ``heads``
+    heads (GPT-2's fused ``c_attn`` output is ``[q | k | v]``).
+    """
+
+    prefix: str
+    hidden: str
+    summary: str
+    query: str
+    width: int
+    heads: int
+    query_stride: int
+
+
+#: prefix -> hooks of the models a server has bound (filled by :func:`register_model`).
+MODELS: dict[str, ModelHooks] = {}
+
+
+def register_model(hooks: ModelHooks) -> None:
+    """Make a model's geometry known to the processors (at server start)."""
+    MODELS[hooks.prefix] = hooks
+
+
+def _model_of(hook: str) -> ModelHooks:
+    return MODELS[hook.split(".", 1)[0]]
+
+
+@stateless_processor("server.head_norms", input="activations", output="head_norms")
+def head_norms(records: Records) -> npt.NDArray[np.void]:
+    """Mean L2 norm of each head's query vectors over a record's tokens."""
+    parts = []
+    desc = records.descriptors
+    for i in range(len(records)):
+        hook = records.hook_name(i)
+        model = _model_of(hook)
+        tokens = records.tail(i).reshape(-1, model.query_stride)[:, : model.width]
+        per_head = tokens.reshape(len(tokens), model.heads, -1)
+        rows = np.empty(model.heads, dtype=HEAD_NORMS.dtype)
+        rows["request"] = desc["key"][i]
+        rows["step"] = desc["step"][i]
+        rows["hook"] = hook
+        rows["head"] = np.arange(model.heads)
+        rows["tokens"] = len(tokens)
+        rows["norm"] = np.linalg.norm(per_head, axis=-1).mean(axis=0)
+        parts.append(rows)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=HEAD_NORMS.dtype)
+
+
+def summary_slot(descriptors: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:
+    """The summary slot of each record: its request id modulo the slot count."""
+    slots: npt.NDArray[np.int64] = descriptors["key"] % SUMMARY_SLOTS
+    return slots
+
+
+@stateful_processor(
+    "server.request_summary",
+    key=summary_slot,
+    key_range=SUMMARY_SLOTS,
+    slot=SlotSpec((5,), "float64"),  # request id, records, tokens, sum of norms, max norm
+    input="activations",
+    output="request_summary",
+)
+def request_summary(
+    records: Records, keys: npt.NDArray[np.int64], state: StateRegion
+) -> npt.NDArray[np.void]:
+    """Fold each forward pass's last-layer token norms into its request's slot;
+    on the request's done marker emit the summary row and free the slot."""
+    done = []
+    requests = records.descriptors["key"].tolist()
+    for i, (slot_index, request) in enumerate(zip(keys.tolist(), requests, strict=True)):
+        slot = state.slots[slot_index]
+        if slot[0] != request:  # a new request in this slot (ids start at 1)
+            slot[:] = (request, 0.0, 0.0, 0.0, 0.0)
+        hook = records.hook_name(i)
+        prefix, _, name = hook.partition(".")
+        if name == DONE:
+            tokens = int(slot[2])
+            done.append((request, prefix, int(slot[1]), tokens, slot[3] / max(tokens, 1), slot[4]))
+            slot[:] = 0.0
+            continue
+        width = MODELS[prefix].width
+        vectors = records.tail(i).reshape(-1, width).astype(np.float64)
+        norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors))
+        slot[1] += 1
+        slot[2] += len(norms)
+        slot[3] += norms.sum()
+        slot[4] = max(slot[4], norms.max(initial=0.0))
+    rows = np.empty(len(done), dtype=REQUEST_SUMMARY.dtype)
+    for j, values in enumerate(done):
+        rows[j] = values
+    return rows
+
+
+def routes(models: list[ModelHooks], destination: str = "clickhouse") -> RoutingConfig:
+    """Raw hidden states, per-head query norms, per-request summaries."""
+    return RoutingConfig(
+        [
+            Route("raw", [m.prefix + "." + m.hidden for m in models], destination),
+            Route(
+                "head_norms",
+                [m.prefix + "." + m.query for m in models],
+                destination,
+                mode="stateless",
+                processor="server.head_norms",
+                workers=2,
+            ),
+            Route(
+                "request_summary",
+                [f"{m.prefix}.{name}" for m in models for name in (m.summary, DONE)],
+                destination,
+                mode="stateful",
+                processor="server.request_summary",
+                workers=2,
+            ),
+        ]
+    )
+
+
+def summaries_from_raw(
+    values: list[npt.NDArray[np.float32]], width: int
+) -> tuple[int, int, float, float]:
+    """(records, tokens, norm_mean, norm_max) of one request from its raw
+    last-layer captures: what ``request_summary`` must have emitted."""
+    norms = [
+        np.sqrt(np.einsum("ij,ij->i", v, v))
+        for v in (np.asarray(x, dtype=np.float64).reshape(-1, width) for x in values)
+    ]
+    tokens = sum(len(n) for n in norms)
+    total = sum(float(n.sum()) for n in norms)
+    peak = max((float(n.max(initial=0.0)) for n in norms), default=0.0)
+    return len(values), tokens, total / max(tokens, 1), peak
