@@ -1,0 +1,436 @@
+"""taproute inside a real inference server, under load: capture off vs on.
+
+Starts ``bench/inference_server.py`` twice (``--capture off``: no taproute at
+all; ``--capture on``: hooks, routes, chDB) and drives both from asyncio
+clients (aiohttp, loopback only), phases interleaved round by round:
+
+1. saturation: ``--clients`` closed-loop clients for ``--duration`` s; the
+   capture-off throughput is the server's measured capacity;
+2. fixed offered loads (``--loads``, fractions of that capacity), open loop:
+   request ``i`` is due at ``start + i / rate`` whatever happened before, and
+   its latency is counted from then (so a stalled server cannot hide its
+   queue: corrected for coordinated omission), at most ``--clients`` in flight.
+
+Each capture-on phase ends with a flush of the on-server (everything
+captured is in ClickHouse), and its throughput is also given to that point.
+Per phase: requests/s, tokens/s, p50/p95/p99 (HdrHistogram), the server's CPU
+(cores busy) and RSS.  After the run: records captured, rows in ClickHouse
+per table, checked exactly against what the clients sent, and records shed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from hdrh.histogram import HdrHistogram
+
+HERE = Path(__file__).resolve().parent
+
+MAX_LATENCY_US = 120_000_000
+
+
+class Server:
+    """One server process; ``url`` once it answers."""
+
+    def __init__(self, capture: bool, data: Path, torch_threads: int, log: Path) -> None:
+        self.capture = capture
+        self._log = log.open("w")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "inference_server.py"),
+                "--capture",
+                "on" if capture else "off",
+                "--data",
+                str(data),
+                "--torch-threads",
+                str(torch_threads),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+
+    def wait_ready(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"server exited ({self.process.wait()}); see {self._log.name}")
+        self.url: str = json.loads(line)["url"]
+        import psutil
+
+        self.ps = psutil.Process(self.process.pid)
+        return self.url
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+class Workload:
+    """Request bodies for one endpoint, and the work each implies."""
+
+    def __init__(self, name: str, max_new_tokens: int) -> None:
+        self.name = name
+        self.max_new_tokens = max_new_tokens
+        from taproute.service.demo.run import sentences
+
+        self.texts = sentences(64)
+        self.sent = 0
+
+    def body(self, i: int) -> dict[str, Any]:
+        if self.name == "embed":
+            k = i % len(self.texts)
+            return {"input": self.texts[k : k + 1 + i % 3]}
+        return {"prompt": self.texts[i % len(self.texts)], "max_new_tokens": self.max_new_tokens}
+
+    @staticmethod
+    def tokens(answer: dict[str, Any]) -> int:
+        usage = answer["usage"]
+        return int(usage.get("completion_tokens", usage["prompt_tokens"]))
+
+
+class Phase:
+    """What one phase measured."""
+
+    def __init__(self) -> None:
+        self.histogram = HdrHistogram(1, MAX_LATENCY_US, 3)
+        self.ok = 0
+        self.errors = 0
+        self.unfinished = 0
+        self.tokens = 0
+        self.inputs = 0  # embed: sentences; generate: forward rows (= new tokens)
+        self.seconds = 0.0
+        self.flush_seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.rss = 0
+
+    def record(self, latency_s: float, answer: dict[str, Any] | None, inputs: int) -> None:
+        if answer is None:
+            self.errors += 1
+            return
+        self.ok += 1
+        self.inputs += inputs
+        self.tokens += Workload.tokens(answer)
+        self.histogram.record_value(min(max(1, int(latency_s * 1e6)), MAX_LATENCY_US))
+
+    def figures(self) -> dict[str, Any]:
+        h = self.histogram
+        persisted = self.seconds + self.flush_seconds
+        return {
+            "requests": self.ok,
+            "errors": self.errors,
+            "unfinished": self.unfinished,
+            "requests_per_s": self.ok / self.seconds if self.seconds else 0.0,
+            "requests_per_s_persisted": self.ok / persisted if persisted else 0.0,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "p50_ms": h.get_value_at_percentile(50) / 1000,
+            "p95_ms": h.get_value_at_percentile(95) / 1000,
+            "p99_ms": h.get_value_at_percentile(99) / 1000,
+            "max_ms": h.get_max_value() / 1000,
+            "seconds": self.seconds,
+            "flush_seconds": self.flush_seconds,
+            "server_cores_busy": self.cpu_seconds / persisted if persisted else 0.0,
+            "server_rss_mib": self.rss / 2**20,
+        }
+
+
+async def _post(session: Any, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            return None
+        answer: dict[str, Any] = await response.json()
+        return answer
+
+
+async def closed_loop(
+    session: Any, url: str, work: Workload, clients: int, duration: float, phase: Phase
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + duration
+
+    async def client(c: int) -> None:
+        i = c
+        while loop.time() < deadline:
+            body = work.body(i)
+            started = loop.time()
+            answer = await _post(session, url, body)
+            phase.record(loop.time() - started, answer, _inputs(work, body))
+            i += clients
+
+    started = loop.time()
+    await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(clients))), duration + 60)
+    phase.seconds = loop.time() - started
+
+
+async def open_loop(
+    session: Any, url: str, work: Workload, rate: float, duration: float, clients: int, phase: Phase
+) -> None:
+    loop = asyncio.get_running_loop()
+    count = max(1, int(rate * duration))
+    slots = asyncio.Semaphore(clients)
+    start = loop.time() + 0.01
+
+    async def one(i: int, due: float) -> None:
+        body = work.body(i)
+        async with slots:  # a request waiting for a client still ages from `due`
+            answer = await _post(session, url, body)
+        phase.record(loop.time() - due, answer, _inputs(work, body))
+
+    tasks = []
+    for i in range(count):
+        due = start + i / rate
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, due)))
+    _, pending = await asyncio.wait(tasks, timeout=duration + 60)
+    for task in pending:
+        task.cancel()
+    phase.unfinished = len(pending)
+    phase.seconds = loop.time() - start
+
+
+def _inputs(work: Workload, body: dict[str, Any]) -> int:
+    return len(body["input"]) if work.name == "embed" else int(body["max_new_tokens"])
+
+
+async def run_phase(
+    server: Server, work: Workload, *, rate: float | None, clients: int, duration: float
+) -> Phase:
+    import aiohttp
+
+    phase = Phase()
+    url = f"{server.url}/{work.name}"
+    cpu = sum(server.ps.cpu_times()[:2])
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        if rate is None:
+            await closed_loop(session, url, work, clients, duration, phase)
+        else:
+            await open_loop(session, url, work, rate, duration, clients, phase)
+        if server.capture:  # the clock for "persisted" stops once ClickHouse has it all
+            started = time.perf_counter()
+            async with session.post(f"{server.url}/admin/flush") as response:
+                response.raise_for_status()
+            phase.flush_seconds = time.perf_counter() - started
+    phase.cpu_seconds = sum(server.ps.cpu_times()[:2]) - cpu
+    phase.rss = server.ps.memory_info().rss
+    return phase
+
+
+def flush_report(server: Server) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(f"{server.url}/admin/flush", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=600) as response:
+        report: dict[str, Any] = json.loads(response.read())
+    return report
+
+
+def main() -> None:
+    args = harness.arguments(
+        __doc__.splitlines()[0],
+        duration=(8.0, 3.0),
+        repeat=(3, 1),
+        warmup=(1, 0),
+        loads=([0.25, 0.5, 0.8], [0.5, 0.8]),
+        workloads=(["embed", "generate"], ["embed"]),
+        clients=(64, 32),
+        max_new_tokens=(16, 8),
+        torch_threads=(1, 1),
+    )
+    params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
+    params |= {k: getattr(args, k) for k in ("clients", "max_new_tokens", "torch_threads")}
+    gpt2 = {"layers": 4, "hidden": 256, "heads": 8}
+    params["gpt2"] = gpt2
+    data = Path(tempfile.mkdtemp(prefix="serve-load-"))
+    servers = {
+        "off": Server(False, data / "off", args.torch_threads, data / "off.log"),
+        "on": Server(True, data / "on", args.torch_threads, data / "on.log"),
+    }
+    for server in servers.values():
+        server.wait_ready()
+    phases: dict[str, list[dict[str, Any]]] = {}
+    sent = {"embed_inputs": 0, "embed_requests": 0, "gpt2_rows": 0, "generate_requests": 0}
+    comparisons, targets, tables, notes = [], [], [], []
+
+    def measure(name: str, mode: str, work: Workload, rate: float | None, key: str) -> float:
+        phase = asyncio.run(
+            run_phase(servers[mode], work, rate=rate, clients=args.clients, duration=args.duration)
+        )
+        figures = phase.figures()
+        phases.setdefault(f"{name}/{mode}", []).append(figures)
+        if mode == "on":
+            if work.name == "embed":
+                sent["embed_inputs"] += phase.inputs
+                sent["embed_requests"] += phase.ok
+            else:
+                sent["gpt2_rows"] += phase.inputs
+                sent["generate_requests"] += phase.ok
+        return float(figures[key])
+
+    try:
+        for workload in args.workloads:
+            work = Workload(workload, args.max_new_tokens)
+            saturation = harness.interleave(
+                {
+                    mode: functools.partial(
+                        measure, f"{workload}/saturation", mode, work, None, "requests_per_s"
+                    )
+                    for mode in ("off", "on")
+                },
+                repeat=args.repeat,
+                warmup=args.warmup,
+            )
+            capacity = saturation["off"]["median"]
+            persisted = harness.summary(
+                [p["requests_per_s_persisted"] for p in phases[f"{workload}/saturation/on"]][
+                    args.warmup :
+                ]
+            )
+            comparisons.append(
+                harness.comparison(
+                    f"{workload}: throughput at saturation ({args.clients} clients)",
+                    persisted,
+                    saturation["off"],
+                    taproute_label="capture on (to ClickHouse)",
+                    peer_label="capture off",
+                    unit="requests/s",
+                )
+            )
+            ratio = persisted["median"] / capacity
+            targets.append(
+                harness.target(
+                    f"{workload}: throughput at saturation with capture >= 0.95x",
+                    ratio >= 0.95,
+                    f"{ratio:.3f}x ({harness.fmt(persisted['median'])} vs "
+                    f"{harness.fmt(capacity)} requests/s, on counted until flushed)",
+                )
+            )
+            for load in args.loads:
+                rate = load * capacity
+                name = f"{workload}/load{int(load * 100)}"
+                p99 = harness.interleave(
+                    {
+                        mode: functools.partial(measure, name, mode, work, rate, "p99_ms")
+                        for mode in ("off", "on")
+                    },
+                    repeat=args.repeat,
+                    warmup=args.warmup,
+                )
+                comparisons.append(
+                    harness.comparison(
+                        f"{workload}: p99 latency at {int(load * 100)}% of capacity "
+                        f"({harness.fmt(rate)} requests/s, open loop)",
+                        p99["on"],
+                        p99["off"],
+                        taproute_label="capture on",
+                        peer_label="capture off",
+                        unit="ms",
+                        higher_is_better=False,
+                    )
+                )
+                if load in (0.5, 0.8):
+                    r = p99["on"]["median"] / p99["off"]["median"]
+                    targets.append(
+                        harness.target(
+                            f"{workload}: p99 at {int(load * 100)}% load with capture <= 1.10x",
+                            r <= 1.10,
+                            f"{r:.3f}x ({p99['on']['median']:.1f} vs "
+                            f"{p99['off']['median']:.1f} ms)",
+                        )
+                    )
+        report = flush_report(servers["on"])
+    finally:
+        for server in servers.values():
+            server.stop()
+    # Exact accounting: what the clients sent to the on-server -> rows expected.
+    layers, heads = gpt2["layers"], gpt2["heads"]
+    expected = {
+        "raw": 2 * sent["embed_inputs"] + layers * sent["gpt2_rows"],
+        "head_norms": 2 * 12 * sent["embed_inputs"] + layers * heads * sent["gpt2_rows"],
+        "summary": sent["embed_requests"] + sent["generate_requests"],
+    }
+    found = report.get("clickhouse_rows", {})
+    targets.append(
+        harness.target(
+            "every captured record in ClickHouse, counted exactly",
+            found == expected and report.get("failure") is None,
+            f"rows {found} vs expected from the requests sent {expected}",
+        )
+    )
+    targets.append(
+        harness.target(
+            "no record shed at <= 80% load",
+            report.get("rejected", 0) == 0,
+            f"{report.get('rejected', 0)} shed; model threads blocked "
+            f"{report.get('blocked_seconds', 0.0):.3f} s in all",
+        )
+    )
+    columns = [
+        "phase",
+        "mode",
+        "req/s",
+        "tokens/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "cores",
+        "RSS MiB",
+    ]
+    rows = []
+    for key, runs in phases.items():
+        name, mode = key.rsplit("/", 1)
+        kept = runs[args.warmup :] or runs
+        med = {f: harness.summary([r[f] for r in kept])["median"] for f in kept[0]}
+        rows.append(
+            [
+                name,
+                mode,
+                round(med["requests_per_s"], 1),
+                round(med["tokens_per_s"], 1),
+                round(med["p50_ms"], 2),
+                round(med["p95_ms"], 2),
+                round(med["p99_ms"], 2),
+                round(med["server_cores_busy"], 2),
+                round(med["server_rss_mib"], 1),
+            ]
+        )
+    tables.append(
+        {"title": "Per phase (medians over repetitions)", "columns": columns, "rows": rows}
+    )
+    notes.append(
+        f"Records captured (taproute ingress, done markers included): {report.get('submitted')}; "
+        f"ClickHouse rows after the run: {found}."
+    )
+    harness.write_result(
+        "serve_load",
+        title="taproute inside an inference server, under load",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        params=params,
+        quick=args.quick,
+        comparisons=comparisons,
+        tables=tables,
+        targets=targets,
+        notes=notes,
+        raw={"phases": phases, "flush_report": report, "sent": sent, "expected_rows": expected},
+    )
+
+
+if __name__ == "__main__":
+    main()
