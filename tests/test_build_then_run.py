@@ -62,10 +62,8 @@ def test_a_config_file_reports_each_route_problem_at_its_key_path(tmp_path, chdb
         load_config(write(tmp_path, text)).build()
     problems = caught.value.problems
     assert len(problems) == 2
-    assert problems[0].startswith("route 'raw': unknown destination 'zz'")
-    assert problems[0].endswith("@ routes[0]")
-    assert problems[1].startswith("route 'norms': unknown processor 'nope'")
-    assert problems[1].endswith("@ routes[1]")
+    assert problems[0].startswith("routes[0]: route 'raw': unknown destination 'zz'")
+    assert problems[1].startswith("routes[1]: route 'norms': unknown processor 'nope'")
 
 
 def test_actors_are_built_at_construction_and_inert_until_run():

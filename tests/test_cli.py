@@ -1,12 +1,22 @@
-"""`taproute demo`: the README's main job, end to end, as CI's smoke test."""
+"""The ``taproute`` command: the demo end to end (the README's main job, CI's smoke
+test), and operators' commands failing in one line."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
+from taproute.routing import FailureCode, HookRegistry, RecordFailure
 from taproute.service.demo import minilm, processors, run
 from taproute.service.host.cli import main
+from taproute.service.ops.dead_letters import DeadLetterStore
+from tests.conftest import vec_batch
 
 SENTENCES = 24
 
@@ -63,3 +73,144 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
         for m in [minilm.encode(tokenizer, run.sentences(SENTENCES)[start : start + 16])[1]]
     )
     assert stats["count"] == total_tokens
+
+
+# -- operators' commands end in one line, never a traceback (#10.19) -----------
+
+REPO = Path(__file__).resolve().parent.parent
+COMMAND = [sys.executable, "-m", "taproute.service.host.cli"]
+
+
+def letters_store(path: Path, count: int = 2) -> Path:
+    """A real dead-letter store holding ``count`` letters (ids 1..count)."""
+    hooks = HookRegistry()
+    hooks.bind("layers.0")
+    store = DeadLetterStore(path, hooks=hooks)
+    store.put(
+        RecordFailure(
+            route="raw",
+            processor=None,
+            error=ValueError("bad"),
+            records=vec_batch(0, count),
+            code=FailureCode.HANDLER_INVALID,
+        )
+    )
+    store.close()
+    return path
+
+
+def one_line_error(capsys, argv: list[str], code: int) -> str:
+    try:
+        returned = main(argv)
+    except SystemExit as exited:  # argparse's refusals
+        returned = exited.code
+    assert returned == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_listing_a_missing_store_refuses_and_creates_nothing(capsys, tmp_path):
+    typo = tmp_path / "typo.sqlite"
+    line = one_line_error(capsys, ["dead-letters", "list", "--store", str(typo)], 2)
+    assert line == f"taproute: no dead-letter store at {typo}"
+    assert not typo.exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_store_is_one_line_and_left_as_it_was(capsys, tmp_path, damage):
+    path = tmp_path / "dead.sqlite"
+    if damage == "garbage":
+        path.write_bytes(b"this is not sqlite " * 300)
+    else:
+        letters_store(path, count=400)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = path.read_bytes()
+    for argv in (["list"], ["show", "1"], ["skip", "1"]):
+        line = one_line_error(capsys, ["dead-letters", *argv, "--store", str(path)], 2)
+        assert line.startswith(f"taproute: {path}: ")
+        assert "unreadable store" in line or "not a dead-letter store" in line
+    assert path.read_bytes() == before
+    sidecars = {"dead.sqlite-wal", "dead.sqlite-shm"}  # SQLite's own, for a WAL-mode file
+    assert {p.name for p in tmp_path.iterdir()} - sidecars == {"dead.sqlite"}
+
+
+def test_bad_ids_tokens_and_unreachable_services_are_one_line(capsys, tmp_path):
+    store = letters_store(tmp_path / "dead.sqlite")
+    before = store.read_bytes()
+    line = one_line_error(
+        capsys, ["dead-letters", "show", "99999999999999999999999", "--store", str(store)], 2
+    )
+    assert "dead letter ids are in [1, 2**63 - 1]" in line
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    line = one_line_error(capsys, ["dead-letters", "skip", "1", "--url", url, "--token", "t"], 1)
+    assert line.startswith(f"taproute: cannot reach {url}: ") and "refused" in line
+    line = one_line_error(
+        capsys, ["dead-letters", "skip", "1", "--url", url, "--token", "jéton"], 2
+    )
+    assert "--token: a token is printable ASCII without spaces" in line
+    assert store.read_bytes() == before
+
+
+def test_offline_reroute_while_the_service_holds_chdb_is_one_line(tmp_path):
+    data = tmp_path / "data"
+    store = letters_store(tmp_path / "dead.sqlite")
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f"""
+processors = ["tests.processors"]
+[[layouts]]
+name = "vec"
+columns = [{{ name = "values", type = "Array(Float32)", shape = [4] }}]
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+[destinations.ch]
+path = "{data}"
+raw = ["vec"]
+[dead_letters]
+path = "{store}"
+[routing]
+unmatched = "drop"
+"""
+    )
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, chdb.session as s; x = s.Session(sys.argv[1]); "
+            "print('ready', flush=True); sys.stdin.read()",
+            str(data),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        child = subprocess.run(
+            [*COMMAND, "dead-letters", "reroute", "1", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert child.returncode == 2, child.stderr
+    lines = child.stderr.strip().splitlines()
+    assert len(lines) == 1, child.stderr
+    assert lines[0] == (
+        f"{config}: destinations.ch.path: cannot open chDB at {data}: "
+        f"in use by process {holder.pid}"
+    )
+    reopened = DeadLetterStore(store, create=False)
+    try:
+        assert [(d.id, d.state) for d in reopened.list(state=None)] == [(1, "dead"), (2, "dead")]
+    finally:
+        reopened.close()

@@ -659,7 +659,7 @@ def test_config_file_refuses_a_plain_table_unless_it_opts_into_at_least_once(
     )
     path = tmp_path / "router.toml"
     path.write_text(config)
-    assert main(["check", "--config", str(path)]) == 1
+    assert main(["check", "--config", str(path)]) == 2  # config vs table: bad input
     assert "does not deduplicate retried inserts" in capsys.readouterr().err
     path.write_text(config + "require_deduplication = false\n")
     assert main(["check", "--config", str(path)]) == 0

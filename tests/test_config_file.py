@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 import uuid
 from pathlib import Path
 
 import pytest
 
+from taproute.routing import FailurePolicy
 from taproute.service.host.cli import main
 from taproute.service.host.config import ConfigFileError, load_config
 from taproute.service.host.loadgen import run_load
+from taproute.service.ops.dead_letters import DeadLetterStore
 
 BASE = """
 processors = ["tests.processors"]
@@ -93,11 +96,11 @@ raw = "vec"
     with pytest.raises(ConfigFileError) as caught:
         load_config(path)
     assert caught.value.problems == [
-        "invalid value for type, expected int @ routes[0].workers",
-        "extra fields found (colour) @ routes[0]",
-        "invalid value for type, expected list @ destinations['d'].raw",
+        "routes[0].workers: expected an integer, found string 'many'",
+        "routes[0]: extra fields found (colour)",
+        "destinations.d.raw: expected an array, found string 'vec'",
     ]
-    assert str(caught.value).startswith(f"{path}: 3 problem(s)")
+    assert str(caught.value).splitlines() == [f"{path}: {p}" for p in caught.value.problems]
 
 
 def test_unreadable_and_malformed_files(tmp_path):
@@ -110,24 +113,27 @@ def test_unreadable_and_malformed_files(tmp_path):
 def test_semantic_errors_name_where(tmp_path, chdb_transport):
     text = base(chdb_transport, unique("sem"))
     cases = {
-        'processor = "test.norms"': ('processor = "nope"', "unknown processor 'nope'"),
-        'rows = ["norm"]': ('rows = ["nrom"]', "unknown layout 'nrom' @ destinations.ch.rows[0]"),
+        'processor = "test.norms"': (
+            'processor = "nope"',
+            "routes[1]: route 'norms': unknown processor 'nope'",
+        ),
+        'rows = ["norm"]': ('rows = ["nrom"]', "destinations.ch.rows[0]: unknown layout 'nrom'"),
         '{ name = "norm", type = "Float32" }': (
             '{ name = "norm", type = "Float33" }',
             "ClickHouse type 'Float33' does not map",
         ),
         'processors = ["tests.processors"]': (
             'processors = ["tests.nowhere"]',
-            "cannot import processor module 'tests.nowhere'",
+            "processors[0]: cannot import processor module 'tests.nowhere'",
         ),
     }
     for original, (replacement, message) in cases.items():
         config_path = write(tmp_path, text.replace(original, replacement))
         with pytest.raises(ConfigFileError, match=re.escape(message)):
-            load_config(config_path).build()
+            load_config(config_path).build().close()
     both = text.replace("[destinations.ch]\n", '[destinations.ch]\nurl = "http://x:8123"\n')
-    with pytest.raises(ConfigFileError, match="exactly one of path"):
-        load_config(write(tmp_path, both)).build()
+    with pytest.raises(ConfigFileError, match="destinations.ch: give exactly one of path"):
+        load_config(write(tmp_path, both))
 
 
 def test_check_command_validates_tables(tmp_path, chdb_transport, capsys):
@@ -143,8 +149,9 @@ def test_check_command_validates_tables(tmp_path, chdb_transport, capsys):
         f"CREATE TABLE `{table}` (key Int64, seq Int64, norm Float64) "
         "ENGINE = MergeTree ORDER BY tuple()"
     )
-    assert main(["check", "--config", str(path)]) == 1
+    assert main(["check", "--config", str(path)]) == 2
     err = capsys.readouterr().err
+    assert err.startswith(f"{path}: destinations.ch: ")
     assert f"table '{table}': column 'norm' expected Float32, found Float64" in err
 
 
@@ -170,7 +177,206 @@ def test_the_shipped_load_test_config_is_valid(tmp_path):
     copy = tmp_path / "synthetic.toml"  # relative paths then resolve under tmp_path
     copy.write_text(shipped.read_text())
     config = load_config(copy)
-    sink, runtime_kwargs = config.build()
-    assert [r.name for r in config.routes] == ["raw", "head_norms"]
-    assert sink.trace("encoder.layer.3.attention.self.query").destinations == ["clickhouse"]
-    runtime_kwargs["dead_letters"].close()
+    with config.build() as built:
+        assert [r.name for r in config.routes] == ["raw", "head_norms"]
+        trace = built.sink.trace("encoder.layer.3.attention.self.query")
+        assert trace.destinations == ["clickhouse"]
+        assert built.dead_letters is not None
+
+
+# -- what passed `check` but broke `run`, coercions, tracebacks (#10.16-18) ----
+
+VALID = """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+
+[destinations.ch]
+url = "http://127.0.0.1:8123/db"
+raw = ["vec"]
+
+[routing]
+unmatched = "drop"
+
+[http]
+port = 0
+"""
+
+
+def refused(capsys, tmp_path, text: str) -> str:
+    """Run `taproute check` on ``text``; assert exit 2 and one line; return that line."""
+    path = write(tmp_path, text)
+    assert main(["check", "--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{path}: ")
+    return lines[0].removeprefix(f"{path}: ")
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        # 10.16: values `run` cannot survive, refused with their bounds.
+        (
+            ("[http]", "[destinations.ch.batching]\nlinger = nan\n[http]"),
+            "destinations.ch.batching.linger: expected a finite number, found nan",
+        ),
+        (
+            ("[http]", "[destinations.ch.batching]\nlinger = inf\n[http]"),
+            "destinations.ch.batching.linger: expected a finite number, found inf",
+        ),
+        (
+            ('destination = "ch"\n', 'destination = "ch"\nworkers = 1000000000\n'),
+            "routes[0].workers: must be in [1, 1024], found 1000000000",
+        ),
+        (
+            ("[http]", "[ingress]\ncapacity_records = -5\n[http]"),
+            "ingress.capacity_records: must be in [1, 2**32], found -5",
+        ),
+        (("port = 0", "port = 70000"), "http.port: must be in [0, 65535], found 70000"),
+        (("port = 0", "port = -1"), "http.port: must be in [0, 65535], found -1"),
+        # 10.18: no silent coercion.
+        (
+            ('destination = "ch"\n', 'destination = "ch"\ncapacity = 1.5\n'),
+            "routes[0].capacity: expected an integer, found float 1.5",
+        ),
+        (
+            ('destination = "ch"\n', 'destination = "ch"\nworkers = true\n'),
+            "routes[0].workers: expected an integer, found boolean True",
+        ),
+        (
+            ("[http]", "[destinations.ch.retry]\nattempts = 2.0\n[http]"),
+            "destinations.ch.retry.attempts: expected an integer, found float 2.0",
+        ),
+        # 10.17: what raised a traceback.
+        (("shape = [4]", "shape = [-1]"), "layouts[0].columns[0].shape: must be in [1, 2**31]"),
+        (
+            ('raw = ["vec"]', 'raw = ["vec"]\nraw_table = "raw_{bogus}"'),
+            "destinations.ch.raw_table: 'raw_{bogus}': unknown field {bogus}",
+        ),
+        (
+            ('raw = ["vec"]', 'raw = ["vec"]\nraw_table = "raw`{layout}"'),
+            "destinations.ch.raw_table: table name 'raw`vec' (for layout 'vec') must be letters",
+        ),
+        (
+            ('url = "http://127.0.0.1:8123/db"', 'url = "ftp://127.0.0.1:8123/db"'),
+            "destinations.ch.url: expected http(s)://host[:port][/database]",
+        ),
+        (
+            ("port = 0", 'port = 0\ntoken = "sécret"'),
+            "http.token: must be printable ASCII without spaces",
+        ),
+    ],
+)
+def test_check_refuses_what_run_would_fail_on(capsys, tmp_path, edit, expected):
+    original, replacement = edit
+    assert original in VALID
+    problem = refused(capsys, tmp_path, VALID.replace(original, replacement, 1))
+    assert problem.startswith(expected), problem
+
+
+def test_a_config_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    text = VALID.replace('name = "raw"', 'name = "r\xe9"').encode("latin-1")
+    path = tmp_path / "router.toml"
+    path.write_bytes(text)
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    offset = text.index(b"\xe9")
+    line = text[:offset].count(b"\n") + 1
+    assert err == f"{path}: not UTF-8: byte 0xe9 at offset {offset} (line {line})"
+
+
+def test_a_processor_module_failing_at_import_is_one_line(capsys, tmp_path, monkeypatch):
+    module = f"broken_taps_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("raise RuntimeError('GPU 7 not found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problem = refused(capsys, tmp_path, f'processors = ["{module}"]\n' + VALID)
+    assert problem == (
+        f"processors[0]: cannot import processor module {module!r}: RuntimeError: GPU 7 not found"
+    )
+
+
+def test_unusable_destination_and_dead_letter_paths_are_one_line(capsys, tmp_path):
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    chdb = VALID.replace('url = "http://127.0.0.1:8123/db"', f'path = "{regular}/data"')
+    problem = refused(capsys, tmp_path, chdb)
+    assert (
+        problem == f"destinations.ch.path: cannot create directory {regular}/data: Not a directory"
+    )
+
+    in_proc = VALID.replace('url = "http://127.0.0.1:8123/db"', 'path = "/proc/taproute-data"')
+    problem = refused(capsys, tmp_path, in_proc)
+    assert problem.startswith("destinations.ch.path: cannot create directory /proc/taproute-data")
+
+    dead = VALID + f'[dead_letters]\npath = "{regular}/dead.sqlite"\n'
+    problem = refused(capsys, tmp_path, dead)
+    assert (
+        problem
+        == f"dead_letters.path: cannot create directory {regular}: exists and is not a directory"
+    )
+    assert regular.read_text() == "not a directory"
+
+
+def test_an_unreachable_url_is_one_line(capsys, tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    text = VALID.replace("127.0.0.1:8123", f"127.0.0.1:{port}")
+    problem = refused(capsys, tmp_path, text)
+    assert problem.startswith(f"destinations.ch.url: cannot open http://127.0.0.1:{port}/db: ")
+
+
+# -- one set of classes: the file is the library's own values (#9.5) -----------
+
+
+def test_a_route_failure_policy_comes_from_the_file(tmp_path, chdb_transport):
+    prefix = unique("pol")
+    text = base(chdb_transport, prefix).replace(
+        'processor = "test.norms"\n',
+        'processor = "fail.always_transient"\n'
+        "failure_policy = { deadline = 2.5, max_failures = 2, failure_window = 0, "
+        "initial_backoff = 0, multiplier = 1.5, max_backoff = 0 }\n",
+    )
+    text = text.replace(
+        'processors = ["tests.processors"]', 'processors = ["tests.failing_processors"]'
+    )
+    config = load_config(write(tmp_path, text))
+    policy = config.routes[1].failure_policy
+    assert policy == FailurePolicy(
+        deadline=2.5,
+        max_failures=2,
+        failure_window=0,
+        initial_backoff=0,
+        multiplier=1.5,
+        max_backoff=0,
+    )
+    assert config.routes[0].failure_policy == FailurePolicy()
+    # And it is what the running route applies: each record given up after exactly 2 tries.
+    counters = run_load(config, rate=2000, duration=0.2, out=io.StringIO())
+    submitted = counters.ingress.submitted
+    assert submitted >= 16 and counters.routes["norms"].failed == submitted
+    store = DeadLetterStore(config.dead_letter_path(), create=False)
+    try:
+        letters = store.list(route="norms")
+        assert len(letters) == submitted and {d.attempts for d in letters} == {2}
+    finally:
+        store.close()
+
+
+def test_call_timeout_sets_every_route_deadline(tmp_path, chdb_transport, capsys):
+    config = load_config(write(tmp_path, base(chdb_transport, unique("ct"))))
+    timed = config.with_call_timeout(0.25)
+    assert [r.failure_policy.deadline for r in timed.routes] == [0.25, 0.25]
+    assert [r.failure_policy.deadline for r in config.routes] == [5.0, 5.0]  # a copy
+    path = str(config.source)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--config", path, "--call-timeout", "nan"])
+    assert exited.value.code == 2
+    assert "--call-timeout: must be in [0, 86400] seconds" in capsys.readouterr().err

@@ -1,6 +1,5 @@
-"""Config files: a TOML description of layouts, routes, destinations and
-capacities, validated with cattrs (every problem reported with the file and
-key path), then built into a running router.
+"""Config files: layouts, routes, destinations and capacities in TOML, read
+into the library's own value classes, checked, then built into a service.
 
 ::
 
@@ -14,6 +13,11 @@ key path), then built into a running router.
     name = "raw"
     outputs = ["layers.*.attn.q"]
     destination = "clickhouse"
+
+    [routes.failure_policy]                  # optional; FailurePolicy's fields
+    deadline = 2.0                           # seconds per processor call
+    max_failures = 3
+    multiplier = 1.5
 
     [destinations.clickhouse]
     path = "taproute-data"                   # chDB; or url = "http://host:8123/db"
@@ -35,128 +39,82 @@ key path), then built into a running router.
     [[producer.hooks]]                       # what `taproute run` generates
     name = "layers.0.attn.q"
     layout = "query"
+
+A ``[[routes]]`` table is a :class:`~taproute.routing.routes.Route`, its
+``failure_policy`` a :class:`~taproute.routing.failures.FailurePolicy`, a
+layout a :class:`~taproute.routing.layout.Layout`, ``batching``/``retry`` of a
+destination the sink's :class:`Batching`/:class:`Retry`, ``[http]`` an
+:class:`HttpConfig`: one set of classes, whose field names are the keys.
+:func:`load_config` reads and checks a file without side effects;
+:meth:`ServiceConfig.build` imports processors, opens the dead-letter store and
+returns a :class:`BuiltService`.
 """
 
 from __future__ import annotations
 
 import importlib
+import sqlite3
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Literal
 
 import attrs
-import cattrs
-from cattrs.errors import IterableValidationError, IterableValidationNote
+from cattrs.errors import ClassValidationError
 
 from taproute.actors import RoutingSink
 from taproute.routing.errors import ConfigError, TaprouteError
 from taproute.routing.failures import log_failure
 from taproute.routing.hooks import HookRegistry
-from taproute.routing.layout import Column, Layout
+from taproute.routing.layout import Layout
 from taproute.routing.routes import Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
-from taproute.routing.sink import RecordSink
+from taproute.service.host.config_destinations import (
+    DestinationConfig,
+    destination_problems,
+    open_destination,
+    prepare_directory,
+)
+from taproute.service.host.config_rules import (
+    ConfigFileError,
+    Limit,
+    add_limits,
+    omit,
+    problems_of,
+    structure,
+)
 from taproute.service.host.http import HttpConfig
+from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
-from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
+from taproute.service.sinks.clickhouse import ClickHouseSink
 
 
-class ConfigFileError(ConfigError):
-    """A config file is unreadable or invalid; the message lists every problem found."""
-
-    def __init__(self, path: Path, problems: list[str]) -> None:
-        self.path = path
-        self.problems = problems
-        listing = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{path}: {len(problems)} problem(s)\n{listing}")
-
-
-@attrs.frozen
-class ColumnConfig:
-    name: str
-    type: str
-    shape: list[int] = attrs.Factory(list)
-
-
-@attrs.frozen
-class LayoutConfig:
-    name: str
-    columns: list[ColumnConfig]
-
-
-@attrs.frozen
-class RouteConfig:
-    name: str
-    outputs: list[str]
-    destination: str
-    mode: Literal["forward", "stateless", "stateful"] = "forward"
-    processor: str | None = None
-    capacity: int = 65_536
-    capacity_bytes: int = 256 * 2**20
-    workers: int = 1
-
-
-@attrs.frozen
-class BatchingConfig:
-    max_rows: int = 1_000_000
-    max_bytes: int = 10 * 2**20
-    linger: float = 1.0
-    inserts_in_flight: int = 2
-    max_buffered_bytes: int = 256 * 2**20
-
-
-@attrs.frozen
-class RetryConfig:
-    attempts: int = 8
-    initial_backoff: float = 0.2
-    max_backoff: float = 30.0
-
-
-@attrs.frozen
-class DestinationConfig:
-    """A ClickHouse destination: ``path`` (chDB directory) or ``url`` (server)."""
-
-    path: str | None = None
-    url: str | None = None
-    raw: list[str] = attrs.Factory(list)
-    rows: list[str] = attrs.Factory(list)
-    create_tables: bool | None = None
-    require_deduplication: bool = True
-    raw_table: str = "raw_{layout}"
-    rows_table: str = "{layout}"
-    batching: BatchingConfig = attrs.Factory(BatchingConfig)
-    retry: RetryConfig = attrs.Factory(RetryConfig)
-
-
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class RoutingOptions:
+    """Where records no route takes go: a destination, or dropped (counted)."""
+
     default_destination: str | None = None
     unmatched: Literal["default", "drop"] = "default"
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class IngressOptions:
+    """Bounds of the runtime's ingress and what a full ingress does to producers."""
+
     capacity_records: int = 65_536
     capacity_bytes: int = 256 * 2**20
     when_full: Literal["block", "reject"] = "block"
 
 
-@attrs.frozen
-class HttpOptions:
-    host: str = "127.0.0.1"
-    port: int = 9464
-    token: str | None = attrs.field(default=None, repr=False)
-
-
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class DeadLetterOptions:
     """Where given-up records are kept (default: beside the first chDB destination)."""
 
     path: str | None = None
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ProducerHook:
     """A hook `taproute run` feeds with random payloads of its layout."""
 
@@ -166,109 +124,123 @@ class ProducerHook:
     elements: int = 256  # for a variable-length tail
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ProducerConfig:
-    hooks: list[ProducerHook] = attrs.Factory(list)
+    """What `taproute run` generates."""
+
+    hooks: tuple[ProducerHook, ...] = ()
 
 
-@attrs.frozen
+add_limits(IngressOptions, {"capacity_records": Limit(1, 2**32), "capacity_bytes": Limit(1, 2**44)})
+add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})
+
+
+@attrs.frozen(kw_only=True)
 class ServiceConfig:
-    """A whole config file, structured and checked."""
+    """A whole config file, structured and checked (``source``: the file)."""
 
-    layouts: list[LayoutConfig]
-    routes: list[RouteConfig]
+    layouts: tuple[Layout, ...]
+    routes: tuple[Route, ...]
     destinations: dict[str, DestinationConfig]
-    processors: list[str] = attrs.Factory(list)
+    processors: tuple[str, ...] = ()
     routing: RoutingOptions = attrs.Factory(RoutingOptions)
     ingress: IngressOptions = attrs.Factory(IngressOptions)
-    http: HttpOptions | None = None
+    http: HttpConfig | None = None
     dead_letters: DeadLetterOptions = attrs.Factory(DeadLetterOptions)
     producer: ProducerConfig = attrs.Factory(ProducerConfig)
     source: Path = attrs.field(default=Path("<config>"), eq=False)
 
     def schema(self) -> RecordSchema:
         """The RecordSchema the layouts describe."""
-        layouts = []
-        for i, layout in enumerate(self.layouts):
-            try:
-                layouts.append(
-                    Layout(
-                        layout.name,
-                        [Column(c.name, c.type, tuple(c.shape)) for c in layout.columns],
-                    )
-                )
-            except ConfigError as exc:
-                raise ConfigFileError(self.source, [f"{exc} @ layouts[{i}]"]) from None
         try:
-            return RecordSchema(layouts)
+            return RecordSchema(self.layouts)
         except ConfigError as exc:
-            raise ConfigFileError(self.source, [f"{exc} @ layouts"]) from None
+            raise ConfigFileError(self.source, [f"layouts: {exc}"]) from None
 
     def routing_config(self) -> RoutingConfig:
         """The routes, as RoutingConfig."""
-        routes = []
-        for i, r in enumerate(self.routes):
-            try:
-                routes.append(
-                    Route(
-                        r.name,
-                        r.outputs,
-                        r.destination,
-                        mode=r.mode,
-                        processor=r.processor,
-                        capacity=r.capacity,
-                        capacity_bytes=r.capacity_bytes,
-                        workers=r.workers,
-                    )
-                )
-            except ConfigError as exc:
-                raise ConfigFileError(self.source, [f"{exc} @ routes[{i}]"]) from None
         try:
-            return RoutingConfig(routes)
+            return RoutingConfig(self.routes)
         except ConfigError as exc:
-            raise ConfigFileError(self.source, [f"{exc} @ routes"]) from None
+            raise ConfigFileError(self.source, [f"routes: {exc}"]) from None
+
+    def with_call_timeout(self, seconds: float) -> ServiceConfig:
+        """This config with every route's processor deadline set to ``seconds``."""
+        problem = Limit(0, 86_400).problem(seconds)
+        if problem is not None:
+            raise ConfigFileError(self.source, [f"--call-timeout {problem}"])
+        routes = tuple(
+            attrs.evolve(r, failure_policy=attrs.evolve(r.failure_policy, deadline=seconds))
+            for r in self.routes
+        )
+        return attrs.evolve(self, routes=routes)
 
     def import_processors(self) -> None:
         """Import the modules that register this config's processors."""
         for i, module in enumerate(self.processors):
             try:
                 importlib.import_module(module)
-            except ImportError as exc:
+            except Exception as exc:  # a module's own bug is the file's problem here
+                detail = str(exc).splitlines()[0] if str(exc) else ""
                 raise ConfigFileError(
                     self.source,
-                    [f"cannot import processor module {module!r}: {exc} @ processors[{i}]"],
+                    [
+                        f"processors[{i}]: cannot import processor module {module!r}: "
+                        f"{type(exc).__name__}: {detail}".rstrip(": ")
+                    ],
                 ) from None
 
-    def destination_factories(self, schema: RecordSchema) -> dict[str, Callable[[], RecordSink]]:
+    def destination_factories(
+        self, schema: RecordSchema
+    ) -> dict[str, Callable[[], ClickHouseSink]]:
         """A factory per destination (the routing sink creates and owns them)."""
         return {
-            name: _destination_factory(self.source, name, dest, schema)
+            name: _factory(self.source, name, dest, schema)
             for name, dest in self.destinations.items()
         }
 
-    def dead_letter_path(self) -> Path | None:
-        """The dead-letter file: configured, else beside the first chDB destination."""
+    def dead_letter_location(self) -> tuple[Path, str] | None:
+        """The dead-letter file and the key that decides it, or None."""
         if self.dead_letters.path is not None:
-            return self._relative(self.dead_letters.path)
-        for dest in self.destinations.values():
+            return self._relative(self.dead_letters.path), "dead_letters.path"
+        for name, dest in self.destinations.items():
             if dest.path is not None:
                 data = self._relative(dest.path)
-                return data.with_name(data.name + "-dead-letters.sqlite")
+                where = f"dead_letters.path (default: beside destinations.{name}.path)"
+                return data.with_name(data.name + "-dead-letters.sqlite"), where
         return None
 
-    def _relative(self, path: str) -> Path:
+    def dead_letter_path(self) -> Path | None:
+        """The dead-letter file: configured, else beside the first chDB destination."""
+        location = self.dead_letter_location()
+        return None if location is None else location[0]
+
+    def _relative(self, path: str) -> Path:  # relative paths are relative to the file
         candidate = Path(path)
         return candidate if candidate.is_absolute() else self.source.parent / candidate
 
     def open_dead_letters(self, hooks: HookRegistry | None = None) -> DeadLetterStore | None:
-        """The dead-letter store, if this config has one."""
-        path = self.dead_letter_path()
-        return None if path is None else DeadLetterStore(path, hooks=hooks)
+        """The dead-letter store (created if missing), if this config has one."""
+        location = self.dead_letter_location()
+        if location is None:
+            return None
+        path, where = location
+        prepare_directory(self.source, path.parent, where)
+        try:
+            return DeadLetterStore(path, hooks=hooks)
+        except (OSError, sqlite3.Error, TaprouteError) as exc:
+            raise ConfigFileError(self.source, [f"{where}: cannot open {path}: {exc}"]) from None
 
-    def build(self) -> tuple[RoutingSink, dict[str, Any]]:
-        """The routing sink and the keyword arguments for ``create_record_runtime``."""
+    def build(self) -> BuiltService:
+        """Import processors, prepare destination directories, open the dead-letter
+        store and build the routing sink (inert until started)."""
         self.import_processors()
         schema = self.schema()
+        for name, dest in self.destinations.items():
+            if dest.path is not None:
+                prepare_directory(
+                    self.source, self._relative(dest.path), f"destinations.{name}.path"
+                )
         hooks = HookRegistry()
         store = self.open_dead_letters(hooks)
         try:
@@ -281,21 +253,14 @@ class ServiceConfig:
                 hooks=hooks,
                 on_failure=log_failure if store is None else store.handle,
             )
-        except ConfigFileError:
-            raise
         except ConfigError as exc:  # every plan problem, at its own key path
-            problems = [f"{message} @ {where or 'routes'}" for message, where in exc.located()]
+            if store is not None:
+                store.close()
+            if isinstance(exc, ConfigFileError):
+                raise
+            problems = [f"{_key(where)}: {message}" for message, where in exc.located()]
             raise ConfigFileError(self.source, problems) from None
-        runtime_kwargs: dict[str, Any] = {
-            "capacity_records": self.ingress.capacity_records,
-            "capacity_bytes": self.ingress.capacity_bytes,
-            "when_full": self.ingress.when_full,
-            "http": None
-            if self.http is None
-            else HttpConfig(self.http.host, self.http.port, self.http.token),
-            "dead_letters": store,
-        }
-        return sink, runtime_kwargs
+        return BuiltService(config=self, sink=sink, http=self.http, dead_letters=store)
 
     def check_destinations(self) -> list[str]:
         """Build every destination once (checking its tables) and close it again.
@@ -306,11 +271,7 @@ class ServiceConfig:
         schema = self.schema()
         lines = []
         for name, factory in self.destination_factories(schema).items():
-            try:
-                sink = factory()
-            except TaprouteError as exc:
-                raise ConfigFileError(self.source, [f"{exc} @ destinations.{name}"]) from None
-            assert isinstance(sink, ClickHouseSink)
+            sink = factory()
             lines.append(
                 f"destination {name!r}: {sink.transport.description}, tables "
                 f"{', '.join(sorted(sink.tables))} match the schema"
@@ -319,89 +280,132 @@ class ServiceConfig:
         return lines
 
 
-def _destination_factory(
-    source: Path, name: str, dest: DestinationConfig, schema: RecordSchema
-) -> Callable[[], RecordSink]:
-    where = f"destinations.{name}"
-    if (dest.path is None) == (dest.url is None):
-        raise ConfigFileError(
-            source, [f"give exactly one of path (chDB) or url (server) @ {where}"]
-        )
-    for key, names in (("raw", dest.raw), ("rows", dest.rows)):
-        for i, layout in enumerate(names):
-            if layout not in schema:
-                raise ConfigFileError(source, [f"unknown layout {layout!r} @ {where}.{key}[{i}]"])
-    batching = Batching(**attrs.asdict(dest.batching))
-    retry = Retry(
-        attempts=dest.retry.attempts,
-        initial_backoff=dest.retry.initial_backoff,
-        max_backoff=dest.retry.max_backoff,
-    )
-    options: dict[str, Any] = {
-        "raw": dest.raw,
-        "rows": dest.rows,
-        "raw_table": dest.raw_table,
-        "rows_table": dest.rows_table,
-        "batching": batching,
-        "retry": retry,
-        "require_deduplication": dest.require_deduplication,
-    }
-    if dest.create_tables is not None:
-        options["create_tables"] = dest.create_tables
+def _key(where: str | None) -> str:
+    """A routing sink's problem location as this file's key path."""
+    if where is None:
+        return "routes"
+    return f"routing.{where}" if where in ("default_destination", "unmatched") else where
 
-    def make() -> RecordSink:
-        if dest.path is not None:
-            base = Path(dest.path)
-            path = base if base.is_absolute() else source.parent / base
-            return ClickHouseSink.embedded(schema, path, **options)
-        return ClickHouseSink.server(schema, dest.url, **options)
+
+def _factory(
+    source: Path, name: str, dest: DestinationConfig, schema: RecordSchema
+) -> Callable[[], ClickHouseSink]:
+    path = dest.path_under(source.parent)
+
+    def make() -> ClickHouseSink:
+        return open_destination(source, name, dest, schema, path)
 
     return make
 
 
-_CONVERTER = cattrs.Converter(forbid_extra_keys=True)
+@attrs.frozen(kw_only=True)
+class BuiltService:
+    """What a config builds: the routing sink and how to host it.
+
+    Nothing runs until :meth:`start`.  A context manager: leaving it closes the
+    dead-letter store (after the service, if one was started, closed).  To host
+    it differently, ``attrs.evolve`` it (``attrs.evolve(built, http=None)``).
+    """
+
+    config: ServiceConfig
+    sink: RoutingSink
+    http: HttpConfig | None
+    dead_letters: DeadLetterStore | None
+
+    def start(self) -> RecordService:
+        """Start the service: ingress as configured, HTTP if configured."""
+        ingress = self.config.ingress
+        return create_record_runtime(
+            record_sink=self.sink,
+            capacity_records=ingress.capacity_records,
+            capacity_bytes=ingress.capacity_bytes,
+            when_full=ingress.when_full,
+            http=self.http,
+            dead_letters=self.dead_letters,
+        )
+
+    def close(self) -> None:
+        """Close the dead-letter store."""
+        if self.dead_letters is not None:
+            self.dead_letters.close()
+
+    def __enter__(self) -> BuiltService:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
-def _strict_list(value: Any, list_type: Any) -> list[Any]:
-    # cattrs would turn "vec" into ["v", "e", "c"]; a lone string is a mistake.
-    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
-        raise ValueError(f"expected a list, got {type(value).__name__} {value!r}")
-    (item_type,) = list_type.__args__
-    items, errors = [], []
-    for index, item in enumerate(value):
+omit(ServiceConfig, "source")
+
+
+def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
+    """What the types allow but the file still gets wrong (no side effects)."""
+    names = [layout.name for layout in config.layouts]
+    for i, layout in enumerate(config.layouts):
         try:
-            items.append(_CONVERTER.structure(item, item_type))
-        except Exception as exc:  # keep the index in the key path, as cattrs does
-            note = IterableValidationNote(
-                f"Structuring {list_type} @ index {index}", index, item_type
-            )
-            exc.__notes__ = [*getattr(exc, "__notes__", []), note]
-            errors.append(exc)
-    if errors:
-        raise IterableValidationError(f"While structuring {list_type!r}", errors, list_type)
-    return items
-
-
-_CONVERTER.register_structure_hook_func(
-    lambda t: getattr(t, "__origin__", None) is list, _strict_list
-)
+            layout.dtype  # noqa: B018 - numpy refuses sizes past its limits
+        except (ValueError, TypeError) as exc:
+            yield f"layouts[{i}]: layout {layout.name!r} has no numpy dtype: {exc}"
+    if len(set(names)) != len(names):
+        yield f"layouts: duplicate layout names in {names}"
+    for name, dest in config.destinations.items():
+        yield from destination_problems(name, dest, set(names))
+    if config.http is not None and config.http.token is not None:
+        token = config.http.token
+        if not token or not token.isascii() or not token.isprintable() or " " in token:
+            yield "http.token: must be printable ASCII without spaces (it is sent in a header)"
+    for i, hook in enumerate(config.producer.hooks):
+        if hook.layout not in names:
+            yield f"producer.hooks[{i}].layout: unknown layout {hook.layout!r} (have {names})"
 
 
 def load_config(path: str | Path) -> ServiceConfig:
-    """Read and structure a TOML config; raise :class:`ConfigFileError` listing every problem."""
+    """Read and check a TOML config; raise :class:`ConfigFileError` listing every problem.
+
+    Reads only: imports no processor module, creates no file.
+    """
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigFileError(path, [f"cannot read: {exc.strerror or exc}"]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigFileError(
+            path, [f"not UTF-8: byte 0x{data[exc.start]:02x} at offset {exc.start} (line {line})"]
+        ) from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(path, [f"not valid TOML: {exc}"]) from None
     try:
-        config = _CONVERTER.structure(raw, ServiceConfig)
-    except cattrs.ClassValidationError as exc:
-        problems = [
-            message.replace(" @ $", " @ ").replace("@ .", "@ ")
-            for message in cattrs.transform_error(exc, path="$")
-        ]
-        raise ConfigFileError(path, problems) from None
-    return attrs.evolve(config, source=path)
+        config: ServiceConfig = structure(raw, ServiceConfig)
+    except ClassValidationError as exc:
+        raise ConfigFileError(path, problems_of(exc)) from None
+    config = attrs.evolve(config, source=path)
+    problems = list(_semantic_problems(config))
+    if problems:
+        raise ConfigFileError(path, problems)
+    return config
+
+
+__all__ = [
+    "BuiltService",
+    "ConfigFileError",
+    "DeadLetterOptions",
+    "DestinationConfig",
+    "IngressOptions",
+    "ProducerConfig",
+    "ProducerHook",
+    "RoutingOptions",
+    "ServiceConfig",
+    "load_config",
+]

@@ -7,15 +7,20 @@ import sys
 import time
 from typing import TextIO
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from taproute.native import make_descriptors
 from taproute.routing.layout import Layout
-from taproute.service.host.config import ProducerHook, ServiceConfig
+from taproute.service.host.config import (
+    BuiltService,
+    ConfigFileError,
+    ProducerHook,
+    ServiceConfig,
+)
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.http import HttpConfig
-from taproute.service.host.service import create_record_runtime
 
 
 def synthetic_payload(
@@ -49,15 +54,12 @@ def run_load(
 ) -> ServiceSnapshot:
     """Submit ``rate`` records/s for ``duration`` seconds; return the final counters."""
     if not config.producer.hooks:
-        raise ValueError(
-            f"{config.source}: [[producer.hooks]] names no hook to generate records for"
+        raise ConfigFileError(
+            config.source, ["producer.hooks: [[producer.hooks]] names no hook to generate for"]
         )
-    sink, runtime_kwargs = config.build()
-    if runtime_kwargs["http"] is None:
-        runtime_kwargs["http"] = HttpConfig()
-    schema = sink.schema
     rng = np.random.default_rng(seed)
-    with create_record_runtime(record_sink=sink, **runtime_kwargs) as runtime:
+    with config.build() as built, _serving(built).start() as runtime:
+        schema = built.sink.schema
         feeds = []
         for hook in config.producer.hooks:
             output_id = runtime.bind_hook(hook.name, layout=hook.layout)
@@ -93,6 +95,11 @@ def run_load(
         _progress(out, duration, duration, submitted, counters)
         print(file=out)
     return counters
+
+
+def _serving(built: BuiltService) -> BuiltService:
+    """``built``, serving HTTP on the default port if its config names none."""
+    return built if built.http is not None else attrs.evolve(built, http=HttpConfig())
 
 
 def _progress(

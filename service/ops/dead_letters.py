@@ -61,6 +61,10 @@ class DeadLetterNotFound(TaprouteError, LookupError):
     """No dead letter with that id."""
 
 
+class DeadLetterStoreError(TaprouteError):
+    """A dead-letter store is missing, unreadable, or not a dead-letter store."""
+
+
 @attrs.frozen
 class DeadLetter:
     """One given-up record and why (``payload`` only when asked for)."""
@@ -93,18 +97,44 @@ class DeadLetterStore:
     """Dead letters in one SQLite file (thread-safe; one connection, one lock).
 
     ``hooks`` names the hooks of the records it stores (the routing sink
-    attaches its registry).
+    attaches its registry).  With ``create=False`` the file must already be a
+    dead-letter store (operators' tools: a mistyped path is refused, not
+    created); a missing, unreadable or foreign file raises
+    :class:`DeadLetterStoreError` and is left as it was.
     """
 
-    def __init__(self, path: str | Path, hooks: HookRegistry | None = None) -> None:
+    def __init__(
+        self, path: str | Path, hooks: HookRegistry | None = None, *, create: bool = True
+    ) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.hooks = hooks
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                str(self.path), check_same_thread=False, isolation_level=None
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            return
+        if not self.path.is_file():
+            raise DeadLetterStoreError(f"no dead-letter store at {self.path}")
+        uri = f"{self.path.resolve().as_uri()}?mode=rw"
+        try:
+            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            found = self._db.execute(
+                "SELECT name FROM pragma_table_info('dead_letters')"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            raise DeadLetterStoreError(f"{self.path}: unreadable store: {exc}") from None
+        missing = set(_COLUMNS.split(", ")) - {name for (name,) in found}
+        if missing:
+            self._db.close()
+            raise DeadLetterStoreError(
+                f"{self.path}: not a dead-letter store (no dead_letters table with "
+                f"columns {', '.join(sorted(missing))})"
+            )
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -1,0 +1,192 @@
+"""A config file's ClickHouse destinations: what ``[destinations.NAME]`` holds,
+what can be checked without touching anything, and opening one with every
+failure reported against its key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import string
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+
+from taproute.routing.errors import TaprouteError
+from taproute.routing.schema import RecordSchema
+from taproute.service.host.config_rules import ConfigFileError
+from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
+
+#: What a table template must format to: a plain identifier (it is quoted with
+#: backticks in SQL, so a backtick or an unknown ``{field}`` would break it).
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@attrs.frozen(kw_only=True)
+class DestinationConfig:
+    """A ClickHouse destination: ``path`` (chDB directory) or ``url`` (server),
+    the layouts it stores raw and as processed rows, table name templates
+    (``{layout}`` is the layout's name), the sink's batching and retry, and
+    ``require_deduplication`` (false: opt into at-least-once on tables
+    without a deduplication window)."""
+
+    path: str | None = None
+    url: str | None = None
+    raw: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
+    create_tables: bool | None = None
+    require_deduplication: bool = True
+    raw_table: str = "raw_{layout}"
+    rows_table: str = "{layout}"
+    batching: Batching = attrs.Factory(Batching)
+    retry: Retry = attrs.Factory(Retry)
+
+    def path_under(self, base: Path) -> Path | None:
+        """``path``, relative to ``base`` unless absolute."""
+        if self.path is None:
+            return None
+        path = Path(self.path)
+        return path if path.is_absolute() else base / path
+
+
+def _template_problem(template: str) -> str | None:
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        return f"not a valid template ({exc})"
+    unknown = [f for f in fields if f != "layout"]
+    if unknown:
+        return f"unknown field {{{unknown[0]}}} (the only field is {{layout}})"
+    return None
+
+
+def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) -> Iterator[str]:
+    """Problems of ``[destinations.NAME]`` found without opening anything."""
+    where = f"destinations.{name}"
+    if (dest.path is None) == (dest.url is None):
+        yield f"{where}: give exactly one of path (chDB) or url (server)"
+    if dest.url is not None:
+        try:
+            url = urllib.parse.urlsplit(dest.url)
+            url.port  # noqa: B018 - raises on a port outside 0..65535
+        except ValueError as exc:
+            yield f"{where}.url: not a valid URL: {exc}"
+        else:
+            if url.scheme not in ("http", "https") or not url.hostname:
+                yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
+    if dest.path == "":
+        yield f"{where}.path: empty"
+    for key, names in (("raw", dest.raw), ("rows", dest.rows)):
+        for i, layout in enumerate(names):
+            if layout not in layouts:
+                yield f"{where}.{key}[{i}]: unknown layout {layout!r}"
+    for key, template, names in (
+        ("raw_table", dest.raw_table, dest.raw),
+        ("rows_table", dest.rows_table, dest.rows),
+    ):
+        problem = _template_problem(template)
+        if problem is not None:
+            yield f"{where}.{key}: {template!r}: {problem}"
+            continue
+        for layout in names:
+            table = template.format(layout=layout)
+            if not _TABLE_NAME.match(table):
+                yield (
+                    f"{where}.{key}: table name {table!r} (for layout {layout!r}) must be "
+                    "letters, digits and underscores, not starting with a digit"
+                )
+                break
+
+
+def prepare_directory(source: Path, path: Path, where: str) -> None:
+    """Create directory ``path`` if missing; raise :class:`ConfigFileError` naming
+    ``where`` if it can't be (under a regular file, in /proc, not writable)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError):
+            reason = "exists and is not a directory"
+        raise ConfigFileError(
+            source, [f"{where}: cannot create directory {path}: {reason}"]
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigFileError(source, [f"{where}: directory {path} is not writable"])
+
+
+def _lock_holder(data: Path) -> int | None:
+    """The pid of another process holding chDB directory ``data`` (its ``status``
+    file's lock, as listed in Linux's /proc/locks), or None."""
+    try:
+        status = (data / "status").stat()
+        locks = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    for line in locks:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == device and fields[4].isdigit():
+            pid = int(fields[4])
+            if pid != os.getpid():
+                return pid
+    return None
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def open_destination(
+    source: Path, name: str, dest: DestinationConfig, schema: RecordSchema, path: Path | None
+) -> ClickHouseSink:
+    """Open the sink of ``[destinations.NAME]`` (its tables checked, or created).
+
+    Every failure (an unreachable server, a chDB directory another process
+    holds, a table that doesn't match the schema) is a :class:`ConfigFileError`
+    naming the file and the key.
+    """
+    where = f"destinations.{name}"
+    options: dict[str, object] = {
+        "raw": list(dest.raw),
+        "rows": list(dest.rows),
+        "raw_table": dest.raw_table,
+        "rows_table": dest.rows_table,
+        "batching": dest.batching,
+        "retry": dest.retry,
+        "require_deduplication": dest.require_deduplication,
+    }
+    if dest.create_tables is not None:
+        options["create_tables"] = dest.create_tables
+    try:
+        if path is not None:
+            prepare_directory(source, path, f"{where}.path")
+            holder = _lock_holder(path)
+            if holder is not None:  # chDB would print to stderr, then fail
+                raise ConfigFileError(
+                    source,
+                    [f"{where}.path: cannot open chDB at {path}: in use by process {holder}"],
+                )
+            return ClickHouseSink.embedded(schema, path, **options)
+        with _quiet("clickhouse_connect"):  # its log line would repeat our one-line error
+            return ClickHouseSink.server(schema, dest.url, **options)
+    except ConfigFileError:
+        raise
+    except TaprouteError as exc:
+        raise ConfigFileError(source, [f"{where}: {exc}"]) from None
+    except Exception as exc:  # a driver's error: say where, in one line
+        key, target = ("path", f"chDB at {path}") if path is not None else ("url", dest.url)
+        detail = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigFileError(
+            source, [f"{where}.{key}: cannot open {target}: {type(exc).__name__}: {detail}"]
+        ) from None

@@ -1,0 +1,281 @@
+"""How a config file's TOML becomes typed values: strictly, within stated limits.
+
+The config model is made of the library's own value classes (``Route``,
+``FailurePolicy``, ``Layout``, ``Batching``, ``HttpConfig``, ...), structured
+by one cattrs converter with three rules on top of cattrs' own:
+
+- **no coercion**: an ``int`` field takes a TOML integer only (not ``1.5``,
+  not ``true``), a ``float`` field an integer or a finite float (not ``nan``
+  or ``inf``), a ``bool`` field ``true``/``false``, a ``str`` field a string,
+  and a list a TOML array (a lone string is not a list of its characters);
+- **limits**: every number a file may set has stated bounds (:data:`LIMITS`),
+  so what would break a running service (a port past 65535, a billion
+  workers, a negative capacity) is refused when the file is read, with the
+  bounds in the message;
+- **locations**: every problem is reported as ``key.path: problem``
+  (``routes[0].workers: must be in [1, 1024], found 1000000000``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn, override
+from cattrs.v import format_exception
+
+from taproute.routing.errors import ConfigError, TaprouteError
+from taproute.routing.failures import FailurePolicy
+from taproute.routing.layout import Column
+from taproute.routing.routes import Route
+from taproute.service.host.http import HttpConfig
+from taproute.service.sinks.clickhouse import Batching, Retry
+
+
+class ConfigFileError(ConfigError):
+    """A config file is unreadable or invalid: one line per problem, each
+    naming the file and the key path (``router.toml: routes[0].workers: ...``)."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        super().__init__("\n".join(f"{path}: {p}" for p in problems))
+
+
+class ValueProblem(ValueError):
+    """One value of a file is wrong; the message says expected vs found."""
+
+
+@attrs.frozen
+class Limit:
+    """Inclusive bounds of a number (of every element, for a list of numbers)."""
+
+    low: float
+    high: float
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is outside the bounds, or None."""
+        if self.low <= value <= self.high:
+            return None
+        return f"must be in [{_num(self.low)}, {_num(self.high)}], found {_num(value)}"
+
+
+def _num(value: float) -> str:
+    if isinstance(value, int) and abs(value) >= 2**20 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_DAY = 86_400.0
+
+#: Bounds of every number a config file may set, per value class and field.
+#: Wide enough for any real deployment, narrow enough that a typo can't take
+#: the process down (memory, a spinning core, an impossible socket).
+LIMITS: dict[type, dict[str, Limit]] = {
+    Route: {
+        "capacity": Limit(1, 2**32),
+        "capacity_bytes": Limit(1, 2**44),
+        "workers": Limit(1, 1024),
+    },
+    FailurePolicy: {
+        "deadline": Limit(0, _DAY),
+        "initial_backoff": Limit(0, _DAY),
+        "multiplier": Limit(1, 10),
+        "max_backoff": Limit(0, _DAY),
+        "max_failures": Limit(0, 1_000),
+        "failure_window": Limit(0, 30 * _DAY),
+        "max_parked_records": Limit(0, 2**32),
+    },
+    Column: {"shape": Limit(1, 2**31)},
+    Batching: {
+        "max_rows": Limit(1, 2**32),
+        "max_bytes": Limit(1, 2**40),
+        "linger": Limit(0.001, 3_600),
+        "inserts_in_flight": Limit(1, 64),
+        "max_buffered_bytes": Limit(1, 2**44),
+    },
+    Retry: {
+        "attempts": Limit(1, 1_000),
+        "initial_backoff": Limit(0.001, 3_600),
+        "max_backoff": Limit(0.001, _DAY),
+        "multiplier": Limit(1, 10),
+    },
+    HttpConfig: {"port": Limit(0, 65_535)},
+}
+
+#: Fields of library classes a file cannot set (not data: callables, provenance).
+OMITTED: dict[type, tuple[str, ...]] = {Route: ("predicate",)}
+
+
+def add_limits(cls: type, limits: Mapping[str, Limit]) -> None:
+    """Register the bounds of a config-only class's fields (see :data:`LIMITS`)."""
+    LIMITS.setdefault(cls, {}).update(limits)
+
+
+def omit(cls: type, *fields: str) -> None:
+    """Register fields of ``cls`` a file cannot set."""
+    OMITTED[cls] = (*OMITTED.get(cls, ()), *fields)
+
+
+# -- no coercion ---------------------------------------------------------------
+
+
+def _found(value: object) -> str:
+    kind = {bool: "boolean", int: "integer", float: "float", str: "string"}.get(type(value))
+    if kind is None:
+        kind = "array" if isinstance(value, list) else "table" if isinstance(value, dict) else ""
+        kind = kind or type(value).__name__
+    shown = repr(value)
+    return f"{kind} {shown[:60]}" if kind in ("integer", "float", "string", "boolean") else kind
+
+
+def _int(value: object, _: type) -> int:
+    if type(value) is not int:
+        raise ValueProblem(f"expected an integer, found {_found(value)}")
+    return value
+
+
+def _float(value: object, _: type) -> float:
+    if type(value) not in (int, float):
+        raise ValueProblem(f"expected a number, found {_found(value)}")
+    assert isinstance(value, int | float)
+    if not math.isfinite(value):
+        raise ValueProblem(f"expected a finite number, found {value}")
+    return float(value)
+
+
+def _bool(value: object, _: type) -> bool:
+    if type(value) is not bool:
+        raise ValueProblem(f"expected true or false, found {_found(value)}")
+    return value
+
+
+def _str(value: object, _: type) -> str:
+    if type(value) is not str:
+        raise ValueProblem(f"expected a string, found {_found(value)}")
+    return value
+
+
+def _sequence(value: object, seq_type: Any) -> Any:
+    if not isinstance(value, list | tuple):
+        raise ValueProblem(f"expected an array, found {_found(value)}")
+    item_type = seq_type.__args__[0]
+    items, errors = [], []
+    for index, item in enumerate(value):
+        try:
+            items.append(CONVERTER.structure(item, item_type))
+        except Exception as exc:  # keep the index in the key path, as cattrs does
+            note = IterableValidationNote(f"Structuring {seq_type} @ index {index}", index, item)
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {seq_type!r}", errors, seq_type)
+    return tuple(items) if getattr(seq_type, "__origin__", None) is tuple else items
+
+
+def _is_sequence(t: Any) -> bool:
+    origin = getattr(t, "__origin__", None)
+    return origin is list or (origin is tuple and t.__args__[-1:] == (Ellipsis,))
+
+
+# -- limits and omitted fields -------------------------------------------------
+
+
+def _limit_errors(cls: type, raw: Mapping[str, Any]) -> list[Exception]:
+    errors: list[Exception] = []
+    for field, limit in LIMITS.get(cls, {}).items():
+        value = raw.get(field)
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if not isinstance(item, int | float) or isinstance(item, bool):
+                continue  # the type rules report it
+            if not math.isfinite(item):
+                continue
+            problem = limit.problem(item)
+            if problem is not None:
+                exc = ValueProblem(problem)
+                note = AttributeValidationNote(f"Structuring {cls} @ {field}", field, float)
+                exc.__notes__ = [note]
+                errors.append(exc)
+                break
+    return errors
+
+
+def _structure_attrs(cls: type) -> Callable[[Any, Any], Any]:
+    overrides = {name: override(omit=True) for name in OMITTED.get(cls, ())}
+    base: Callable[[Any, Any], Any] = make_dict_structure_fn(
+        cls,
+        CONVERTER,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+    def structure(raw: Any, _: Any) -> Any:
+        if not isinstance(raw, Mapping):
+            raise ValueProblem(f"expected a table, found {_found(raw)}")
+        errors = _limit_errors(cls, raw)
+        if errors:
+            raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
+        return base(raw, cls)
+
+    return structure
+
+
+CONVERTER = cattrs.Converter(forbid_extra_keys=True)
+CONVERTER.register_structure_hook(int, _int)
+CONVERTER.register_structure_hook(float, _float)
+CONVERTER.register_structure_hook(bool, _bool)
+CONVERTER.register_structure_hook(str, _str)
+CONVERTER.register_structure_hook_func(_is_sequence, _sequence)
+CONVERTER.register_structure_hook_factory(attrs.has, _structure_attrs)
+
+
+# -- locations -----------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_DICT_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]")
+
+
+def _key_path(path: str) -> str:
+    """``$.destinations['ch'].raw`` -> ``destinations.ch.raw`` (TOML's way)."""
+    path = path.removeprefix("$").removeprefix(".")
+
+    def key(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return f".{name}" if _BARE_KEY.match(name) else f'."{name}"'
+
+    return _DICT_KEY.sub(key, path).removeprefix(".")
+
+
+def _format(exc: BaseException, type_: type | None) -> str:
+    if isinstance(exc, ValueProblem | TaprouteError):
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def problems_of(exc: ClassValidationError) -> list[str]:
+    """Every problem of a failed structuring, as ``key.path: problem`` lines."""
+    lines = []
+    for message in cattrs.transform_error(exc, path="$", format_exception=_format):
+        text, _, where = message.rpartition(" @ ")
+        path = _key_path(where)
+        lines.append(f"{path}: {text}" if path else text)
+    return lines
+
+
+def structure(raw: Mapping[str, Any], cls: type[Any]) -> Any:
+    """``raw`` as a ``cls``; raises :class:`ClassValidationError` (see :func:`problems_of`)."""
+    try:
+        return CONVERTER.structure(raw, cls)
+    except ConfigError as exc:  # raised by the top-level class itself
+        raise ClassValidationError(f"While structuring {cls.__name__}", [exc], cls) from None
