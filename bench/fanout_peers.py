@@ -95,7 +95,7 @@ def bare_rate(batches: list[tuple]) -> float:
 
 
 def main() -> None:
-    args = arguments(__doc__, repeat=(5, 2), batches=(400, 60))
+    args = arguments(__doc__, repeat=(7, 2), batches=(400, 60))
     comparisons, notes, raw, rows = [], [], {}, []
     for mixed in (False, True):
         batches = make_batches(args.batches, mixed)

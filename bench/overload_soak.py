@@ -26,19 +26,25 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pyarrow as pa
 from _workload import CopySink, descriptors, layout_for
-from harness import arguments, fmt, summary, target, write_result
+from harness import arguments, comparison, fmt, summary, target, write_result
 
+from taproute.routing import HookRegistry
 from taproute.service import (
     Batching,
     ClickHouseSink,
     IngressFull,
+    RecordBatch,
     RecordSchema,
     Route,
     RoutingConfig,
     RoutingSink,
     create_record_runtime,
 )
+from taproute.service.sinks.clickhouse import ChdbTransport
+from taproute.service.sinks.clickhouse.columns import raw_table
+from taproute.service.sinks.clickhouse.tables import raw_table_spec
 
 SHAPE = "minilm_token"
 PER_BATCH = 128
@@ -55,7 +61,7 @@ class Sampler:
     """Samples RSS, the runtime's counters and the ClickHouse sink's
     buffered + in-flight rows every 20 ms; keeps the peaks."""
 
-    def __init__(self, runtime: Any, sinks: list[ClickHouseSink]) -> None:
+    def __init__(self, runtime: Any | None, sinks: list[ClickHouseSink]) -> None:
         self.runtime, self.sinks = runtime, sinks
         self.process = psutil.Process()
         self.baseline = self.process.memory_info().rss
@@ -75,6 +81,8 @@ class Sampler:
             peak["rss_growth_bytes"] = max(
                 peak["rss_growth_bytes"], self.process.memory_info().rss - self.baseline
             )
+            if self.runtime is None:
+                continue
             snap = self.runtime.counters()
             if snap.ingress is not None:
                 peak["ingress_queued_records"] = max(
@@ -199,6 +207,55 @@ def soak(
     }
 
 
+def bare_soak(folder: str, duration: float) -> dict[str, Any]:
+    """The peer: the producer converts its batches to Arrow itself and inserts
+    blocks of the sink's insert size into the same chDB directory,
+    synchronously, for the same time (no taproute, no threads)."""
+    transport = ChdbTransport(folder)
+    table = f"soak_bare_{time.time_ns()}"
+    layout = SCHEMA.layout(SHAPE)
+    spec = raw_table_spec(layout, table)
+    transport.execute(spec.create_sql())
+    hooks = HookRegistry()
+    hook = hooks.bind("a", layout=SHAPE)
+    desc = descriptors(hook, SHAPE, PER_BATCH)
+    sampler = Sampler(None, [])
+    pending: list[Any] = []
+    pending_bytes = rows = blocks = 0
+    started = time.perf_counter()
+    try:
+        i = 0
+        while time.perf_counter() - started < duration:
+            i += 1
+            payload = np.full(PER_BATCH * RECORD // 4, i % 251, dtype=np.float32)
+            pending.append(
+                raw_table(RecordBatch.from_buffer(desc, payload), layout, spec, hooks.names())
+            )
+            pending_bytes += PER_BATCH * RECORD
+            rows += PER_BATCH
+            if pending_bytes >= BATCHING.max_bytes:
+                blocks += 1
+                transport.insert(table, pa.concat_tables(pending), dedup_token=f"bare-{blocks}")
+                pending, pending_bytes = [], 0
+        produced = time.perf_counter() - started
+        if pending:
+            blocks += 1
+            transport.insert(table, pa.concat_tables(pending), dedup_token=f"bare-{blocks}")
+        drained = time.perf_counter() - started
+        peaks = sampler.stop()
+        counted = int(transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py())
+    finally:
+        transport.close()
+    return {
+        "duration_s": produced,
+        "drained_s": drained,
+        "rows": rows,
+        "rows_in_clickhouse": counted,
+        "rows_per_s": counted / drained,
+        "rss_growth_bytes": peaks["rss_growth_bytes"],
+    }
+
+
 def main() -> None:
     args = arguments(__doc__, repeat=(1, 1), duration=(8.0, 2.0))
     bounds = {
@@ -215,6 +272,7 @@ def main() -> None:
         fast_alone = soak(folder, args.duration, with_slow=False, with_fast=True, tag="fast")
         hol = soak(folder, args.duration, with_fast=True, tag="hol")
         reject = soak(folder, args.duration, when_full="reject", tag="reject")
+        bare = bare_soak(folder, args.duration)
     targets = [
         target(
             "slow ClickHouse: in == out (rows counted)",
@@ -230,6 +288,13 @@ def main() -> None:
             )
             for name, bound in bounds.items()
         ],
+        target(
+            "slow ClickHouse: peak RSS growth <= byte bounds (+10%) + the direct-insert peer's",
+            block["peaks"]["rss_growth_bytes"]
+            <= bounds["rss_growth_bytes"] + bare["rss_growth_bytes"],
+            f"{block['peaks']['rss_growth_bytes'] / MiB:.1f} MiB vs "
+            f"{bounds['rss_growth_bytes'] / MiB:.1f} + {bare['rss_growth_bytes'] / MiB:.1f} MiB",
+        ),
         target(
             "reject mode: delivered == accepted",
             reject["rows_in_clickhouse"] == reject["accepted_slow_records"],
@@ -250,6 +315,25 @@ def main() -> None:
             f"{bounds['rss_growth_bytes'] / MiB:.1f} MiB",
         ),
     ]
+    comparisons = [
+        comparison(
+            "overload into chDB: rows persisted per second (one soak each)",
+            summary([block["slow_rows_per_s"]]),
+            summary([bare["rows_per_s"]]),
+            taproute_label="taproute forward route -> ClickHouseSink",
+            peer_label="producer converting + inserting blocks itself",
+            unit="rows/s",
+        ),
+        comparison(
+            "overload into chDB: peak RSS growth",
+            summary([block["peaks"]["rss_growth_bytes"] / MiB]),
+            summary([bare["rss_growth_bytes"] / MiB]),
+            taproute_label="taproute forward route -> ClickHouseSink",
+            peer_label="producer converting + inserting blocks itself",
+            unit="MiB",
+            higher_is_better=False,
+        ),
+    ]
     hol_ratio = (
         hol["fast_delivered_per_s_while_producing"]
         / fast_alone["fast_delivered_per_s_while_producing"]
@@ -260,7 +344,9 @@ def main() -> None:
         f"{block['peaks']['rss_growth_bytes'] / MiB:.1f} MiB against "
         f"{bounds['rss_growth_bytes'] / MiB:.1f} MiB of configured byte bounds (+10%); "
         "RSS also holds chDB's own working memory (parts, merges, Arrow conversion), "
-        "which no taproute setting bounds.",
+        "which no taproute setting bounds: the same inserts made directly by the producer "
+        f"grew RSS by {bare['rss_growth_bytes'] / MiB:.1f} MiB "
+        f"({fmt(bare['rows_per_s'])} rows/s persisted).",
         f"Head-of-line: the fast destination got {fmt(hol['fast_delivered_per_s_while_producing'])}"
         f" records/s beside the slow one against "
         f"{fmt(fast_alone['fast_delivered_per_s_while_producing'])} alone ({hol_ratio:.3f}x): "
@@ -309,6 +395,7 @@ def main() -> None:
             "bounds": bounds,
         },
         quick=args.quick,
+        comparisons=comparisons,
         tables=[
             {
                 "title": "Soaks",

@@ -142,7 +142,7 @@ def allocated_per_batch(shape: str, per_batch: int, n_batches: int) -> dict[str,
 
 
 def main() -> None:
-    args = arguments(__doc__, repeat=(5, 2), mib=(96.0, 12.0), singles=(200_000, 30_000))
+    args = arguments(__doc__, repeat=(7, 2), mib=(96.0, 12.0), singles=(200_000, 30_000))
     comparisons, rows, raw = [], [], {}
     notes = []
     for shape, per_batch in CASES:

@@ -193,7 +193,7 @@ def zipf_keys(n: int, distinct: int, skew: float | None, seed: int = 0) -> np.nd
 
 
 def main() -> None:
-    args = arguments(__doc__, repeat=(3, 1), mib=(24.0, 3.0))
+    args = arguments(__doc__, repeat=(5, 1), mib=(24.0, 3.0))
     mib = args.mib
     curves, raws, notes = [], {}, []
 
