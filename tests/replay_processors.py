@@ -97,3 +97,20 @@ def batch_norms(batch, *, ctx, params, processor_ctx) -> list[ProcessResult]:
         ),
         ProcessResult(rows={"sums": sums}, stats={"keys": len(keys)}, unit_id=batch.unit_id),
     ]
+
+
+@stateless_processor("replay.dies_in_a_worker", input="vec", output="norm")
+def dies_in_a_worker(records: Records) -> np.ndarray:
+    """Kills its own process (SIGKILL) on key 21, unless it runs in the driver
+    (whose pid the test puts in TAPROUTE_TEST_DRIVER_PID)."""
+    import os
+    import signal
+
+    if 21 in records.descriptors["key"] and os.getpid() != int(
+        os.environ["TAPROUTE_TEST_DRIVER_PID"]
+    ):
+        os.kill(os.getpid(), signal.SIGKILL)
+    rows = np.zeros(len(records), dtype=NORM.dtype)
+    rows["key"] = records.descriptors["key"]
+    rows["seq"] = records.descriptors["seq"]
+    return rows

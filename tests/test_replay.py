@@ -31,6 +31,25 @@ from taproute.service.replay import (
 from tests.processors import SCHEMA
 
 HOOKS = ("layers.0.attn.q", "layers.1.attn.q")
+
+try:
+    import ray  # noqa: F401 - the optional taproute[ray] extra (in the dev extra, so CI has it)
+
+    HAVE_RAY = True
+except ImportError:  # pragma: no cover - a bare install without the extra
+    HAVE_RAY = False
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray with 2 CPUs for the module (it takes seconds to start)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 KEYS = 48
 STEPS = 3
 
@@ -401,7 +420,16 @@ def test_cli_dry_run_then_run_then_failing_run(corpus, tmp_path, capsys):
     [("processes", 2, "static"), ("processes", 2, "pull")],
 )
 def test_backends_give_the_inprocess_outputs(corpus, tmp_path, backend, workers, schedule):
-    ch = corpus
+    same_outputs_as_inprocess(corpus, tmp_path, backend, workers, schedule)
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'taproute[ray]')")
+@pytest.mark.parametrize("schedule", ["static", "pull"])
+def test_ray_gives_the_inprocess_outputs(local_ray, corpus, tmp_path, schedule):
+    same_outputs_as_inprocess(corpus, tmp_path, "ray", 2, schedule)
+
+
+def same_outputs_as_inprocess(ch, tmp_path, backend, workers, schedule):
     outputs = {}
     for name, kwargs in (
         ("inprocess", {}),
@@ -421,3 +449,100 @@ def test_backends_give_the_inprocess_outputs(corpus, tmp_path, backend, workers,
     # Stateful via merge: partial sums per unit, merged by the driver.
     assert outputs["inprocess", "sum"].num_rows == 16
     assert outputs[backend, "sum"].to_pylist() == outputs["inprocess", "sum"].to_pylist()
+
+
+# -- Parquet corpora -----------------------------------------------------------------
+
+
+@pytest.fixture
+def parquet_corpus(corpus, tmp_path):
+    """The captured raw table exported to two Parquet files of 48-row row groups."""
+    import pyarrow.parquet as pq
+
+    ch = corpus
+    files = []
+    for i, hook in enumerate(HOOKS):
+        table = ch.query(f"SELECT * FROM {{p}}_raw_vec WHERE hook = '{hook}' ORDER BY seq")
+        path = tmp_path / "corpus" / f"part-{i}.parquet"
+        path.parent.mkdir(exist_ok=True)
+        pq.write_table(table, path, row_group_size=48)
+        files.append(path)
+    return ch, files
+
+
+def test_parquet_corpus_replays_like_the_table(parquet_corpus, tmp_path):
+    from taproute.service.replay import ParquetCorpus
+
+    ch, _ = parquet_corpus
+    report = run_replay(
+        **settings(
+            ch,
+            tmp_path,
+            processor="test.norms",
+            source=ParquetCorpus([str(tmp_path / "corpus" / "*.parquet")], "vec"),
+            runs_dir=None,
+        ),
+        outputs={"norm": ParquetDir(str(tmp_path / "from_parquet"))},
+    )
+    assert len(report.plan) == 2 * (KEYS * STEPS // 48)  # one unit per row group
+    assert ch.query(f"SELECT count() AS n FROM {ch.prefix}_norm").to_pylist() == [{"n": 288}]
+    live = ch.query(f"SELECT * FROM {ch.prefix}_norm ORDER BY seq")
+    import pyarrow.parquet as pq
+
+    replayed = pq.read_table(tmp_path / "from_parquet").sort_by("seq")
+    assert replayed.to_pylist() == live.to_pylist()
+    # By default the ledger lies beside the Parquet outputs.
+    assert report.ledger.parent.parent == tmp_path / "_replay_runs"
+
+
+def test_parquet_corpus_filters_and_bad_files(parquet_corpus, tmp_path):
+    from taproute.service.replay import ParquetCorpus
+
+    ch, files = parquet_corpus
+    filtered = ParquetCorpus(files, "vec", filters=Filters(hooks=["layers.0.*"], keys=(0, 8)))
+    report = run_replay(
+        **settings(ch, tmp_path, processor="test.norms", source=filtered),
+        outputs={"norm": ParquetDir(str(tmp_path / "f"))},
+    )
+    assert report.records == 8 * STEPS
+    with pytest.raises(MissingSource, match="no such file"):
+        run_replay(
+            **settings(
+                ch, tmp_path, processor="test.norms", source=ParquetCorpus(["nope.parquet"], "vec")
+            ),
+            outputs={"norm": ParquetDir(str(tmp_path / "g"))},
+        )
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"hook": ["x"], "key": [1]}), odd)
+    with pytest.raises(LayoutMismatch, match=r"missing column\(s\) \['output_id'"):
+        run_replay(
+            **settings(ch, tmp_path, processor="test.norms", source=ParquetCorpus([odd], "vec")),
+            outputs={"norm": ParquetDir(str(tmp_path / "g"))},
+        )
+
+
+def test_a_killed_worker_stops_the_run_and_resume_finishes_it(corpus, tmp_path, monkeypatch):
+    import os
+
+    from taproute.service.replay import WorkerLost
+
+    ch = corpus
+    monkeypatch.setenv("TAPROUTE_TEST_DRIVER_PID", str(os.getpid()))
+    table = f"{ch.prefix}_killed"
+    kwargs = settings(ch, tmp_path, processor="replay.dies_in_a_worker", checkpoint_units=1)
+    with pytest.raises(WorkerLost, match=r"replay worker \d \(pid \d+\) exited with code -9"):
+        run_replay(
+            **kwargs, outputs={"norm": ClickHouseTable(table)}, backend="processes", workers=2
+        )
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["status"] == "interrupted" and "WorkerLost" in ledger["error"]
+    assert len(ledger["units"]) < 8
+    # Resume in-process (where the processor does not kill itself): every unit, once.
+    report = run_replay(**kwargs, outputs={"norm": ClickHouseTable(table)}, resume=run_dir.name)
+    assert report.units_skipped == len(ledger["units"])
+    got = ch.query(f"SELECT count() AS n, uniqExact(seq) AS u FROM {table}").to_pylist()
+    assert got == [{"n": 288, "u": 288}]

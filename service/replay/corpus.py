@@ -279,6 +279,9 @@ class ParquetCorpus:
     def read(self, unit: WorkUnit) -> pa.Table:
         assert self._spec is not None and unit.row_group is not None, "check() first"
         table = self._read_group(Path(unit.source), unit.row_group, self._spec.column_names)
+        hooks = table.column("hook")
+        if not pa.types.is_string(hooks.type):
+            table = table.set_column(0, "hook", hooks.cast(pa.string()))
         order = pc.sort_indices(
             table,
             sort_keys=[(c, "ascending") for c in ("hook", "key", "step", "seq", "timestamp")],

@@ -65,6 +65,7 @@ class RunLedger:
     def __init__(self, directory: Path, data: dict[str, Any]) -> None:
         self.directory = directory
         self.data = data
+        self._saved: str | None = None
         self.timings: dict[str, list[float]] = {p: list(data["timings"].get(p, [])) for p in PHASES}
 
     @property
@@ -111,10 +112,13 @@ class RunLedger:
                 f"run {run_id} was started with another configuration (hash "
                 f"{data['config_hash']}, now {config_hash(config)}); changed: " + "; ".join(changes)
             )
+        text = path.read_text()
         data["resumes"].append(_now())
         data["status"] = "running"
         data["failed"] = {}  # failed units are tried again
-        return cls(path.parent, data)
+        ledger = cls(path.parent, data)
+        ledger._saved = text
+        return ledger
 
     # -- progress -----------------------------------------------------------
 
@@ -156,9 +160,23 @@ class RunLedger:
         self.data["timings"] = self.timings
         self.data["phases"] = {p: percentiles(v) for p, v in self.timings.items()}
         self.data["checkpointed_at"] = _now()
+        self._write(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+
+    def _write(self, text: str) -> None:
         aside = self.directory / "ledger.tmp.json"
-        aside.write_text(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+        aside.write_text(text)
         os.replace(aside, self.directory / "ledger.json")
+        self._saved = text
+
+    def interrupt(self, error: BaseException) -> None:
+        """Mark the last checkpoint interrupted (the units done since are not in
+        it: their state may not be either; a resume redoes them, exactly once)."""
+        saved = self._saved
+        data = json.loads(saved) if saved is not None else dict(self.data, units={})
+        data["status"] = "interrupted"
+        data["error"] = f"{type(error).__name__}: {error}"
+        data["ended_at"] = _now()
+        self._write(json.dumps(data, indent=1, sort_keys=True, default=str))
 
     def load_state(self) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None:
         path = self.directory / "state.npz"

@@ -317,13 +317,19 @@ class _Run:
         self._ledger, self._backend, self._state = ledger, backend, state
         self._written: dict[str, int] = collections.Counter()
         records = 0
+        if resume is None:
+            ledger.checkpoint(self._current_state())  # the run exists from here on
         try:
             records = self._drive(todo, progress)
             if self.final_rows and not ledger.data["failed"] and not ledger.data["final_written"]:
                 self._write_final(job)
+        except BaseException as exc:
+            ledger.interrupt(exc)
+            raise
+        else:
+            ledger.finish(self._current_state())
         finally:
             progress.close()
-            ledger.finish(self._current_state())
             backend.close()
         report = ReplayReport(
             run_id=ledger.run_id,
