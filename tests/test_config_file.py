@@ -380,3 +380,24 @@ def test_call_timeout_sets_every_route_deadline(tmp_path, chdb_transport, capsys
         main(["run", "--config", path, "--call-timeout", "nan"])
     assert exited.value.code == 2
     assert "--call-timeout: must be in [0, 86400] seconds" in capsys.readouterr().err
+
+
+def test_run_refuses_an_http_port_in_use_and_a_hook_of_no_payload_layout(
+    capsys, tmp_path, chdb_transport
+):
+    text = base(chdb_transport, unique("busy"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = write(tmp_path, text.replace("port = 0", f"port = {port}"))
+        assert main(["run", "--config", str(path), "--duration", "0.1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"{path}: http.port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    rows_layout = text.replace('layout = "vec"\nbatch = 16', 'layout = "norm"\nbatch = 16')
+    with_string = rows_layout.replace(
+        '{ name = "norm", type = "Float32" }', '{ name = "norm", type = "String" }'
+    )
+    problem = refused(capsys, tmp_path, with_string)
+    assert problem.startswith("producer.hooks[0].layout: layout 'norm', column 'norm': type String")

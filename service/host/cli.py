@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sqlite3
 import sys
 import urllib.error
@@ -78,6 +79,8 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
     config = load_config(path)
     if call_timeout is not None:
         config = config.with_call_timeout(call_timeout)
+    http = config.http if config.http is not None else HttpConfig()
+    _check_listen(config, http)
     counters = run_load(config, rate=rate, duration=duration)
     for route in counters.routes.values():
         print(
@@ -85,6 +88,22 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
             f"failed {route.failed:,}"
         )
     return 0 if counters.failure is None else 1
+
+
+def _check_listen(config: ServiceConfig, http: HttpConfig) -> None:
+    """Refuse an HTTP address that can't be listened on before anything starts."""
+    if http.port == 0:
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in http.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((http.host, http.port))
+    except OSError as exc:
+        where = "http.port" if config.http is not None else "http.port (default)"
+        raise ConfigFileError(
+            config.source,
+            [f"{where}: cannot listen on {http.host}:{http.port}: {exc.strerror or exc}"],
+        ) from None
 
 
 def trace(path: Path, hook: str, fields: dict[str, int]) -> int:

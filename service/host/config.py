@@ -363,6 +363,11 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
     for i, hook in enumerate(config.producer.hooks):
         if hook.layout not in names:
             yield f"producer.hooks[{i}].layout: unknown layout {hook.layout!r} (have {names})"
+            continue
+        try:
+            config.layouts[names.index(hook.layout)].check_payload_layout()
+        except ConfigError as exc:
+            yield f"producer.hooks[{i}].layout: {exc}"
 
 
 def load_config(path: str | Path) -> ServiceConfig:
