@@ -142,6 +142,9 @@ def test_bad_ids_tokens_and_unreachable_services_are_one_line(capsys, tmp_path):
         capsys, ["dead-letters", "show", "99999999999999999999999", "--store", str(store)], 2
     )
     assert "dead letter ids are in [1, 2**63 - 1]" in line
+    huge = "9" * 23
+    line = one_line_error(capsys, ["trace", "--config", "x", "--hook", "h", "--key", huge], 2)
+    assert line.endswith(f"--key: must be a 64-bit integer, got {huge} (see --help)")
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -232,6 +232,16 @@ def _letter_id(text: str) -> int:
     return value
 
 
+def _int64(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a 64-bit integer, got {text}")
+    return value
+
+
 def _token(text: str) -> str:
     if not text or not text.isascii() or not text.isprintable() or " " in text:
         raise argparse.ArgumentTypeError("a token is printable ASCII without spaces")
@@ -287,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     trace_parser.add_argument("--config", type=Path, required=True)
     trace_parser.add_argument("--hook", required=True)
     for field in ("key", "step", "seq", "timestamp_ns"):
-        trace_parser.add_argument(f"--{field.replace('_', '-')}", dest=field, type=int)
+        trace_parser.add_argument(f"--{field.replace('_', '-')}", dest=field, type=_int64)
 
     letters = commands.add_parser("dead-letters", help="list, show, skip or reroute dead letters")
     letters.add_argument("action", choices=["list", "show", "skip", "reroute"])
