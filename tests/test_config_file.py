@@ -323,6 +323,9 @@ def test_unusable_destination_and_dead_letter_paths_are_one_line(capsys, tmp_pat
     )
     assert regular.read_text() == "not a directory"
 
+    problem = refused(capsys, tmp_path, VALID + '[dead_letters]\npath = "/proc/dead.sqlite"\n')
+    assert problem.startswith("dead_letters.path: cannot open /proc/dead.sqlite: ")
+
 
 def test_an_unreachable_url_is_one_line(capsys, tmp_path):
     with socket.socket() as probe:  # a port nothing listens on
@@ -401,3 +404,15 @@ def test_run_refuses_an_http_port_in_use_and_a_hook_of_no_payload_layout(
     )
     problem = refused(capsys, tmp_path, with_string)
     assert problem.startswith("producer.hooks[0].layout: layout 'norm', column 'norm': type String")
+
+
+def test_what_is_not_data_cannot_be_set_from_a_file(tmp_path):
+    text = 'source = "elsewhere.toml"\n' + VALID.replace(
+        'destination = "ch"\n', 'destination = "ch"\npredicate = "lambda d: True"\n'
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(write(tmp_path, text))
+    assert caught.value.problems == [
+        "routes[0]: extra fields found (predicate)",
+        "extra fields found (source)",
+    ]
