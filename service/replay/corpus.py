@@ -168,9 +168,10 @@ class ClickHouseCorpus:
         return units
 
     def columns(self) -> list[str]:
-        """The raw table's columns a unit read returns."""
+        """The raw table's columns a unit read returns (not the ``*_shape``
+        columns: the layout fixes shapes, and list lengths give tails)."""
         assert self._spec is not None, "check() first"
-        return self._spec.column_names
+        return [c for c in self._spec.column_names if not c.endswith("_shape")]
 
     def read(self, unit: WorkUnit) -> pa.Table:
         assert unit.hook is not None

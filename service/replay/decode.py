@@ -47,6 +47,17 @@ def _list_values(
     return values, counts
 
 
+def _check_width(counts: npt.NDArray[np.int64], column: Column, where: str) -> None:
+    """Every row of a fixed-shape array column holds exactly its shape's values."""
+    width = int(np.prod(column.shape))
+    if len(counts) and bool(np.any(counts != width)):
+        bad = int(np.flatnonzero(counts != width)[0])
+        raise LayoutMismatch(
+            f"{where}: row {bad}, column {column.name!r} has {int(counts[bad])} "
+            f"values, layout shape {column.shape} needs {width}"
+        )
+
+
 def _fixed_rows(table: pa.Table, columns: tuple[Column, ...], where: str) -> npt.NDArray[np.void]:
     """The fixed-size columns as one packed structured array."""
     n = table.num_rows
@@ -54,13 +65,7 @@ def _fixed_rows(table: pa.Table, columns: tuple[Column, ...], where: str) -> npt
     for column in columns:
         if column.is_array:
             values, counts = _list_values(table, column, where)
-            width = int(np.prod(column.shape))
-            if n and bool(np.any(counts != width)):
-                bad = int(np.flatnonzero(counts != width)[0])
-                raise LayoutMismatch(
-                    f"{where}: row {bad}, column {column.name!r} has {int(counts[bad])} "
-                    f"values, layout shape {column.shape} needs {width}"
-                )
+            _check_width(counts, column, where)
             rows[column.name] = values.reshape(n, *column.shape)
         else:
             rows[column.name] = _numpy(table.column(column.name)).astype(column.dtype)
@@ -100,6 +105,14 @@ def decode_records(
         "seqs": _numpy(table.column("seq")),
         "timestamps_ns": timestamps,
     }
+    if layout.is_fixed and len(layout.columns) == 1 and layout.columns[0].is_array:
+        # One fixed-shape array column: the payload is Arrow's value buffer as is.
+        column = layout.columns[0]
+        values, counts = _list_values(table, column, where)
+        _check_width(counts, column, where)
+        size = layout.dtype.itemsize
+        desc = make_descriptors(output_ids, size, count=n, **common)
+        return RecordBatch.from_buffer(desc, np.ascontiguousarray(values).view(np.uint8))
     if layout.is_fixed:
         rows = _fixed_rows(table, layout.columns, where)
         size = rows.dtype.itemsize
