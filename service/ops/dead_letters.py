@@ -123,10 +123,14 @@ class DeadLetterStore:
         uri = f"{self.path.resolve().as_uri()}?mode=rw"
         try:
             self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise DeadLetterStoreError(f"{self.path}: unreadable store: {exc}") from None
+        try:
             found = self._db.execute(
                 "SELECT name FROM pragma_table_info('dead_letters')"
             ).fetchall()
         except sqlite3.Error as exc:
+            self._db.close()
             raise DeadLetterStoreError(f"{self.path}: unreadable store: {exc}") from None
         missing = set(_COLUMNS.split(", ")) - {name for (name,) in found}
         if missing:
