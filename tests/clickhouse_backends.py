@@ -53,6 +53,16 @@ class Backend:
     def query(self, sql: str) -> pa.Table:
         return self.transport.query(sql.replace("{p}", self.prefix))
 
+    def create_raw_vec(self, engine: str) -> str:
+        """Create the raw table of the tests' `vec` layout by hand, with ``engine``."""
+        table = self.raw("vec")
+        self.transport.execute(
+            f"CREATE TABLE `{table}` (hook LowCardinality(String), output_id UInt32, key Int64, "
+            "step Int64, seq Int64, timestamp DateTime64(9), values Array(Float32), "
+            f"values_shape Array(UInt32)) ENGINE = {engine}"
+        )
+        return table
+
 
 class FlakyTransport:
     """The real transport, with the first ``failures`` inserts raising *after*

@@ -1,13 +1,16 @@
 """ClickHouse destinations end to end: rows land exactly, schemas are checked,
-failures are retried without duplicates, and routed == direct."""
+failures are retried without duplicates, and routed == direct.
+
+Every case that can run against a server is in this one file (hence its
+length): chfacade's run_server_tests.sh, which CI runs, runs this file's
+``[server]`` cases.  Cases that only need chDB or no engine at all live in
+test_clickhouse_construction.py and test_clickhouse_transient.py."""
 
 from __future__ import annotations
 
 import base64
 import ssl
 import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -538,20 +541,10 @@ async def test_server_over_tls_on_any_port_verifies_the_certificate(
 # -- tables made beforehand, and failed constructors ---------------------------------
 
 
-def _create_plain_raw_vec(clickhouse, engine: str) -> str:
-    table = clickhouse.raw("vec")
-    clickhouse.transport.execute(
-        f"CREATE TABLE `{table}` (hook LowCardinality(String), output_id UInt32, key Int64, "
-        "step Int64, seq Int64, timestamp DateTime64(9), values Array(Float32), "
-        f"values_shape Array(UInt32)) ENGINE = {engine}"
-    )
-    return table
-
-
 async def test_merge_tree_without_a_deduplication_window_is_refused_saying_how(
     clickhouse, autojump_clock
 ):
-    table = _create_plain_raw_vec(clickhouse, "MergeTree ORDER BY tuple()")
+    table = clickhouse.create_raw_vec("MergeTree ORDER BY tuple()")
     with pytest.raises(NoDeduplication) as caught:
         clickhouse.sink(SCHEMA, raw=["vec"])
     message = str(caught.value)
@@ -573,13 +566,13 @@ async def test_merge_tree_without_a_deduplication_window_is_refused_saying_how(
 
 
 def test_engine_without_deduplication_is_refused(clickhouse):
-    table = _create_plain_raw_vec(clickhouse, "Memory")
+    table = clickhouse.create_raw_vec("Memory")
     with pytest.raises(NoDeduplication, match=f"table '{table}' has engine Memory, which does not"):
         clickhouse.sink(SCHEMA, raw=["vec"])
 
 
 async def test_at_least_once_is_an_explicit_opt_in(clickhouse, autojump_clock):
-    _create_plain_raw_vec(clickhouse, "MergeTree ORDER BY tuple()")
+    clickhouse.create_raw_vec("MergeTree ORDER BY tuple()")
     flaky = FlakyTransport(clickhouse.transport, failures=2)
     backend = Backend(clickhouse.name, flaky, clickhouse.prefix)
     _, raised = await _insert_through(backend, Retry(attempts=8), require_deduplication=False)
@@ -587,80 +580,3 @@ async def test_at_least_once_is_an_explicit_opt_in(clickhouse, autojump_clock):
     # Two lost replies, three stored copies: at least once, as opted into.
     counts = table_rows(clickhouse, "SELECT count() AS n, uniqExact(seq) AS u FROM {p}_raw_vec")
     assert counts == [{"n": 120, "u": 40}]
-
-
-def test_a_failed_constructor_releases_its_chdb_directory(tmp_path):
-    """chDB opens one directory per process: a constructor that fails must
-    close it, or no other directory can be opened (a subprocess, because this
-    test session's own chDB directory stays open)."""
-    script = textwrap.dedent(
-        """
-        import sys
-        from taproute.routing import Layout, RecordSchema
-        from taproute.service import ClickHouseSink, SchemaMismatch
-        from taproute.service.sinks.clickhouse import ChdbTransport
-
-        schema = RecordSchema([Layout("sums", [("total", "Float64")])])
-        d1, d2, d3 = sys.argv[1:]
-        setup = ChdbTransport(d1)
-        setup.execute("CREATE TABLE sums (total Float32) ENGINE = MergeTree ORDER BY tuple()")
-        setup.close()
-        try:
-            ClickHouseSink.embedded(schema, d1, rows=["sums"])
-        except SchemaMismatch as exc:
-            print("refused:", exc)
-        try:
-            ClickHouseSink.embedded(schema, d2, rows=["sums"], bogus=1)
-        except TypeError:
-            print("refused: bad keyword")
-        sink = ClickHouseSink.embedded(schema, d3, rows=["sums"])
-        print("opened:", sink.transport.description)
-        sink.transport.close()
-        """
-    )
-    dirs = [str(tmp_path / d) for d in ("d1", "d2", "d3")]
-    done = subprocess.run(
-        [sys.executable, "-c", script, *dirs], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "refused: table 'sums': column 'total' expected Float64, found Float32",
-        "refused: bad keyword",
-        f"opened: chDB at {dirs[2]}",
-    ]
-
-
-def test_config_file_refuses_a_plain_table_unless_it_opts_into_at_least_once(
-    tmp_path, chdb_transport, capsys
-):
-    from taproute.service.host.cli import main
-
-    backend = Backend("chdb", chdb_transport)
-    _create_plain_raw_vec(backend, "MergeTree ORDER BY tuple()")
-    config = textwrap.dedent(
-        f"""
-        [[layouts]]
-        name = "vec"
-        columns = [{{ name = "values", type = "Array(Float32)", shape = [4] }}]
-
-        [[routes]]
-        name = "raw"
-        outputs = ["*"]
-        destination = "ch"
-
-        [routing]
-        unmatched = "drop"
-
-        [destinations.ch]
-        path = "{chdb_transport.path}"
-        raw = ["vec"]
-        raw_table = "{backend.prefix}_raw_{{layout}}"
-        """
-    )
-    path = tmp_path / "router.toml"
-    path.write_text(config)
-    assert main(["check", "--config", str(path)]) == 2  # config vs table: bad input
-    assert "does not deduplicate retried inserts" in capsys.readouterr().err
-    path.write_text(config + "require_deduplication = false\n")
-    assert main(["check", "--config", str(path)]) == 0
-    assert f"{backend.prefix}_raw_vec match the schema" in capsys.readouterr().out

@@ -56,6 +56,17 @@ def _engine(transport: _Queries, database: str | None, table: str) -> tuple[str,
     return str(result[0]["engine"]), str(result[0]["engine_full"])
 
 
+def distributed_target(engine_full: str) -> tuple[str, str] | None:
+    """``(database, table)`` a Distributed engine writes to, as ``system.tables``
+    prints it (``Distributed('c', 'db', 'local', rand())``); database ``""``
+    means the current one.  None if ``engine_full`` is not a Distributed engine."""
+    found = _DISTRIBUTED.match(engine_full)
+    if found is None:
+        return None
+    database = _unquote(found.group(2))
+    return ("" if database == "currentDatabase()" else database), _unquote(found.group(3))
+
+
 def window_setting(engine: str) -> str | None:
     """The merge-tree setting holding ``engine``'s deduplication window (None: it has none)."""
     if not engine.endswith("MergeTree"):
@@ -91,11 +102,7 @@ def check_deduplication(transport: _Queries, table: str) -> None:
     engine, engine_full = found
     label, fix_table = repr(table), table
     if engine == "Distributed":
-        target = _DISTRIBUTED.match(engine_full)
-        database = _unquote(target.group(2)) if target else ""
-        local = _unquote(target.group(3)) if target else ""
-        if database in ("", "currentDatabase()"):
-            database = ""
+        database, local = distributed_target(engine_full) or ("", "")
         behind = _engine(transport, database or None, local) if local else None
         if behind is None:
             raise NoDeduplication(
