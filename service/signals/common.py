@@ -52,29 +52,15 @@ def token_groups(
 ) -> Iterator[tuple[npt.NDArray[np.intp], npt.NDArray[np.generic]]]:
     """Records grouped by token count: ``(indices, values[n, tokens, width])`` per group.
 
-    One vectorised gather per group (no per-record Python).  A payload that is
-    not a whole number of ``width``-float tokens raises :class:`InvalidInput`.
+    One gather of token rows per group (no per-record Python).  A payload that
+    is not a whole number of ``width``-value tokens raises :class:`InvalidInput`.
     """
-    desc = records.descriptors
-    itemsize = records.layout.columns[-1].element_dtype.itemsize
-    row_bytes = width * itemsize
-    lengths = desc["length"] - records.layout.prefix_size
-    bad = np.flatnonzero(lengths % row_bytes)
-    if len(bad):
-        i = int(bad[0])
-        raise InvalidInput(
-            f"{where}: record {i} (key {int(desc['key'][i])}) has {int(lengths[i])} payload "
-            f"bytes, not a whole number of {width}-value tokens ({row_bytes} bytes each)"
-        )
-    tokens = lengths // row_bytes
-    payload = records.batch.payload
-    start = desc["offset"] + records.layout.prefix_size
+    flat, tokens = all_tokens(records, width, where=where)
+    first = np.concatenate(([0], np.cumsum(tokens)[:-1]))
     for count in np.unique(tokens):
         index = np.flatnonzero(tokens == count)
-        nbytes = int(count) * row_bytes
-        gather = start[index][:, None] + np.arange(nbytes)
-        values = payload[gather].view(records.layout.columns[-1].element_dtype)
-        yield index, values.reshape(len(index), int(count), width)
+        rows = first[index][:, None] + np.arange(int(count))
+        yield index, flat[rows]
 
 
 def window_segments(seen: int, count: int, window: int) -> Iterator[tuple[int, int, bool]]:
