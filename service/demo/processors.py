@@ -6,7 +6,9 @@ states; routes send
 - every raw capture to ClickHouse (forward, no copy) -> table ``raw_activations``;
 - the Q/K captures through a stateless per-head statistic -> ``head_norms``;
 - the hidden states through a stateful per-layer Welford mean/variance of
-  each hidden unit, keyed by layer -> ``unit_stats``.
+  each hidden unit, keyed by layer -> ``unit_stats``;
+- paired [Q | K] captures through ``signals.qk_spectra`` -> ``qk_spectra``, and
+  the hidden states through TwoNN per layer -> ``intrinsic_dimension``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from taproute.routing import (
     stateful_processor,
     stateless_processor,
 )
+from taproute.service.signals import qk as signals_qk
+from taproute.service.signals import twonn as signals_twonn
 
 HIDDEN = 384
 HEADS = 12
@@ -53,8 +57,26 @@ UNIT_STATS = Layout(
         ("variance", "Array(Float64)", (HIDDEN,)),
     ],
 )
-SCHEMA = RecordSchema([ACTIVATIONS, HEAD_NORMS, UNIT_STATS])
-TABLES = ("raw_activations", "head_norms", "unit_stats")
+# The signal processors (taproute.service.signals): Q/K spectra per record on
+# paired [Q | K] captures, TwoNN intrinsic dimension per layer over windows of
+# 16 sentences on the hidden states the demo already captures.
+QK_SIGNALS = signals_qk.SIGNALS
+DIMENSION = signals_twonn.register(
+    signals_twonn.TwoNNConfig(input="activations", window=16, name="demo.intrinsic_dimension")
+)
+SIGNAL_QK_HOOK = "encoder.layer.{layer}.attention.qk"  # not matched by QK_HOOKS below
+
+SCHEMA = RecordSchema(
+    [
+        ACTIVATIONS,
+        HEAD_NORMS,
+        UNIT_STATS,
+        QK_SIGNALS.input,
+        QK_SIGNALS.outputs[0],
+        *DIMENSION.outputs,
+    ]
+)
+TABLES = ("raw_activations", "head_norms", "unit_stats", "qk_spectra", "intrinsic_dimension")
 
 QK_HOOKS = "encoder.layer.*.attention.self.[qk]*"
 HIDDEN_HOOKS = "encoder.layer.?.output"  # not encoder.layer.N.attention.output
@@ -145,6 +167,21 @@ def routes(destination: str) -> RoutingConfig:
                 mode="stateful",
                 processor="demo.unit_stats",
                 workers=2,
+            ),
+            Route(
+                "qk_spectra",
+                SIGNAL_QK_HOOK.format(layer="*"),
+                destination,
+                mode="stateless",
+                processor="signals.qk_spectra",
+                workers=2,
+            ),
+            Route(
+                "intrinsic",
+                HIDDEN_HOOKS,
+                destination,
+                mode="stateful",
+                processor="demo.intrinsic_dimension",
             ),
         ]
     )

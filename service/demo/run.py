@@ -19,6 +19,7 @@ from taproute.service.demo.processors import (
     HIDDEN_HOOKS,
     QK_HOOKS,
     SCHEMA,
+    SIGNAL_QK_HOOK,
     TABLES,
     note_layer,
     routes,
@@ -78,6 +79,7 @@ def run(
     from taproute.service.capture import HostBufferPool, bind_modules, capture_context
     from taproute.service.demo import minilm
     from taproute.service.host.service import create_record_runtime
+    from taproute.service.signals.taps import bind_qk
     from taproute.service.sinks.clickhouse import ChdbTransport, ClickHouseSink
 
     transport = ChdbTransport(data)
@@ -93,7 +95,7 @@ def run(
                 transport,
                 SCHEMA,
                 raw=["activations"],
-                rows=["head_norms", "unit_stats"],
+                rows=["head_norms", "unit_stats", "qk_spectra", "intrinsic_dimension"],
                 create_tables=True,
                 owns_transport=False,
             )
@@ -110,6 +112,9 @@ def run(
             pool = HostBufferPool()
             bindings = bind_modules(runtime, model, QK_HOOKS, layout="activations", pool=pool)
             bindings += bind_modules(runtime, model, HIDDEN_HOOKS, layout="activations", pool=pool)
+            bindings += bind_qk(
+                runtime, model, "encoder.layer.*.attention.self", name=SIGNAL_QK_HOOK, pool=pool
+            )
             with torch.inference_mode():
                 for start in range(0, len(texts), batch_size):
                     ids, mask = minilm.encode(tokenizer, texts[start : start + batch_size])
@@ -172,6 +177,11 @@ def report(counters: object, result: DemoResult, transport: object) -> None:
     print(f"\n{sql}")
     for row in transport.query(sql).to_pylist():
         print(f"  layer {row['layer']}  {row['projection']:<5}  {row['mean_head_norm']}")
+    from taproute.service.signals.report import signal_table
+
+    print("\nsignals per layer (qk_spectra, intrinsic_dimension; taproute report draws them)")
+    for line in signal_table(transport):
+        print(f"  {line}")
     print(
         f"\nData: {result.data} (chDB; tables {', '.join(TABLES)}). Query it with\n"
         f"  python -c \"import chdb.session as s; print(s.Session('{result.data}')"

@@ -314,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     from taproute.service.replay import cli as replay_cli
 
     replay_cli.add_parser(commands)
+    from taproute.service.signals import cli as signals_cli
+
+    signals_cli.add_parser(commands)
     return parser
 
 
@@ -382,6 +385,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from taproute.service.replay import cli as replay_cli
 
         return replay_cli.main(args)
+    if args.command == "report":
+        from taproute.service.signals import cli as signals_cli
+
+        return signals_cli.main(args)
     return dead_letters(args)
 
 

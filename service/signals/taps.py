@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from taproute.routing import ConfigError
 from taproute.service.capture import HookBinding, HostBufferPool, bind_module
+from taproute.service.signals.common import layer_of
 
 if TYPE_CHECKING:
     import torch
@@ -83,22 +84,25 @@ def bind_qk(
     query: str = "query",
     key: str = "key",
     layout: str = "qk",
-    suffix: str = ".qk",
+    name: str = "{module}.qk",
     pool: HostBufferPool | None = None,
 ) -> list[HookBinding]:
     """Capture ``[Q | K]`` per token from each attention module matching ``pattern``.
 
     ``query``/``key`` name the projection submodules (``q_proj``/``k_proj``
-    in most decoder models); the hook is ``<module name><suffix>``.  The query
-    projection must run before the key projection in the module's forward.
+    in most decoder models); the hook name is ``name`` formatted with
+    ``module`` (its qualified name) and ``layer`` (the first integer in it).
+    The query projection must run before the key projection in the module's
+    forward.
     """
     import torch
 
     pool = pool or HostBufferPool()
     bindings = []
-    for name, module in _matching(model, pattern):
+    for qualified, module in _matching(model, pattern):
         tap = _tap()
-        captured = bind_module(runtime, tap, name + suffix, layout=layout, pool=pool)
+        hook = name.format(module=qualified, layer=layer_of(qualified))
+        captured = bind_module(runtime, tap, hook, layout=layout, pool=pool)
         stash = threading.local()
 
         def on_query(_m: Any, _i: Any, output: Any, stash: Any = stash) -> None:
