@@ -31,7 +31,6 @@ import numpy as np  # noqa: E402
 from taproute.native import StateRegion, make_descriptors  # noqa: E402
 from taproute.routing import RecordBatch, Records  # noqa: E402
 from taproute.routing.processors import REGISTRY  # noqa: E402
-from taproute.service.signals import experts, pathways, qk, twonn  # noqa: E402
 from taproute.service.signals.common import tail_layout  # noqa: E402
 
 HIDDEN, HEADS, TOP_K = 384, 12, 8
@@ -121,7 +120,11 @@ def peer_pathways(arrays: list[np.ndarray], layers: int = 4, experts_: int = 8) 
         paths.update(map(tuple, top1.tolist()))
     total = sum(paths.values())
     p = np.array(list(paths.values())) / total
-    return {"transitions": transitions, "top": paths.most_common(16), "entropy": -(p * np.log(p)).sum()}
+    return {
+        "transitions": transitions,
+        "top": paths.most_common(16),
+        "entropy": -(p * np.log(p)).sum(),
+    }
 
 
 def peer_two_nn(x: np.ndarray, discard: float = 0.1) -> float:
@@ -186,7 +189,9 @@ def main() -> None:
     n = args.records
     lengths = rng.integers(8, 20, size=n)  # the demo's sentences: 8..19 tokens
     qk_short = [rng.normal(size=(t, 2 * HIDDEN)).astype(np.float32) for t in lengths]
-    qk_long = [rng.normal(size=(args.long_tokens, 2 * HIDDEN)).astype(np.float32) for _ in range(n // 8)]
+    qk_long = [
+        rng.normal(size=(args.long_tokens, 2 * HIDDEN)).astype(np.float32) for _ in range(n // 8)
+    ]
     router = [rng.normal(size=(t * 4, 8)).astype(np.float32) for t in lengths]
     path = [rng.normal(size=(t * 4, 32)).astype(np.float32) for t in lengths]
     hidden = [rng.normal(size=(t * 4, HIDDEN)).astype(np.float32) for t in lengths]
@@ -197,18 +202,21 @@ def main() -> None:
     def rate(count: int, body) -> float:
         return harness.timed_rate(count, body)
 
+    spectra = REGISTRY.get("signals.qk_spectra").fn
     variants = {
-        "qk_short.taproute": lambda: rate(n, lambda: REGISTRY.get("signals.qk_spectra").fn(batches["qk_short"])),
+        "qk_short.taproute": lambda: rate(n, lambda: spectra(batches["qk_short"])),
         "qk_short.numpy": lambda: rate(n, lambda: peer_qk(qk_short)),
-        "qk_long.taproute": lambda: rate(n // 8, lambda: REGISTRY.get("signals.qk_spectra").fn(batches["qk_long"])),
+        "qk_long.taproute": lambda: rate(n // 8, lambda: spectra(batches["qk_long"])),
         "qk_long.numpy": lambda: rate(n // 8, lambda: peer_qk(qk_long)),
         "experts.taproute": lambda: rate(n, stateful("signals.expert_health", batches["router"])),
         "experts.numpy": lambda: rate(n, lambda: peer_experts(router)),
         "pathways.taproute": lambda: rate(n, stateful("signals.pathways", batches["path"])),
         "pathways.numpy": lambda: rate(n, lambda: peer_pathways(path)),
-        "twonn.taproute": lambda: rate(n, stateful("signals.intrinsic_dimension", batches["hidden"])),
+        "twonn.taproute": lambda: rate(
+            n, stateful("signals.intrinsic_dimension", batches["hidden"])
+        ),
         "twonn.numpy": lambda: rate(n, lambda: peer_twonn(hidden)),
-    }  # fmt: skip
+    }
     results = harness.interleave(variants, repeat=args.repeat, warmup=1)
     comparisons, targets = [], []
     for what, label in (
@@ -247,8 +255,12 @@ def main() -> None:
         "signals",
         title="Signal processors vs per-record numpy",
         description=__doc__.split("\n\n")[0],
-        params={"records": n, "long_tokens": args.long_tokens, "repeat": args.repeat,
-                "threads": 1},  # fmt: skip
+        params={
+            "records": n,
+            "long_tokens": args.long_tokens,
+            "repeat": args.repeat,
+            "threads": 1,
+        },
         quick=args.quick,
         comparisons=comparisons,
         targets=targets,
