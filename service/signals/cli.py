@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: Any) -> None:
     """Add ``report`` to the ``taproute`` command's subcommands."""
     parser = commands.add_parser(
         "report", help="charts of the signal tables (Q/K spectra, experts, pathways, TwoNN)"
