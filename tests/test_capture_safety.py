@@ -124,18 +124,20 @@ def test_max_block_bounds_how_long_a_slow_destination_holds_the_model():
     ) as runtime:
         assert runtime.max_block == max_block
         bind_module(runtime, ident, "ident", layout="acts")
-        with capture_context([1, 2]):
-            ident(x)  # queued: ingress now holds 2 of 2 records until the sink lets go
-            started = time.perf_counter()
-            with pytest.warns(CaptureWarning, match="longer than max_block; records shed"):
-                ident(x)  # no room: waits max_block, then sheds
-            held = time.perf_counter() - started
+        try:
+            with capture_context([1, 2]):
+                ident(x)  # queued: ingress now holds 2 of 2 records until the sink lets go
+                started = time.perf_counter()
+                with pytest.warns(CaptureWarning, match="longer than max_block; records shed"):
+                    ident(x)  # no room: waits max_block, then sheds
+                held = time.perf_counter() - started
+        finally:
+            sink.gate.set()  # never leave the runtime's close waiting on the gate
         assert held >= max_block
         ingress = runtime.counters().ingress
         assert ingress.shed == 2
         assert ingress.dropped == {"ident": {"max_block": 2}}
         assert ingress.blocked_seconds >= max_block
-        sink.gate.set()
         runtime.flush()
         assert sink.records == 2  # the first call's records, delivered; nothing else
 
@@ -157,9 +159,36 @@ def test_without_max_block_a_full_ingress_still_blocks_until_room():
             ident(x)
         thread = threading.Thread(target=second)
         thread.start()
-        assert not done.wait(0.05)  # held: ingress is full and there is no bound
-        sink.gate.set()
+        try:
+            assert not done.wait(0.05)  # held: ingress is full and there is no bound
+        finally:
+            sink.gate.set()
         thread.join(10)
         assert done.is_set()
         runtime.flush()
         assert sink.records == 4 and runtime.counters().ingress.shed == 0
+
+
+def test_a_rejecting_ingress_drops_that_call_only_and_the_binding_stays():
+    sink = ThreadGateSink()
+    ident = nn.Identity()
+    x = torch.randn(2, 3, 4)
+    with create_record_runtime(
+        record_sink=sink, schema=SCHEMA, capacity_records=2, when_full="reject"
+    ) as runtime:
+        binding = bind_module(runtime, ident, "ident", layout="acts")
+        with capture_context([1, 2]):
+            try:
+                ident(x)  # queued: ingress is full until the sink lets go
+                with pytest.warns(
+                    CaptureWarning, match=r"ingress full .*\(reason 'ingress_full'\)"
+                ):
+                    ident(x)  # refused: dropped and counted, inference goes on
+            finally:
+                sink.gate.set()  # never leave the runtime's close waiting on the gate
+            runtime.flush()
+            ident(x)  # room again: captured
+        runtime.flush()
+        assert not binding.detached
+        assert sink.records == 4
+        assert runtime.counters().ingress.dropped == {"ident": {"ingress_full": 2}}

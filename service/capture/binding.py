@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from taproute.native import make_descriptors
+from taproute.routing.errors import IngressFull
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
 from taproute.service.capture.context import _CONTEXT
@@ -75,6 +76,7 @@ BAD_OUTPUT = "bad_output"  # dropped, binding detached: output can't be captured
 RUNTIME_FAILED = "runtime_failed"  # dropped, binding detached: submit raised
 DETACHED = "detached"  # dropped: calls after the binding detached
 MAX_BLOCK = "max_block"  # dropped: ingress stayed full longer than max_block
+INGRESS_FULL = "ingress_full"  # dropped: ingress full and the runtime rejects (when_full)
 
 
 class HookBinding:
@@ -250,6 +252,12 @@ def bind_module(
             return
         try:
             capture(output, context)
+        except IngressFull as exc:
+            if on_error == "raise":
+                raise
+            # The runtime refuses while full (when_full="reject"): this call only.
+            runtime.count_dropped(name, INGRESS_FULL, len(context.keys))
+            binding._warn_once(INGRESS_FULL, f"hook {name!r}: {exc} (reason 'ingress_full')")
         except ContextMismatch as exc:
             if on_error == "raise":
                 raise
