@@ -223,6 +223,23 @@ def test_ledger_records_run_units_counts_and_phase_timings(corpus, tmp_path):
         stats = ledger["phases"][phase]
         assert stats["count"] == len(report.plan)
         assert 0 < stats["p50"] <= stats["p95"]
+    # The same progress in Prometheus text format, beside the ledger.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {
+        (s.name, s.labels.get("lane"), s.labels.get("phase"), s.labels.get("quantile")): s.value
+        for family in text_string_to_metric_families(
+            (report.ledger.parent / "metrics.prom").read_text()
+        )
+        for s in family.samples
+        if s.labels["run_id"] == report.run_id
+    }
+    assert samples["taproute_replay_units_done", None, None, None] == len(report.plan)
+    assert samples["taproute_replay_units_failed", None, None, None] == 0
+    assert samples["taproute_replay_rows_written", "norm", None, None] == 288
+    assert samples["taproute_replay_phase_seconds", None, "process", "0.95"] == pytest.approx(
+        ledger["phases"]["process"]["p95"]
+    )
 
 
 def test_batch_processor_contract_two_lanes_init_and_stats(corpus, tmp_path):
@@ -603,3 +620,32 @@ def test_stored_rows_decode_to_the_records_that_were_captured(layout_name):
         for i in range(n):
             assert after.tail(i).tolist() == before.tail(i).tolist()
             assert back.payload_of(i).tobytes() == batch.payload_of(i).tobytes()
+
+
+def test_progress_bar_draws_on_a_terminal_and_stays_quiet_in_ci(monkeypatch):
+    import io
+
+    from taproute.service.replay.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("CI", raising=False)
+    tty = Terminal()
+    bar = Progress(2, 100, stream=tty)
+    bar.advance(40)
+    bar.advance(60)
+    bar.close()
+    last = tty.getvalue().strip().split("\r")[-1]
+    assert "2/2 units" in last and "100 rows" in last and "rows/s" in last and "ETA 0 s" in last
+    monkeypatch.setenv("CI", "true")
+    quiet = Terminal()
+    bar = Progress(2, 100, stream=quiet)
+    bar.advance(100)
+    bar.close()
+    assert quiet.getvalue() == ""
+    piped = io.StringIO()  # not a terminal
+    monkeypatch.delenv("CI")
+    Progress(1, 1, stream=piped).advance(1)
+    assert piped.getvalue() == ""

@@ -161,6 +161,54 @@ class RunLedger:
         self.data["phases"] = {p: percentiles(v) for p, v in self.timings.items()}
         self.data["checkpointed_at"] = _now()
         self._write(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+        self.write_metrics()
+
+    def write_metrics(self) -> None:
+        """``metrics.prom`` beside the ledger: the run's progress in Prometheus
+        text format (for node_exporter's textfile collector or a push)."""
+        from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+        registry = CollectorRegistry()
+        labels = ["run_id"]
+        run = self.run_id
+        units = self.data["units"].values()
+        Gauge(
+            "taproute_replay_units_planned", "Work units in the plan", labels, registry=registry
+        ).labels(run).set(self.data["units_planned"])
+        Gauge("taproute_replay_units_done", "Work units written", labels, registry=registry).labels(
+            run
+        ).set(len(self.data["units"]))
+        Gauge(
+            "taproute_replay_units_failed",
+            "Work units failed past their retries",
+            labels,
+            registry=registry,
+        ).labels(run).set(len(self.data["failed"]))
+        Gauge(
+            "taproute_replay_records", "Records read by finished units", labels, registry=registry
+        ).labels(run).set(sum(u["records"] for u in units))
+        rows = Gauge(
+            "taproute_replay_rows_written",
+            "Rows written per lane",
+            [*labels, "lane"],
+            registry=registry,
+        )
+        per_lane: dict[str, int] = {}
+        for unit in units:
+            for lane, count in unit["outputs"].items():
+                per_lane[lane] = per_lane.get(lane, 0) + count
+        for lane, count in per_lane.items():
+            rows.labels(run, lane).set(count)
+        phase = Gauge(
+            "taproute_replay_phase_seconds",
+            "Per-unit seconds by phase",
+            [*labels, "phase", "quantile"],
+            registry=registry,
+        )
+        for name, stats in self.data["phases"].items():
+            phase.labels(run, name, "0.5").set(stats["p50"])
+            phase.labels(run, name, "0.95").set(stats["p95"])
+        write_to_textfile(str(self.directory / "metrics.prom"), registry)
 
     def _write(self, text: str) -> None:
         aside = self.directory / "ledger.tmp.json"
