@@ -31,7 +31,11 @@ import numpy as np  # noqa: E402
 from taproute.native import StateRegion, make_descriptors  # noqa: E402
 from taproute.routing import RecordBatch, Records  # noqa: E402
 from taproute.routing.processors import REGISTRY  # noqa: E402
+from taproute.service.signals import experts, pathways, qk, twonn  # noqa: E402
 from taproute.service.signals.common import tail_layout  # noqa: E402
+
+#: Imported for their registrations (the processors the bench calls by name).
+SIGNALS = (qk.SIGNALS, experts.SIGNALS, pathways.SIGNALS, twonn.SIGNALS)
 
 HIDDEN, HEADS, TOP_K = 384, 12, 8
 
