@@ -183,6 +183,56 @@ def test_filters_select_hooks_keys_and_steps(corpus, tmp_path):
     assert all(u.hook == "layers.1.attn.q" for u in report.plan)
 
 
+def test_time_range_filter(corpus, tmp_path):
+    ch = corpus
+    (start,) = (
+        ch.query(
+            f"SELECT toUnixTimestamp64Nano(min(timestamp)) AS t FROM {ch.prefix}_raw_vec "
+            "WHERE step = 1"
+        )
+        .column("t")
+        .to_pylist()
+    )
+    expected = (
+        ch.query(
+            f"SELECT count() AS n FROM {ch.prefix}_raw_vec "
+            f"WHERE toUnixTimestamp64Nano(timestamp) >= {start}"
+        )
+        .column("n")
+        .to_pylist()[0]
+    )
+    report = run_replay(
+        **settings(
+            ch,
+            tmp_path,
+            processor="test.norms",
+            source=source(ch, filters=Filters(time_ns=(start, 2**62))),
+        ),
+        outputs={"norm": ClickHouseTable(f"{ch.prefix}_t")},
+    )
+    assert 0 < report.records == expected < 288
+
+
+def test_bad_backend_settings_are_refused_before_a_run_exists(corpus, tmp_path):
+    for kwargs, message in (
+        ({"backend": "inprocess", "workers": 2}, "'inprocess' has one worker, got workers=2"),
+        ({"backend": "dask"}, "unknown backend 'dask'"),
+        ({"schedule": "random"}, "unknown schedule 'random'"),
+    ):
+        with pytest.raises(ReplayConfigError, match=message):
+            run_replay(**settings(corpus, tmp_path, processor="test.norms", **kwargs))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_creates_no_parquet_directory(corpus, tmp_path):
+    report = run_replay(
+        **settings(corpus, tmp_path, processor="test.norms"),
+        outputs={"norm": ParquetDir(str(tmp_path / "out"))},
+        dry_run=True,
+    )
+    assert report.dry_run and not (tmp_path / "out").exists()
+
+
 def test_plan_is_deterministic_with_stable_unit_ids(corpus, tmp_path):
     ch = corpus
     a = run_replay(**settings(ch, tmp_path, processor="test.norms"), dry_run=True)

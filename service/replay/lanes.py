@@ -146,7 +146,8 @@ class ParquetLane:
             raise ReplayConfigError(
                 f"lane {self.name!r}: {str(self.directory)!r} exists and is not a directory"
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if create:  # a dry run creates nothing
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def write(self, data: pa.Table, *, run_id: str, part: str) -> None:
         final = self.directory / f"{part}.parquet"

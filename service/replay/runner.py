@@ -199,6 +199,15 @@ class _Run:
                 f"layout {self.source.layout!r}"
             )
         self.source.check(config.schema)
+        if config.backend not in ("inprocess", "processes", "ray"):
+            raise ReplayConfigError(
+                f"unknown backend {config.backend!r}; expected inprocess, processes or ray"
+            )
+        if config.backend == "inprocess" and config.workers != 1:
+            raise ReplayConfigError(
+                f"backend 'inprocess' has one worker, got workers={config.workers}; "
+                "use backend 'processes' or 'ray' for more"
+            )
         if config.schedule not in ("static", "pull"):
             raise ReplayConfigError(
                 f"unknown schedule {config.schedule!r}; expected static or pull"
