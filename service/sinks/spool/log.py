@@ -1,0 +1,300 @@
+"""The on-disk part of a spool: append-only segment files of checksummed frames.
+
+A spool directory holds:
+
+- ``spool.id``: a random id made when the directory is first used; with a
+  frame's sequence number it makes a deduplication token that no other spool
+  (nor this directory after it is wiped) ever produces again;
+- ``NNNNNNNNNNNNNNNNNNNN.seg``: segments named by their first sequence number,
+  each a run of frames ``header | body``; the header holds a magic, a CRC-32
+  of (sequence, write time, body length, body), and those three fields;
+- ``ack``: the highest sequence number delivered (acknowledged), with its
+  own CRC, replaced atomically (write, rename).
+
+Opening a directory scans every segment.  The first frame in a segment that is
+short, has a bad magic, a bad checksum or a sequence number that does not
+increase ends that segment: the bytes from there on are truncated and
+reported as :class:`Damage` (a torn tail after a kill mid-append, or a corrupt
+file), never replayed and never raised.  Frames at or below the acknowledged
+sequence are skipped; a segment whose frames are all acknowledged is deleted.
+
+This class does blocking IO and has no Trio in it; :class:`~.spool.Spool`
+decides when it runs and on which thread.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+MAGIC = b"TRSF"
+#: magic, crc32, sequence, written (ns since the epoch), body length
+HEADER = struct.Struct("<4sIQQQ")
+_CHECKED = struct.Struct("<QQQ")
+_ACK = struct.Struct("<QI")
+SUFFIX = ".seg"
+
+
+@attrs.frozen
+class Damage:
+    """Bytes of a segment that were not a valid frame and were truncated away."""
+
+    segment: str
+    offset: int
+    dropped_bytes: int
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"spool segment {self.segment}: {self.reason} at byte {self.offset}; "
+            f"truncated {self.dropped_bytes} bytes (never replayed)"
+        )
+
+
+@attrs.frozen
+class Entry:
+    """One unacknowledged frame: where it lies and when it was written."""
+
+    seq: int
+    segment: Path
+    offset: int
+    size: int  # header + body
+    written_ns: int
+
+
+def _crc(seq: int, written_ns: int, buffers: Sequence[bytes | memoryview]) -> tuple[int, int]:
+    length = sum(memoryview(b).nbytes for b in buffers)
+    crc = zlib.crc32(_CHECKED.pack(seq, written_ns, length))
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc, length
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentLog:
+    """Append, read and acknowledge frames in one spool directory (blocking IO)."""
+
+    def __init__(self, directory: Path, *, segment_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        id_file = self.directory / "spool.id"
+        if not id_file.exists():
+            tmp = id_file.with_suffix(".tmp")
+            tmp.write_text(uuid.uuid4().hex)
+            os.replace(tmp, id_file)
+            _fsync_dir(self.directory)
+        #: The directory's id (part of every deduplication token).
+        self.spool_id = id_file.read_text().strip()
+        #: Damage found (and truncated) when the directory was opened.
+        self.damage: list[Damage] = []
+        self.acked = self._read_ack()
+        #: Unacknowledged frames, oldest first.
+        self.entries: deque[Entry] = deque()
+        #: segment path -> highest sequence it holds
+        self.segments: dict[Path, int] = {}
+        self.unacked_bytes = 0
+        self.last_seq = self.acked
+        self._active: Path | None = None
+        self._active_fd: int | None = None
+        self._active_size = 0
+        self._readers: dict[Path, int] = {}
+        self._dirty_dir = False
+        self._recover()
+
+    # -- opening -----------------------------------------------------------
+    def _read_ack(self) -> int:
+        path = self.directory / "ack"
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        if len(raw) == _ACK.size:
+            seq, crc = _ACK.unpack(raw)
+            if zlib.crc32(struct.pack("<Q", seq)) == crc:
+                return int(seq)
+        # A damaged ack file: replay everything still on disk (the
+        # deduplication tokens make the repeats no-ops) rather than skip any.
+        self.damage.append(Damage("ack", 0, len(raw), "acknowledged position unreadable"))
+        return 0
+
+    def _recover(self) -> None:
+        paths = sorted(self.directory.glob("*" + SUFFIX))
+        for tmp in self.directory.glob("*.tmp"):
+            tmp.unlink()
+        self._prev = 0
+        for path in paths:
+            last = self._scan(path)
+            if last is None:
+                path.unlink()
+                self._dirty_dir = True
+                continue
+            if last <= self.acked:
+                path.unlink()  # all delivered
+                self._dirty_dir = True
+                continue
+            self.segments[path] = last
+        self.unacked_bytes = sum(e.size for e in self.entries)
+
+    def _scan(self, path: Path) -> int | None:
+        """Index the valid frames of ``path``; truncate at the first bad one.
+
+        Returns the segment's highest sequence, or None if it holds no frame.
+        """
+        data = path.read_bytes()
+        offset, last = 0, None
+        reason = None
+        while offset < len(data):
+            if len(data) - offset < HEADER.size:
+                reason = "short frame header"
+                break
+            magic, crc, seq, written, length = HEADER.unpack_from(data, offset)
+            if magic != MAGIC:
+                reason = "bad frame magic"
+                break
+            end = offset + HEADER.size + length
+            if end > len(data):
+                reason = f"frame body of {length} bytes runs past the end"
+                break
+            body = memoryview(data)[offset + HEADER.size : end]
+            if _crc(seq, written, [body])[0] != crc:
+                reason = "checksum mismatch"
+                break
+            if seq <= self._prev:
+                reason = f"sequence {seq} does not follow {self._prev}"
+                break
+            self._prev = seq
+            self.last_seq = max(self.last_seq, seq)
+            last = seq
+            if seq > self.acked:
+                self.entries.append(Entry(seq, path, offset, end - offset, written))
+            offset = end
+        if reason is not None:
+            self.damage.append(Damage(path.name, offset, len(data) - offset, reason))
+            with open(path, "r+b") as f:
+                f.truncate(offset)
+                os.fsync(f.fileno())
+        return last
+
+    # -- appending ---------------------------------------------------------
+    def append(self, buffers: Sequence[bytes | memoryview], written_ns: int) -> Entry:
+        """Write one frame holding ``buffers`` (not yet fsynced: see :meth:`sync`)."""
+        seq = self.last_seq + 1
+        crc, length = _crc(seq, written_ns, buffers)
+        if self._active_fd is None or self._active_size >= self.segment_bytes:
+            self._roll(seq)
+        assert self._active_fd is not None and self._active is not None
+        offset = self._active_size
+        try:
+            _write_all(self._active_fd, HEADER.pack(MAGIC, crc, seq, written_ns, length))
+            for b in buffers:
+                _write_all(self._active_fd, b)
+        except BaseException:
+            # Leave no half frame behind a later good one.
+            os.ftruncate(self._active_fd, offset)
+            raise
+        size = HEADER.size + length
+        self._active_size += size
+        self.last_seq = seq
+        self.segments[self._active] = seq
+        entry = Entry(seq, self._active, offset, size, written_ns)
+        self.entries.append(entry)
+        self.unacked_bytes += size
+        return entry
+
+    def _roll(self, seq: int) -> None:
+        if self._active_fd is not None:
+            os.fsync(self._active_fd)
+            os.close(self._active_fd)
+        self._active = self.directory / f"{seq:020d}{SUFFIX}"
+        self._active_fd = os.open(self._active, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._active_size = 0
+        self._dirty_dir = True
+
+    # -- reading and acknowledging -----------------------------------------
+    def read(self, entry: Entry) -> bytes:
+        """The body of ``entry`` (checked again: a file changed under us is an error)."""
+        fd = self._readers.get(entry.segment)
+        if fd is None:
+            fd = self._readers[entry.segment] = os.open(entry.segment, os.O_RDONLY)
+        raw = os.pread(fd, entry.size, entry.offset)
+        magic, crc, seq, written, _length = HEADER.unpack_from(raw)
+        body = memoryview(raw)[HEADER.size :]
+        if magic != MAGIC or seq != entry.seq or _crc(seq, written, [body])[0] != crc:
+            raise OSError(f"spool segment {entry.segment.name}: frame {entry.seq} changed on disk")
+        return raw[HEADER.size :]
+
+    def ack(self, seq: int) -> list[Entry]:
+        """Acknowledge every frame up to ``seq``; delete segments wholly delivered."""
+        done: list[Entry] = []
+        while self.entries and self.entries[0].seq <= seq:
+            entry = self.entries.popleft()
+            self.unacked_bytes -= entry.size
+            done.append(entry)
+        self.acked = max(self.acked, seq)
+        tmp = self.directory / "ack.tmp"
+        tmp.write_bytes(_ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
+        os.replace(tmp, self.directory / "ack")
+        for path, last in list(self.segments.items()):
+            if last <= self.acked and path != self._active:
+                del self.segments[path]
+                reader = self._readers.pop(path, None)
+                if reader is not None:
+                    os.close(reader)
+                path.unlink()
+                self._dirty_dir = True
+        return done
+
+    def sync(self) -> None:
+        """Make every appended frame, the ack position and the file names durable."""
+        if self._active_fd is not None:
+            os.fsync(self._active_fd)
+        ack = self.directory / "ack"
+        if ack.exists():
+            fd = os.open(ack, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if self._dirty_dir:
+            _fsync_dir(self.directory)
+            self._dirty_dir = False
+
+    @property
+    def segment_count(self) -> int:
+        """Segment files on disk."""
+        return len(self.segments)
+
+    def close(self) -> None:
+        """Sync and close every file (the directory stays for the next open)."""
+        self.sync()
+        if self._active_fd is not None:
+            os.close(self._active_fd)
+            self._active_fd = None
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
+
+
+__all__ = ["Damage", "Entry", "SegmentLog"]

@@ -1,0 +1,265 @@
+"""A durable, ordered queue of whole batches for one destination.
+
+:class:`Spool` puts batches on disk (a :class:`~.log.SegmentLog`) and hands
+them back oldest first; a batch leaves the spool only when it is
+acknowledged (delivered, or given up on by the caller's failure policy), so
+a crash at any point replays what was not acknowledged, in order.  Every
+frame's deduplication token (:meth:`Spool.token`) is derived from the
+spool's id and the frame's sequence number, so a replay of a batch the
+destination already took is recognised as a repeat.
+
+The quota policy is explicit (:class:`~.config.SpoolConfig`): ``block``
+waits for room, ``drop_newest`` refuses the batch and counts it,
+``dead_letter`` hands it to the caller's dead-letter callback and counts
+it.  Nothing leaves without a counter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import attrs
+import trio
+
+from taproute.routing.batch import Batch
+from taproute.service.sinks.spool.codec import decode, encode
+from taproute.service.sinks.spool.config import SpoolConfig
+from taproute.service.sinks.spool.log import Damage, Entry, SegmentLog
+
+#: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds.
+DeadLetter = Callable[[Batch, str], Awaitable[None]]
+
+#: Frames up to this size are written on the loop (a page-cache copy);
+#: larger ones in a worker thread.
+_INLINE_BYTES = 256 << 10
+
+Outcome = Literal["spooled", "dropped", "dead_lettered"]
+
+
+class SpoolFull(Exception):
+    """The spool stayed at its quota for longer than ``block_timeout``."""
+
+
+@attrs.define
+class SpoolCounters:
+    """What a spool holds and has done (one destination's)."""
+
+    bytes: int = 0
+    segments: int = 0
+    batches: int = 0
+    oldest_unacked_age_s: float = 0.0
+    appended_batches: int = 0
+    appended_records: int = 0
+    acked_batches: int = 0
+    acked_records: int = 0
+    acked_bytes: int = 0
+    dropped_batches: int = 0
+    dropped_records: int = 0
+    dead_lettered_batches: int = 0
+    dead_lettered_records: int = 0
+    damaged_bytes: int = 0
+    blocked_seconds: float = 0.0
+
+
+@attrs.frozen
+class Spooled:
+    """One batch read back from the spool, with its position."""
+
+    seq: int
+    batch: Batch
+    token: str
+    records: int
+
+
+class Spool:
+    """One destination's spool; every method runs on the Trio loop.
+
+    Open with :meth:`open` (it recovers the directory: :attr:`damage` lists
+    what was truncated).  ``append`` / ``first`` / ``ack`` / ``sync``;
+    ``close`` syncs and releases the files.
+    """
+
+    def __init__(
+        self,
+        config: SpoolConfig,
+        log: SegmentLog,
+        *,
+        dead_letter: DeadLetter | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self._log = log
+        self._dead_letter = dead_letter
+        self._clock = clock
+        self._changed = trio.Event()  # set on every append and ack
+        self._lock = trio.Lock()  # one writer at a time
+        self._last_sync = clock()
+        self._records: dict[int, int] = {}  # seq -> records (known for this run's appends)
+        self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
+
+    @classmethod
+    def open(
+        cls,
+        config: SpoolConfig,
+        *,
+        dead_letter: DeadLetter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> Spool:
+        """Open (creating or recovering) the spool in ``config.directory``."""
+        if config.when_full == "dead_letter" and dead_letter is None:
+            from taproute.routing.errors import ConfigError
+
+            raise ConfigError(
+                f"spool {config.directory}: when_full='dead_letter' needs a dead-letter store"
+            )
+        return cls(
+            config,
+            SegmentLog(config.directory, segment_bytes=config.segment_bytes),
+            dead_letter=dead_letter,
+            clock=clock,
+        )
+
+    @property
+    def damage(self) -> list[Damage]:
+        """What opening the directory found damaged and truncated (never replayed)."""
+        return list(self._log.damage)
+
+    @property
+    def spool_id(self) -> str:
+        return self._log.spool_id
+
+    def token(self, seq: int) -> str:
+        """The deduplication token of frame ``seq`` (stable across restarts)."""
+        return f"spool-{self._log.spool_id}-{seq}"
+
+    def __len__(self) -> int:
+        """Unacknowledged batches."""
+        return len(self._log.entries)
+
+    @property
+    def unacked_bytes(self) -> int:
+        return self._log.unacked_bytes
+
+    def _has_room(self, size: int) -> bool:
+        used = self._log.unacked_bytes
+        return used == 0 or used + size <= self.config.quota_bytes
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def append(self, batch: Batch) -> Outcome:
+        """Put ``batch`` on disk, applying the quota policy when the spool is full.
+
+        ``"spooled"``: it is in the spool (durable per the fsync policy);
+        ``"dropped"`` / ``"dead_lettered"``: the policy shed it (counted).
+        Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``.
+        """
+        buffers = encode(batch)
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if not self._has_room(size):
+            policy = self.config.when_full
+            if policy == "drop_newest":
+                self.counters.dropped_batches += 1
+                self.counters.dropped_records += len(batch)
+                return "dropped"
+            if policy == "dead_letter":
+                assert self._dead_letter is not None
+                await self._dead_letter(batch, "spool_full")
+                self.counters.dead_lettered_batches += 1
+                self.counters.dead_lettered_records += len(batch)
+                return "dead_lettered"
+            await self._wait_for_room(size)
+        async with self._lock:
+            now = self._clock()
+            written_ns = int(now * 1e9)
+            if size <= _INLINE_BYTES:
+                entry = self._log.append(buffers, written_ns)
+            else:
+                entry = await trio.to_thread.run_sync(self._log.append, buffers, written_ns)
+            self._records[entry.seq] = len(batch)
+            self.counters.appended_batches += 1
+            self.counters.appended_records += len(batch)
+            policy_sync = self.config.fsync
+            if policy_sync == "batch" or (
+                policy_sync == "interval" and now - self._last_sync >= self.config.fsync_interval
+            ):
+                await self._sync_locked()
+        self._changed_now()
+        return "spooled"
+
+    async def _wait_for_room(self, size: int) -> None:
+        started = trio.current_time()
+        deadline = (
+            math.inf if self.config.block_timeout is None else started + self.config.block_timeout
+        )
+        try:
+            with trio.move_on_at(deadline):
+                while not self._has_room(size):
+                    await self._changed.wait()
+                return
+            raise SpoolFull(
+                f"spool {self.config.directory}: {self._log.unacked_bytes} of "
+                f"{self.config.quota_bytes} quota bytes unacknowledged for "
+                f"{self.config.block_timeout} s (when_full='block')"
+            )
+        finally:
+            self.counters.blocked_seconds += trio.current_time() - started
+
+    def first(self) -> Entry | None:
+        """The oldest unacknowledged frame, if any."""
+        return self._log.entries[0] if self._log.entries else None
+
+    async def wait_nonempty(self) -> None:
+        """Return once the spool holds an unacknowledged frame."""
+        while not self._log.entries:
+            await self._changed.wait()
+
+    async def read(self, entry: Entry) -> Spooled:
+        """The batch of ``entry``, decoded from disk."""
+        body = await trio.to_thread.run_sync(self._log.read, entry)
+        batch = decode(body)
+        self._records.setdefault(entry.seq, len(batch))
+        return Spooled(entry.seq, batch, self.token(entry.seq), len(batch))
+
+    async def ack(self, seq: int) -> None:
+        """``seq`` and everything before it left the spool (delivered or given up on)."""
+        async with self._lock:
+            done = self._log.ack(seq)
+        for entry in done:
+            self.counters.acked_batches += 1
+            self.counters.acked_bytes += entry.size
+            self.counters.acked_records += self._records.pop(entry.seq, 0)
+        self._changed_now()
+
+    async def _sync_locked(self) -> None:
+        await trio.to_thread.run_sync(self._log.sync)
+        self._last_sync = self._clock()
+
+    async def sync(self) -> None:
+        """fsync appended frames, the ack position and new file names."""
+        async with self._lock:
+            await self._sync_locked()
+
+    def snapshot(self) -> SpoolCounters:
+        """A detached copy of the counters, with the current holdings."""
+        first = self.first()
+        age = 0.0 if first is None else max(0.0, self._clock() - first.written_ns / 1e9)
+        return attrs.evolve(
+            self.counters,
+            bytes=self._log.unacked_bytes,
+            segments=self._log.segment_count,
+            batches=len(self._log.entries),
+            oldest_unacked_age_s=age,
+        )
+
+    async def aclose(self) -> None:
+        """Sync and close the files."""
+        async with self._lock:
+            await trio.to_thread.run_sync(self._log.close)
+
+
+__all__ = ["DeadLetter", "Outcome", "Spool", "SpoolCounters", "SpoolFull", "Spooled"]
