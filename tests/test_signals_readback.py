@@ -1,0 +1,66 @@
+"""Read-back helpers: filters, both shape encodings, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taproute.service import ReadBackError, load_captures, load_rows
+from taproute.service.signals.common import tail_layout
+from taproute.service.sinks.clickhouse.tables import raw_table_spec
+
+TABLE = "rb_raw_values"
+
+
+@pytest.fixture
+def raw(chdb_transport):
+    spec = raw_table_spec(tail_layout("values"), TABLE)
+    chdb_transport.execute(f"DROP TABLE IF EXISTS `{TABLE}`")
+    chdb_transport.execute(spec.create_sql())
+    rows = []
+    for hook in ("model.layers.0.out", "model.layers.1.out", "head"):
+        for key in range(3):
+            for step in range(4):
+                values = [float(key * 100 + step * 10 + i) for i in range(6)]
+                # Layer 1 was written with its real shape, the rest flat (older tables).
+                shape = [3, 2] if ".1." in hook else [6]
+                rows.append(f"('{hook}', 0, {key}, {step}, 0, now64(9), {values}, {shape})")
+    chdb_transport.execute(f"INSERT INTO `{TABLE}` VALUES {', '.join(rows)}")
+    return chdb_transport
+
+
+def test_filters_select_by_hook_glob_key_step_range_and_layer(raw):
+    got = load_captures(raw, TABLE, hook="model.layers.*", key=[0, 2], steps=(1, 3), width=2)
+    assert [(c.hook, c.key, c.step) for c in got] == [
+        (hook, key, step)
+        for hook in ("model.layers.0.out", "model.layers.1.out")
+        for key in (0, 2)
+        for step in (1, 2)
+    ]
+    layer1 = load_captures(raw, TABLE, layer=1)
+    assert {c.hook for c in layer1} == {"model.layers.1.out"} and len(layer1) == 12
+    assert load_captures(raw, TABLE, hook="nothing") == []
+
+
+def test_real_shape_restored_from_either_encoding(raw):
+    (flat,) = load_captures(raw, TABLE, hook="model.layers.0.out", key=2, steps=(3, 4), width=2)
+    (shaped,) = load_captures(raw, TABLE, hook="model.layers.1.out", key=2, steps=(3, 4))
+    expected = np.arange(230, 236, dtype=np.float32).reshape(3, 2)
+    np.testing.assert_array_equal(flat.values, expected)
+    np.testing.assert_array_equal(shaped.values, expected)
+    (as_tensor,) = load_captures(raw, TABLE, hook="head", key=0, steps=(0, 1), as_torch=True)
+    assert tuple(as_tensor.values.shape) == (6,)  # no width: the flat shape as stored
+
+
+def test_width_that_does_not_divide_is_an_error_naming_the_record(raw):
+    with pytest.raises(
+        ReadBackError, match=r"hook='head' key=0 has 6 values, not a multiple of width 4"
+    ):
+        load_captures(raw, TABLE, hook="head", width=4)
+
+
+def test_rows_filters_need_the_columns_the_layout_has(raw):
+    from taproute.service.signals import twonn
+
+    with pytest.raises(ReadBackError, match="has no 'key' column"):
+        load_rows(raw, "whatever", twonn.SIGNALS.outputs[0], key=3)
