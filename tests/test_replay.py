@@ -292,6 +292,28 @@ def test_ledger_records_run_units_counts_and_phase_timings(corpus, tmp_path):
     )
 
 
+def test_checkpoint_cadence_by_units_and_by_seconds(corpus, tmp_path):
+    ch = corpus
+    counts = []
+    for units, seconds in ((3, 3600.0), (1000, 1e-9)):
+        report = run_replay(
+            **settings(
+                ch,
+                tmp_path,
+                processor="test.norms",
+                checkpoint_units=units,
+                checkpoint_seconds=seconds,
+            ),
+            outputs={"norm": ParquetDir(str(tmp_path / f"c{units}"))},
+        )
+        ledger = json.loads(report.ledger.read_text())
+        counts.append((len(report.plan), ledger["checkpoints"]))
+    (planned, by_units), (_, by_seconds) = counts
+    # One when the run starts, one per cadence point, one at the end.
+    assert by_units == 1 + planned // 3 + 1
+    assert by_seconds == 1 + planned + 1
+
+
 def test_batch_processor_contract_two_lanes_init_and_stats(corpus, tmp_path):
     ch = corpus
     rp.INIT_CALLS.clear()
