@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from taproute.service.host.cli import main
 from taproute.service.host.config import ConfigFileError, load_config
 from taproute.service.host.loadgen import run_load
 from taproute.service.ops.dead_letters import DeadLetterStore
+from tests.failing_processors import SCRIPT
 
 BASE = """
 processors = ["tests.processors"]
@@ -350,6 +352,7 @@ def test_a_route_failure_policy_comes_from_the_file(tmp_path, chdb_transport):
     text = text.replace(
         'processors = ["tests.processors"]', 'processors = ["tests.failing_processors"]'
     )
+    text += f'[dead_letters]\npath = "{tmp_path / "dead.sqlite"}"\n'
     config = load_config(write(tmp_path, text))
     policy = config.routes[1].failure_policy
     assert policy == FailurePolicy(
@@ -416,3 +419,36 @@ def test_what_is_not_data_cannot_be_set_from_a_file(tmp_path):
         "routes[0]: extra fields found (predicate)",
         "extra fields found (source)",
     ]
+
+
+def test_call_timeout_is_the_deadline_the_running_routes_apply(tmp_path, chdb_transport, capsys):
+    text = base(chdb_transport, unique("slow")).replace(
+        'processor = "test.norms"\n',
+        'processor = "fail.hangs"\nfailure_policy = { max_failures = 1, failure_window = 0 }\n',
+    )
+    text = text.replace(
+        'processors = ["tests.processors"]', 'processors = ["tests.failing_processors"]'
+    )
+    path = write(tmp_path, text + f'[dead_letters]\npath = "{tmp_path / "dead.sqlite"}"\n')
+    argv = ["run", "--config", str(path), "--rate", "100", "--duration", "0.1"]
+    results = {}
+    for label, extra in (("file's 5 s", []), ("--call-timeout 0.2", ["--call-timeout", "0.2"])):
+        SCRIPT.reset()
+        release = threading.Timer(1.0, SCRIPT.release_hang.set)  # the call returns after 1 s
+        release.start()
+        try:
+            assert main(argv + extra) == 0
+        finally:
+            release.cancel()
+            SCRIPT.release_hang.set()
+        out = capsys.readouterr().out
+        results[label] = re.search(r"route norms: processed (\S+), emitted \S+, failed (\S+)", out)
+    processed, failed = results["file's 5 s"].groups()
+    assert failed == "0" and processed != "0"  # 1 s is within the default deadline
+    processed, failed = results["--call-timeout 0.2"].groups()
+    assert processed == "0" and failed != "0"  # given up at 0.2 s: handler_timeout
+    store = DeadLetterStore(tmp_path / "dead.sqlite", create=False)
+    try:
+        assert {d.code for d in store.list(route="norms")} == {"handler_timeout"}
+    finally:
+        store.close()
