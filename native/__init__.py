@@ -21,11 +21,19 @@ from taproute.native._validate import (
     UNKNOWN_LAYOUT,
     check_descriptors,
 )
-from taproute.native.descriptor import DESCRIPTOR_DTYPE, make_descriptors
+from taproute.native.descriptor import (
+    DESCRIPTOR_DTYPE,
+    FIELD_BOUNDS,
+    DescriptorFieldError,
+    check_field,
+    check_int64,
+    make_descriptors,
+)
 from taproute.native.state import StateRegion
 
 __all__ = [
     "DESCRIPTOR_DTYPE",
+    "FIELD_BOUNDS",
     "NOT_A_PAYLOAD_LAYOUT",
     "OK",
     "RANGE_OUTSIDE_BUFFER",
@@ -33,10 +41,13 @@ __all__ = [
     "UNKNOWN_LAYOUT",
     "UNMATCHED",
     "BufferLease",
+    "DescriptorFieldError",
     "LeaseError",
     "RouteTable",
     "StateRegion",
     "check_descriptors",
+    "check_field",
+    "check_int64",
     "make_descriptors",
     "owner_of",
     "partition_keys",

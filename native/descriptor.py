@@ -7,6 +7,7 @@ batch's one shared buffer.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import numpy as np
@@ -36,6 +37,78 @@ DESCRIPTOR_DTYPE: np.dtype[np.void] = np.dtype(
 IntArrayLike = int | npt.ArrayLike
 
 
+class DescriptorFieldError(ValueError):
+    """A descriptor field's value is not an integer its column can hold.
+
+    Raised where the value is given (``submit``, ``make_descriptors``, a
+    trace), so a bad field is refused before anything is accepted, instead of
+    failing later and taking the records coalesced with it down.
+    """
+
+
+def _field_bounds(name: str) -> tuple[int, int]:
+    info = np.iinfo(DESCRIPTOR_DTYPE.fields[name][0])  # type: ignore[index]
+    return int(info.min), int(info.max)
+
+
+#: Inclusive (min, max) of each integer descriptor field, from the dtype itself.
+FIELD_BOUNDS: dict[str, tuple[int, int]] = {
+    name: _field_bounds(name) for name in DESCRIPTOR_DTYPE.names or ()
+}
+_INT64_MIN, _INT64_MAX = FIELD_BOUNDS["key"]
+
+
+def check_int64(name: str, value: object) -> int:
+    """``value`` as an int if it fits the int64 descriptor field ``name``; else raise.
+
+    The fast path (a plain int in range) is two comparisons: single-record
+    ``submit`` calls this per field.
+    """
+    if type(value) is int and _INT64_MIN <= value <= _INT64_MAX:
+        return value
+    return check_field(name, value)
+
+
+def check_field(name: str, value: object) -> int:
+    """``value`` as an int if the descriptor field ``name`` can hold it; else raise
+    :class:`DescriptorFieldError` naming the field, the value and the range."""
+    low, high = FIELD_BOUNDS[name]
+    if isinstance(value, bool | np.bool_):
+        raise DescriptorFieldError(f"{name} must be an integer, got a bool ({value!r})")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise DescriptorFieldError(
+            f"{name} must be an integer, got {type(value).__name__} ({value!r})"
+        ) from None
+    if not low <= number <= high:
+        raise DescriptorFieldError(f"{name}={number} is outside its range [{low}, {high}]")
+    return number
+
+
+def _checked(name: str, value: IntArrayLike) -> IntArrayLike:
+    """``value`` unchanged if every element fits field ``name``; else raise.
+
+    Arrays whose dtype already casts safely cost nothing; only wider or
+    unsigned integer arrays are scanned (min/max), and only once.
+    """
+    if np.ndim(value) == 0:
+        return check_field(name, value.item() if isinstance(value, np.ndarray) else value)
+    array = np.asarray(value)
+    target = DESCRIPTOR_DTYPE.fields[name][0]  # type: ignore[index]
+    if array.dtype.kind == "O":  # Python ints too wide for int64, or mixed objects
+        return np.array([check_field(name, item) for item in array.ravel()], dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise DescriptorFieldError(f"{name} must be integers, got an array of {array.dtype}")
+    if array.size and not np.can_cast(array.dtype, target):
+        low, high = FIELD_BOUNDS[name]
+        found_low, found_high = int(array.min()), int(array.max())
+        if found_low < low or found_high > high:
+            bad = found_low if found_low < low else found_high
+            raise DescriptorFieldError(f"{name}={bad} is outside its range [{low}, {high}]")
+    return array
+
+
 def make_descriptors(
     output_ids: IntArrayLike,
     lengths: IntArrayLike,
@@ -62,16 +135,18 @@ def make_descriptors(
         else:
             count = 1
     desc = np.zeros(count, dtype=DESCRIPTOR_DTYPE)
-    desc["output_id"] = output_ids
-    desc["layout_id"] = layout_ids
-    desc["length"] = lengths
+    desc["output_id"] = _checked("output_id", output_ids)
+    desc["layout_id"] = _checked("layout_id", layout_ids)
+    desc["length"] = _checked("length", lengths)
     if offsets is None:
         lengths_arr = desc["length"]
         desc["offset"][1:] = np.cumsum(lengths_arr[:-1])
     else:
-        desc["offset"] = offsets
-    desc["key"] = keys
-    desc["step"] = steps
-    desc["seq"] = np.arange(count) if seqs is None else seqs
-    desc["timestamp_ns"] = time.time_ns() if timestamps_ns is None else timestamps_ns
+        desc["offset"] = _checked("offset", offsets)
+    desc["key"] = _checked("key", keys)
+    desc["step"] = _checked("step", steps)
+    desc["seq"] = np.arange(count) if seqs is None else _checked("seq", seqs)
+    desc["timestamp_ns"] = (
+        time.time_ns() if timestamps_ns is None else _checked("timestamp_ns", timestamps_ns)
+    )
     return desc

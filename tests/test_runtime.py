@@ -338,3 +338,47 @@ def test_try_submit_batch_refuses_instead_of_waiting_when_ingress_is_full():
     slow.gate.set()
     runtime.close(timeout=10)
     assert slow.records == 16 * accepted
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("key", 2**70),
+        ("step", -(2**63) - 1),
+        ("seq", 2**64),
+        ("timestamp_ns", 2**63),
+        ("key", 1.5),
+        ("step", True),
+    ],
+)
+def test_a_bad_submit_field_is_refused_at_the_call_and_loses_nothing(field, value):
+    from taproute.native import DescriptorFieldError
+
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": cap})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        for i in range(5):
+            runtime.submit(q, np.full(4, i, np.float32), key=i)
+        with pytest.raises(DescriptorFieldError, match=field) as refused:
+            runtime.submit(q, np.full(4, 99, np.float32), **{field: value})
+        assert "range" in str(refused.value) or "integer" in str(refused.value)
+        for i in range(5, 10):
+            runtime.submit(q, np.full(4, i, np.float32), key=i)
+        runtime.flush()  # the loop is alive and nothing coalesced beside the bad call was lost
+        assert sorted(int(k) for b in cap.batches for k in b.descriptors["key"]) == list(
+            range(10)
+        )
+    cap.clear()
+
+
+def test_make_descriptors_names_the_field_that_does_not_fit():
+    from taproute.native import DescriptorFieldError
+
+    with pytest.raises(DescriptorFieldError, match=r"key=1180591620717411303424 is outside"):
+        make_descriptors(0, 4, keys=[1, 2**70])
+    with pytest.raises(DescriptorFieldError, match="key=18446744073709551615"):
+        make_descriptors(0, 4, keys=np.array([1, 2**64 - 1], np.uint64))
+    with pytest.raises(DescriptorFieldError, match="float64"):
+        make_descriptors(0, 4, steps=np.array([0.5]))
+    # Narrower integer arrays are taken as they are.
+    assert list(make_descriptors(0, 4, keys=np.arange(3, dtype=np.uint32))["key"]) == [0, 1, 2]

@@ -18,6 +18,7 @@ from hypercorn.trio import serve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,20 +26,42 @@ from starlette.routing import Route
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
-from taproute.service.ops.endpoints import dead_letter_routes, trace_route
+from taproute.service.ops.endpoints import (
+    DEFAULT_MAX_BODY_BYTES,
+    dead_letter_routes,
+    json_error,
+    trace_route,
+)
 
 
-@attrs.frozen
+def _check_token(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    # A header value travels as visible ASCII: a token outside it could never be
+    # presented, and every control request would fail. Refuse it up front.
+    if value is not None and (not value or not value.isascii() or not value.isprintable()):
+        raise ValueError(
+            "HttpConfig.token must be non-empty printable ASCII (it is sent in an "
+            "'Authorization: Bearer' header)"
+        )
+
+
+@attrs.frozen(kw_only=True)
 class HttpConfig:
     """Where the HTTP endpoint listens (port 0: any free port).
 
     ``token``: the bearer token mutating endpoints (dead-letter skip and
-    reroute) require; without one they are refused.
+    reroute) require; without one they are refused.  ``max_body_bytes``: the
+    largest request body accepted (``POST /trace``); a larger one gets 413
+    before it is read into memory.
     """
 
     host: str = "127.0.0.1"
-    port: int = 9464
-    token: str | None = attrs.field(default=None, repr=False)
+    port: int = attrs.field(
+        default=9464, validator=[attrs.validators.ge(0), attrs.validators.le(65_535)]
+    )
+    token: str | None = attrs.field(default=None, repr=False, validator=_check_token)
+    max_body_bytes: int = attrs.field(
+        default=DEFAULT_MAX_BODY_BYTES, validator=attrs.validators.ge(1)
+    )
 
 
 def snapshot_as_json(snapshot: ServiceSnapshot) -> dict[str, Any]:
@@ -51,8 +74,13 @@ def build_app(
     *,
     controls: DeadLetterControls | None = None,
     trace: Callable[..., Any] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
-    """The ASGI app over a snapshot function (and the operator controls, if given)."""
+    """The ASGI app over a snapshot function (and the operator controls, if given).
+
+    Every refusal, Starlette's own 404 and 405 included, is a 4xx with the
+    JSON body ``{"error": "..."}``; a bug answers a JSON 500.
+    """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
 
@@ -82,8 +110,20 @@ def build_app(
     if controls is not None:
         routes += dead_letter_routes(controls)
     if trace is not None:
-        routes.append(trace_route(trace))
-    return Starlette(routes=routes)
+        routes.append(trace_route(trace, max_body_bytes))
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return json_error(exc.status_code, exc.detail)
+
+
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    return json_error(500, f"internal error: {type(exc).__name__}")
 
 
 async def serve_http(

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
-from taproute.native import BufferLease
+from taproute.native import BufferLease, check_int64
 from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import SinkClosed, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
@@ -360,14 +360,16 @@ class RecordRuntime:
             raise self.schema.size_rule(layout_id).mismatch(
                 size, hook=self.hooks.name_of(output_id)
             )
+        # Checked here, at the call: a field the descriptor can't hold must not
+        # reach the coalesced batch, where it would take the others down with it.
         row = (
             output_id,
             layout_id,
             0,
-            key,
-            step,
-            next(self._seq) if seq is None else seq,
-            time.time_ns() if timestamp_ns is None else timestamp_ns,
+            check_int64("key", key),
+            check_int64("step", step),
+            next(self._seq) if seq is None else check_int64("seq", seq),
+            time.time_ns() if timestamp_ns is None else check_int64("timestamp_ns", timestamp_ns),
         )
         self._ingress.put_record(row, data)
 

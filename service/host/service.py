@@ -90,6 +90,7 @@ class RecordService:
             runtime.snapshot,  # on the loop thread: read directly, no crossing
             controls=self.controls,
             trace=self._trace,
+            max_body_bytes=self.http.max_body_bytes,
         )
         async with trio.open_nursery() as nursery:
             self.http_urls = await nursery.start(serve_http, app, self.http)

@@ -8,6 +8,7 @@ Mutations need the configured bearer token; without one they are refused.
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +18,55 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from taproute.routing.errors import IngressFull
+from taproute.routing.errors import IngressFull, TaprouteError
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
 
-def _error(status: int, message: str) -> JSONResponse:
+#: Request bodies past this many bytes are refused with 413 (``HttpConfig.max_body_bytes``).
+DEFAULT_MAX_BODY_BYTES = 2**20
+
+#: Dead-letter ids are SQLite rowids: positive int64.
+_MAX_LETTER_ID = 2**63 - 1
+
+
+def json_error(status: int, message: str) -> JSONResponse:
+    """The one error shape of every endpoint: ``{"error": message}`` with ``status``."""
     return JSONResponse({"error": message}, status_code=status)
+
+
+_error = json_error
+
+
+class BodyTooLarge(Exception):
+    """A request body past the configured limit."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (:class:`BodyTooLarge`) past ``limit`` bytes.
+
+    A declared ``Content-Length`` over the limit is refused before reading;
+    otherwise the body is read in chunks and refused as soon as it passes the
+    limit, so a large body never sits in memory whole.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
@@ -33,17 +76,22 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
     def authorized(request: Request) -> JSONResponse | None:
         if controls.token is None:
             return _error(403, "mutating endpoints are disabled: no token is configured")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given, f"Bearer {controls.token}"):
+        # Compared as bytes: a header may carry any latin-1 byte, and
+        # compare_digest refuses non-ASCII str.
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, f"Bearer {controls.token}".encode()):
             return _error(401, "a valid 'Authorization: Bearer <token>' header is required")
         return None
 
     def letter_id(request: Request) -> int | JSONResponse:
         raw = request.path_params["letter_id"]
         try:
-            return int(raw)
+            ident = int(raw)
         except ValueError:
             return _error(400, f"dead letter id must be an integer, got {raw!r}")
+        if not 1 <= ident <= _MAX_LETTER_ID:
+            return _error(400, f"dead letter id must be in [1, {_MAX_LETTER_ID}], got {raw}")
+        return ident
 
     async def list_letters(request: Request) -> JSONResponse:
         query = request.query_params
@@ -106,23 +154,31 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
     ]
 
 
-def trace_route(trace: Callable[..., Any]) -> Route:
-    """``POST /trace``: where a record would go, and why (a dry run)."""
-    return Route("/trace", _trace_endpoint(trace), methods=["POST"])
+def trace_route(trace: Callable[..., Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Route:
+    """``POST /trace``: where a record would go, and why (a dry run).
+
+    The body is bounded (413 past ``max_body_bytes``) and parsed in a worker
+    thread, so no request can hold the loop the routes run on.
+    """
+    return Route("/trace", _trace_endpoint(trace, max_body_bytes), methods=["POST"])
 
 
-def _trace_endpoint(trace: Callable[..., Any]) -> Callable[[Request], Any]:
+def _trace_endpoint(trace: Callable[..., Any], max_body_bytes: int) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> JSONResponse:
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, 'the body must be JSON: {"hook": ..., "key": ...}')
+            raw = await read_body(request, max_body_bytes)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        try:
+            body = await trio.to_thread.run_sync(_parse_json, raw)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
+            return _error(400, f'the body must be JSON {{"hook": ..., "key": ...}}: {exc}')
         if not isinstance(body, dict) or not isinstance(body.get("hook"), str):
             return _error(400, 'the body must name the hook: {"hook": "layers.0.q", ...}')
         fields = {k: v for k, v in body.items() if k != "hook"}
         try:
             result = trace(body["hook"], **fields)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, LookupError, TaprouteError) as exc:
             return _error(400, str(exc))
         return JSONResponse(attrs.asdict(result))
 
