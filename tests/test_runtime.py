@@ -365,9 +365,7 @@ def test_a_bad_submit_field_is_refused_at_the_call_and_loses_nothing(field, valu
         for i in range(5, 10):
             runtime.submit(q, np.full(4, i, np.float32), key=i)
         runtime.flush()  # the loop is alive and nothing coalesced beside the bad call was lost
-        assert sorted(int(k) for b in cap.batches for k in b.descriptors["key"]) == list(
-            range(10)
-        )
+        assert sorted(int(k) for b in cap.batches for k in b.descriptors["key"]) == list(range(10))
     cap.clear()
 
 

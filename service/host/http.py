@@ -34,7 +34,9 @@ from taproute.service.ops.endpoints import (
 )
 
 
-def _check_token(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+def _check_token(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
     # A header value travels as visible ASCII: a token outside it could never be
     # presented, and every control request would fail. Refuse it up front.
     if value is not None and (not value or not value.isascii() or not value.isprintable()):

@@ -22,7 +22,6 @@ from taproute.routing.errors import IngressFull, TaprouteError
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
-
 #: Request bodies past this many bytes are refused with 413 (``HttpConfig.max_body_bytes``).
 DEFAULT_MAX_BODY_BYTES = 2**20
 
@@ -33,9 +32,6 @@ _MAX_LETTER_ID = 2**63 - 1
 def json_error(status: int, message: str) -> JSONResponse:
     """The one error shape of every endpoint: ``{"error": message}`` with ``status``."""
     return JSONResponse({"error": message}, status_code=status)
-
-
-_error = json_error
 
 
 class BodyTooLarge(Exception):
@@ -75,12 +71,12 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
 
     def authorized(request: Request) -> JSONResponse | None:
         if controls.token is None:
-            return _error(403, "mutating endpoints are disabled: no token is configured")
+            return json_error(403, "mutating endpoints are disabled: no token is configured")
         # Compared as bytes: a header may carry any latin-1 byte, and
         # compare_digest refuses non-ASCII str.
         given = request.headers.get("authorization", "").encode("latin-1")
         if not hmac.compare_digest(given, f"Bearer {controls.token}".encode()):
-            return _error(401, "a valid 'Authorization: Bearer <token>' header is required")
+            return json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
         return None
 
     def letter_id(request: Request) -> int | JSONResponse:
@@ -88,9 +84,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         try:
             ident = int(raw)
         except ValueError:
-            return _error(400, f"dead letter id must be an integer, got {raw!r}")
+            return json_error(400, f"dead letter id must be an integer, got {raw!r}")
         if not 1 <= ident <= _MAX_LETTER_ID:
-            return _error(400, f"dead letter id must be in [1, {_MAX_LETTER_ID}], got {raw}")
+            return json_error(400, f"dead letter id must be in [1, {_MAX_LETTER_ID}], got {raw}")
         return ident
 
     async def list_letters(request: Request) -> JSONResponse:
@@ -98,10 +94,10 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         try:
             older_than = float(query["older_than"]) if "older_than" in query else None
         except ValueError:
-            return _error(400, f"older_than must be seconds, got {query['older_than']!r}")
+            return json_error(400, f"older_than must be seconds, got {query['older_than']!r}")
         state = query.get("state", "dead")
         if state not in ("dead", "skipped", "rerouted", "all"):
-            return _error(400, f"state must be dead, skipped, rerouted or all, got {state!r}")
+            return json_error(400, f"state must be dead, skipped, rerouted or all, got {state!r}")
         letters = await trio.to_thread.run_sync(
             lambda: store.list(
                 route=query.get("route"),
@@ -119,7 +115,7 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         try:
             letter = await trio.to_thread.run_sync(store.get, ident)
         except DeadLetterNotFound as exc:
-            return _error(404, str(exc))
+            return json_error(404, str(exc))
         body = letter.summary()
         body["traceback"] = letter.traceback
         body["payload_bytes"] = len(letter.payload or b"")
@@ -136,9 +132,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             try:
                 letter = await trio.to_thread.run_sync(action, ident)
             except DeadLetterNotFound as exc:
-                return _error(404, str(exc))
+                return json_error(404, str(exc))
             except IngressFull as exc:
-                return _error(503, str(exc))
+                return json_error(503, str(exc))
             return JSONResponse(letter.summary())
 
         return endpoint
@@ -168,18 +164,18 @@ def _trace_endpoint(trace: Callable[..., Any], max_body_bytes: int) -> Callable[
         try:
             raw = await read_body(request, max_body_bytes)
         except BodyTooLarge as exc:
-            return _error(413, str(exc))
+            return json_error(413, str(exc))
         try:
             body = await trio.to_thread.run_sync(_parse_json, raw)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
-            return _error(400, f'the body must be JSON {{"hook": ..., "key": ...}}: {exc}')
+            return json_error(400, f'the body must be JSON {{"hook": ..., "key": ...}}: {exc}')
         if not isinstance(body, dict) or not isinstance(body.get("hook"), str):
-            return _error(400, 'the body must name the hook: {"hook": "layers.0.q", ...}')
+            return json_error(400, 'the body must name the hook: {"hook": "layers.0.q", ...}')
         fields = {k: v for k, v in body.items() if k != "hook"}
         try:
             result = trace(body["hook"], **fields)
         except (TypeError, ValueError, LookupError, TaprouteError) as exc:
-            return _error(400, str(exc))
+            return json_error(400, str(exc))
         return JSONResponse(attrs.asdict(result))
 
     return endpoint
