@@ -95,12 +95,14 @@ def _checked(name: str, value: IntArrayLike) -> IntArrayLike:
     if np.ndim(value) == 0:
         return check_field(name, value.item() if isinstance(value, np.ndarray) else value)
     array = np.asarray(value)
+    if array.size == 0:  # an empty list is float64 to numpy; there is nothing to check
+        return array
     target = DESCRIPTOR_DTYPE.fields[name][0]  # type: ignore[index]
     if array.dtype.kind == "O":  # Python ints too wide for int64, or mixed objects
         return np.array([check_field(name, item) for item in array.ravel()], dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise DescriptorFieldError(f"{name} must be integers, got an array of {array.dtype}")
-    if array.size and not np.can_cast(array.dtype, target):
+    if not np.can_cast(array.dtype, target):
         low, high = FIELD_BOUNDS[name]
         found_low, found_high = int(array.min()), int(array.max())
         if found_low < low or found_high > high:
