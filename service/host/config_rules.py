@@ -111,7 +111,7 @@ LIMITS: dict[type, dict[str, Limit]] = {
         "max_backoff": Limit(0.001, _DAY),
         "multiplier": Limit(1, 10),
     },
-    HttpConfig: {"port": Limit(0, 65_535)},
+    HttpConfig: {"port": Limit(0, 65_535), "max_body_bytes": Limit(1, 2**30)},
 }
 
 #: Fields of library classes a file cannot set (not data: callables, provenance).
