@@ -21,5 +21,12 @@ COALESCE_RECORDS = 4096
 
 def capped_backoff(initial: float, multiplier: float, maximum: float, failures: int) -> float:
     """Seconds to wait after the ``failures``-th failure (1-based): exponential
-    from ``initial`` by ``multiplier``, never more than ``maximum``."""
-    return min(maximum, initial * multiplier ** (failures - 1))
+    from ``initial`` by ``multiplier``, never more than ``maximum``.
+
+    Defined for any number of failures: past the cap the power is never taken
+    (``multiplier ** failures`` overflows a float after about a thousand).
+    """
+    try:
+        return min(maximum, initial * multiplier ** max(failures - 1, 0))
+    except OverflowError:  # a float power past ~1e308: far beyond any cap
+        return maximum

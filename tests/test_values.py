@@ -85,3 +85,13 @@ def test_route_and_insert_retries_back_off_by_the_one_formula():
     assert [policy.backoff(n) for n in range(1, 6)] == expected
     assert [retry.backoff(n) for n in range(1, 6)] == expected
     assert [limits.capped_backoff(0.5, 3.0, 10.0, n) for n in range(1, 6)] == expected
+
+
+def test_capped_backoff_is_defined_for_any_number_of_failures():
+    from taproute.routing.limits import capped_backoff
+
+    assert [capped_backoff(2.0, 2.0, 300.0, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 16.0]
+    assert capped_backoff(2.0, 2.0, 300.0, 9) == 300.0
+    # Past ~1,000 failures the power overflows a float: the cap still answers.
+    assert capped_backoff(0.001, 2.0, 0.001, 1_100) == 0.001
+    assert capped_backoff(2.0, 2.0, 300.0, 10**6) == 300.0
