@@ -96,6 +96,9 @@ class ServerConfig:
     embed_max_batch: int = 32
     generate_max_batch: int = 16
     max_new_tokens_limit: int = 128
+    #: How long a capture may hold the model waiting for ingress room (seconds);
+    #: past it the records are shed and counted.  None: wait (never shed).
+    max_block_s: float | None = 0.05
     gpt2: Gpt2Size = Gpt2Size()
     seed: int = 0
 
@@ -326,7 +329,7 @@ class Capture:
             },
             unmatched="drop",
         )
-        self.runtime = create_record_runtime(record_sink=sink)
+        self.runtime = create_record_runtime(record_sink=sink, max_block=config.max_block_s)
         pool = HostBufferPool()
         self.bindings = []
         for prefix, model, h in (
@@ -351,7 +354,8 @@ class Capture:
         models.done = self.done
 
     def done(self, prefix: str, request_ids: list[int]) -> None:
-        """Mark requests finished: one empty record each on the summary route."""
+        """Mark requests finished: one empty record each on the summary route
+        (under the same blocking budget as the hooks: shed and counted past it)."""
         from taproute.service import make_descriptors
 
         descriptors = make_descriptors(
@@ -362,7 +366,8 @@ class Capture:
             layout_ids=SCHEMA.layout_id("activations"),
             keys=np.asarray(request_ids, dtype=np.int64),
         )
-        self.runtime.submit_batch(descriptors, self._empty)
+        if not self.runtime.offer_batch(descriptors, self._empty):
+            self.runtime.count_dropped(f"{prefix}.{DONE}", "max_block", len(request_ids))
 
     def flush(self) -> dict[str, Any]:
         """Everything captured so far into ClickHouse; then what is where."""
@@ -378,6 +383,8 @@ class Capture:
         return {
             "submitted": ingress.submitted if ingress else 0,
             "rejected": ingress.rejected if ingress else 0,
+            "shed": ingress.shed if ingress else 0,
+            "dropped": dict(ingress.dropped) if ingress else {},
             "blocked_seconds": ingress.blocked_seconds if ingress else 0.0,
             "routes": {
                 name: {"processed": r.processed, "emitted": r.emitted, "failed": r.failed}
@@ -514,6 +521,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=4.0)
     parser.add_argument("--embed-max-batch", type=int, default=32)
     parser.add_argument("--generate-max-batch", type=int, default=16)
+    parser.add_argument(
+        "--max-block-ms", type=float, default=50.0, help="capture's blocking budget; < 0: none"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -526,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_window_s=args.batch_window_ms / 1000,
             embed_max_batch=args.embed_max_batch,
             generate_max_batch=args.generate_max_batch,
+            max_block_s=None if args.max_block_ms < 0 else args.max_block_ms / 1000,
         )
     )
     url = server.start()
