@@ -489,7 +489,7 @@ class InferenceServer:
 def _server_metrics(capture: Capture | None) -> tuple[Any, dict[str, Any]]:
     from prometheus_client import CollectorRegistry, Counter, Histogram
 
-    from taproute.service.host.metrics import SnapshotCollector
+    from taproute.service import SnapshotCollector
 
     registry = CollectorRegistry()
     metrics = {

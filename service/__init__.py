@@ -37,6 +37,7 @@ from taproute.routing import (
 )
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
+from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
@@ -115,6 +116,7 @@ __all__ = [
     "RowBatch",
     "SchemaMismatch",
     "ServiceSnapshot",
+    "SnapshotCollector",
     "SlotSpec",
     "create_record_runtime",
     "make_descriptors",
