@@ -69,8 +69,15 @@ from taproute.service.sinks.clickhouse.readback import (
     load_captures,
     load_rows,
 )
+from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
+from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 
 __all__ = [
+    "Backoff",
+    "Spool",
+    "SpoolConfig",
+    "SpoolFull",
+    "SpoolingSink",
     "run_replay",
     "batch_processor",
     "UnitsFailed",

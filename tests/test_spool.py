@@ -79,7 +79,7 @@ async def test_a_selection_is_stored_compactly_and_reads_back_the_selected_recor
     entry = spool.first()
     assert entry is not None
     # header, head, three descriptors, and only the three records' payloads
-    assert entry.size == HEADER.size + 9 + 3 * DESCRIPTOR_DTYPE.itemsize + 3 * 16
+    assert entry.size == HEADER.size + 2 + 9 + 3 * DESCRIPTOR_DTYPE.itemsize + 3 * 16
     got = (await spool.read(entry)).batch
     assert isinstance(got, RecordBatch)
     np.testing.assert_array_equal(values(got), values(part))
@@ -135,7 +135,7 @@ async def test_a_corrupt_frame_ends_its_segment_but_later_segments_still_replay(
     await spool.aclose()
     middle = sorted(tmp_path.glob("*.seg"))[1]
     data = bytearray(middle.read_bytes())
-    data[HEADER.size + 40] ^= 0xFF  # a flipped bit in the payload
+    data[HEADER.size + 42] ^= 0xFF  # a flipped bit in the payload
     middle.write_bytes(bytes(data))
 
     again = Spool.open(config)

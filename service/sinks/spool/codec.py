@@ -26,6 +26,7 @@ ROWS = 2
 
 _RECORDS_HEAD = struct.Struct("<BQ")  # kind, descriptor count
 _ROWS_HEAD = struct.Struct("<BI")  # kind, JSON header length
+_TOKEN = struct.Struct("<H")  # length of a deduplication token fixed before spooling
 
 
 class SpoolDecodeError(ValueError):
@@ -44,8 +45,18 @@ def _contiguous(batch: RecordBatch) -> bool:
     return bool(np.array_equal(offsets[1:], ends[:-1])) and int(ends[-1]) == len(batch.payload)
 
 
-def encode(batch: Batch) -> list[bytes | memoryview]:
-    """The buffers of one frame body for ``batch`` (no copy of a contiguous payload)."""
+def encode(batch: Batch, token: str | None = None) -> list[bytes | memoryview]:
+    """The buffers of one frame body for ``batch`` (no copy of a contiguous payload).
+
+    ``token`` is the deduplication token already used for ``batch`` (a batch
+    tried on the memory path before it was spooled keeps its token, so a
+    reply lost on that try is not a duplicate on replay).
+    """
+    raw_token = (token or "").encode()
+    return [_TOKEN.pack(len(raw_token)) + raw_token, *_encode_batch(batch)]
+
+
+def _encode_batch(batch: Batch) -> list[bytes | memoryview]:
     if isinstance(batch, RecordBatch):
         descriptors = batch.descriptors
         if _contiguous(batch):
@@ -73,9 +84,17 @@ def encode(batch: Batch) -> list[bytes | memoryview]:
     return [_ROWS_HEAD.pack(ROWS, len(head)), head, body]
 
 
-def decode(body: bytes | memoryview) -> Batch:
-    """The batch one frame body holds (its memory is ``body``'s)."""
+def decode(body: bytes | memoryview) -> tuple[Batch, str | None]:
+    """The batch one frame body holds (its memory is ``body``'s) and its fixed token."""
     view = memoryview(body)
+    if len(view) < _TOKEN.size:
+        raise SpoolDecodeError("frame body shorter than its token length")
+    (token_len,) = _TOKEN.unpack_from(view)
+    token = bytes(view[_TOKEN.size : _TOKEN.size + token_len]).decode() or None
+    return _decode_batch(view[_TOKEN.size + token_len :]), token
+
+
+def _decode_batch(view: memoryview) -> Batch:
     if len(view) < 1:
         raise SpoolDecodeError("empty frame body")
     kind = view[0]

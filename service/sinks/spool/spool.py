@@ -151,14 +151,15 @@ class Spool:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def append(self, batch: Batch) -> Outcome:
+    async def append(self, batch: Batch, token: str | None = None) -> Outcome:
         """Put ``batch`` on disk, applying the quota policy when the spool is full.
 
         ``"spooled"``: it is in the spool (durable per the fsync policy);
         ``"dropped"`` / ``"dead_lettered"``: the policy shed it (counted).
         Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``.
+        ``token``: a deduplication token the batch was already sent with.
         """
-        buffers = encode(batch)
+        buffers = encode(batch, token)
         size = sum(memoryview(b).nbytes for b in buffers)
         if not self._has_room(size):
             policy = self.config.when_full
@@ -213,6 +214,10 @@ class Spool:
         """The oldest unacknowledged frame, if any."""
         return self._log.entries[0] if self._log.entries else None
 
+    async def wait_changed(self) -> None:
+        """Return at the next append or ack."""
+        await self._changed.wait()
+
     async def wait_nonempty(self) -> None:
         """Return once the spool holds an unacknowledged frame."""
         while not self._log.entries:
@@ -221,9 +226,9 @@ class Spool:
     async def read(self, entry: Entry) -> Spooled:
         """The batch of ``entry``, decoded from disk."""
         body = await trio.to_thread.run_sync(self._log.read, entry)
-        batch = decode(body)
+        batch, token = decode(body)
         self._records.setdefault(entry.seq, len(batch))
-        return Spooled(entry.seq, batch, self.token(entry.seq), len(batch))
+        return Spooled(entry.seq, batch, token or self.token(entry.seq), len(batch))
 
     async def ack(self, seq: int) -> None:
         """``seq`` and everything before it left the spool (delivered or given up on)."""
