@@ -223,6 +223,18 @@ def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
     return lines
 
 
+def _table_parts(table: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """A result's table as (columns, rows): ``columns`` + list rows, or rows
+    given as dicts (columns taken from their keys, in order)."""
+    rows = table.get("rows", [])
+    columns = list(table.get("columns") or [])
+    if rows and isinstance(rows[0], dict):
+        for row in rows:
+            columns += [key for key in row if key not in columns]
+        return columns, [[row.get(c) for c in columns] for row in rows]
+    return columns, [list(row) for row in rows]
+
+
 def _comparison_rows(comparisons: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for c in comparisons:
@@ -352,12 +364,8 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
             lines += [f"**{curve['title']}** ({curve.get('y_label', '')})", ""]
             lines += [*_table(columns, rows), ""]
         for table in result.get("tables", []):
-            lines += [
-                f"**{table['title']}**",
-                "",
-                *_table(table["columns"], table["rows"]),
-                "",
-            ]
+            columns, rows = _table_parts(table)
+            lines += [f"**{table.get('title', '')}**", "", *_table(columns, rows), ""]
         for t in result.get("targets", []):
             lines.append(
                 f"- target `{t['name']}`: {'met' if t['met'] else '**MISSED**'} — {t['detail']}"

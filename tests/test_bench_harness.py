@@ -113,3 +113,10 @@ def test_discover_picks_up_any_script_that_imports_the_harness(tmp_path, monkeyp
     (tmp_path / "route_throughput.py").write_text("import harness\n")
     monkeypatch.setattr(run_all, "HERE", tmp_path)
     assert run_all.discover() == ["route_throughput", "mine"]
+
+
+def test_tables_with_dict_rows_render():
+    import run_all
+
+    columns, rows = run_all._table_parts({"title": "t", "rows": [{"a": 1, "b": 2}, {"a": 3}]})
+    assert columns == ["a", "b"] and rows == [[1, 2], [3, None]]
