@@ -65,8 +65,8 @@ class Gpt2Size:
     """A GPT-2 shape (random weights): small enough to build in a test."""
 
     layers: int = 4
-    hidden: int = 256
-    heads: int = 8
+    hidden: int = 192
+    heads: int = 12  # as GPT-2 small (and MiniLM): one head_norms column serves both
     positions: int = 512
 
     def hooks(self) -> ModelHooks:

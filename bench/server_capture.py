@@ -5,8 +5,8 @@ Three routes over the hooks :mod:`bench.inference_server` binds:
 - ``raw``: the hidden states of a few layers (MiniLM layers 0 and 5, every
   GPT-2 block) forwarded untouched to ClickHouse -> ``raw_activations``;
 - ``head_norms`` (stateless): per attention head, the mean L2 norm of the
-  query vectors over a record's tokens -> ``head_norms``, one row per
-  (record, head);
+  query vectors over a record's tokens -> ``head_norms``, one row per record
+  (both models have ``HEADS`` heads, so one fixed-shape column serves both);
 - ``request_summary`` (stateful, keyed by request id): token count and mean /
   max token-norm of the last layer's hidden states over every forward pass
   of a request, emitted once when the request is done -> ``request_summary``.
@@ -37,6 +37,7 @@ from taproute.service import (
     stateless_processor,
 )
 
+HEADS = 12
 ACTIVATIONS = Layout("activations", [("values", "Array(Float32)")])
 HEAD_NORMS = Layout(
     "head_norms",
@@ -44,9 +45,8 @@ HEAD_NORMS = Layout(
         ("request", "Int64"),
         ("step", "UInt32"),
         ("hook", "LowCardinality(String)"),
-        ("head", "UInt16"),
         ("tokens", "UInt32"),
-        ("norm", "Float32"),
+        ("norms", "Array(Float32)", (HEADS,)),
     ],
 )
 REQUEST_SUMMARY = Layout(
@@ -94,6 +94,11 @@ MODELS: dict[str, ModelHooks] = {}
 
 def register_model(hooks: ModelHooks) -> None:
     """Make a model's geometry known to the processors (at server start)."""
+    if hooks.heads != HEADS or hooks.width % HEADS:
+        raise ValueError(
+            f"model {hooks.prefix!r}: head_norms stores {HEADS} heads per row; the model has "
+            f"{hooks.heads} heads over width {hooks.width}"
+        )
     MODELS[hooks.prefix] = hooks
 
 
@@ -104,22 +109,19 @@ def _model_of(hook: str) -> ModelHooks:
 @stateless_processor("server.head_norms", input="activations", output="head_norms")
 def head_norms(records: Records) -> npt.NDArray[np.void]:
     """Mean L2 norm of each head's query vectors over a record's tokens."""
-    parts = []
+    rows = np.empty(len(records), dtype=HEAD_NORMS.dtype)
     desc = records.descriptors
+    rows["request"] = desc["key"]
+    rows["step"] = desc["step"]
     for i in range(len(records)):
         hook = records.hook_name(i)
         model = _model_of(hook)
         tokens = records.tail(i).reshape(-1, model.query_stride)[:, : model.width]
-        per_head = tokens.reshape(len(tokens), model.heads, -1)
-        rows = np.empty(model.heads, dtype=HEAD_NORMS.dtype)
-        rows["request"] = desc["key"][i]
-        rows["step"] = desc["step"][i]
-        rows["hook"] = hook
-        rows["head"] = np.arange(model.heads)
-        rows["tokens"] = len(tokens)
-        rows["norm"] = np.linalg.norm(per_head, axis=-1).mean(axis=0)
-        parts.append(rows)
-    return np.concatenate(parts) if parts else np.empty(0, dtype=HEAD_NORMS.dtype)
+        per_head = tokens.reshape(len(tokens), HEADS, -1)
+        rows["hook"][i] = hook
+        rows["tokens"][i] = len(tokens)
+        rows["norms"][i] = np.sqrt(np.einsum("thd,thd->th", per_head, per_head)).mean(axis=0)
+    return rows
 
 
 def summary_slot(descriptors: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:

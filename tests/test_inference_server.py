@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from bench.inference_server import MINILM, Gpt2Size, InferenceServer, ServerConfig  # noqa: E402
 from bench.server_capture import summaries_from_raw  # noqa: E402
 
-TINY = Gpt2Size(layers=2, hidden=64, heads=4, positions=128)
+TINY = Gpt2Size(layers=2, hidden=48, heads=12, positions=128)
 SENTENCES = [
     "The cat sat on the mat.",
     "A GPU kernel that never finishes.",
@@ -134,7 +134,7 @@ def test_clickhouse_rows_per_route_counted_exactly(served, answered):
     gpt2_rows = sum(new for _, new in generates)
     assert report["captured_rows"] == {"minilm": minilm_rows, "gpt2": gpt2_rows}
     raw = 2 * minilm_rows + TINY.layers * gpt2_rows
-    heads = 2 * minilm_rows * MINILM.heads + TINY.layers * gpt2_rows * TINY.heads
+    heads = raw  # one head_norms row per query capture; as many as hidden ones here
     requests = len(embeds) + len(generates)
     assert report["clickhouse_rows"] == {"raw": raw, "head_norms": heads, "summary": requests}
     assert report["routes"]["raw"] == {"processed": raw, "emitted": raw, "failed": 0}
