@@ -21,8 +21,8 @@ async def drain(spool: Spool) -> list[RecordBatch]:
     out = []
     while (entry := spool.first()) is not None:
         got = await spool.read(entry)
-        assert isinstance(got.batch, RecordBatch)
-        out.append(got.batch)
+        assert all(isinstance(b, RecordBatch) for b in got.batches)
+        out.extend(got.batches)
         await spool.ack(got.seq)
     return out
 
@@ -79,8 +79,8 @@ async def test_a_selection_is_stored_compactly_and_reads_back_the_selected_recor
     entry = spool.first()
     assert entry is not None
     # header, head, three descriptors, and only the three records' payloads
-    assert entry.size == HEADER.size + 2 + 9 + 3 * DESCRIPTOR_DTYPE.itemsize + 3 * 16
-    got = (await spool.read(entry)).batch
+    assert entry.size == HEADER.size + 2 + 4 + 8 + 9 + 3 * DESCRIPTOR_DTYPE.itemsize + 3 * 16
+    (got,) = (await spool.read(entry)).batches
     assert isinstance(got, RecordBatch)
     np.testing.assert_array_equal(values(got), values(part))
     np.testing.assert_array_equal(got.descriptors["seq"], [7, 2, 9])
@@ -93,7 +93,7 @@ async def test_row_batches_with_string_columns_round_trip(tmp_path):
     await spool.append(RowBatch(route="r", layout_name="out", rows=rows))
     entry = spool.first()
     assert entry is not None
-    got = (await spool.read(entry)).batch
+    (got,) = (await spool.read(entry)).batches
     assert isinstance(got, RowBatch)
     assert (got.route, got.layout_name) == ("r", "out")
     assert got.rows.tolist() == rows.tolist()
@@ -135,7 +135,7 @@ async def test_a_corrupt_frame_ends_its_segment_but_later_segments_still_replay(
     await spool.aclose()
     middle = sorted(tmp_path.glob("*.seg"))[1]
     data = bytearray(middle.read_bytes())
-    data[HEADER.size + 42] ^= 0xFF  # a flipped bit in the payload
+    data[HEADER.size + 60] ^= 0xFF  # a flipped bit in the payload
     middle.write_bytes(bytes(data))
 
     again = Spool.open(config)
@@ -206,7 +206,7 @@ async def test_quota_block_waits_for_an_ack_then_times_out_when_none_comes(
     spool = Spool.open(
         SpoolConfig(directory=tmp_path, quota_bytes=1000, when_full="block", block_timeout=5.0)
     )
-    while spool.unacked_bytes + 329 <= 1000:
+    while spool.unacked_bytes + 343 <= 1000:
         await spool.append(vec_batch(1, 4))
     results: list[str] = []
 
@@ -223,7 +223,7 @@ async def test_quota_block_waits_for_an_ack_then_times_out_when_none_comes(
     assert results == ["spooled"]
     assert spool.snapshot().blocked_seconds == pytest.approx(1.0)
 
-    while spool.unacked_bytes + 329 <= 1000:
+    while spool.unacked_bytes + 343 <= 1000:
         await spool.append(vec_batch(1, 4))
     before = trio.current_time()
     with pytest.raises(SpoolFull, match="when_full='block'"):
@@ -270,7 +270,7 @@ async def test_snapshot_reports_oldest_unacked_age(tmp_path, autojump_clock):
     await trio.sleep(30)
     await spool.append(vec_batch(1, 2))
     snap = spool.snapshot()
-    assert snap.batches == 2 and snap.segments == 1 and snap.bytes > 0
+    assert snap.frames == 2 and snap.segments == 1 and snap.bytes > 0
     assert snap.oldest_unacked_age_s == pytest.approx(30)
     await spool.ack(1)
     assert spool.snapshot().oldest_unacked_age_s == pytest.approx(0)

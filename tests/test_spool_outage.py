@@ -146,7 +146,7 @@ async def test_an_outage_of_any_length_loses_nothing_and_duplicates_nothing(
     assert stored(backend) == (320, 320)  # every record, exactly once
     counters = sink.snapshot()
     assert counters.accepted_records == counters.delivered_records == 320
-    assert counters.spool.batches == 0
+    assert counters.spool.frames == 0
 
 
 async def test_flapping_with_lost_replies_and_a_refused_batch_accounts_exactly(
@@ -217,7 +217,7 @@ async def test_one_dead_destination_never_latches_the_router_nor_stalls_the_othe
         await router.flush()  # returns: the dead destination's batches are durable
         assert stored(other) == (500, 500)  # the live one got everything
         assert not stuck.health.healthy
-        assert stuck.snapshot().spool.batches > 0
+        assert stuck.snapshot().spool.frames > 0
         assert router.failure is None
     assert stored(backend) == (0, 0)
     # The next start drains what the dead destination still holds.
@@ -232,3 +232,19 @@ async def test_one_dead_destination_never_latches_the_router_nor_stalls_the_othe
         backend.query("SELECT min(seq) AS a, max(seq) AS b FROM {p}_raw_vec").to_pylist(),
         [{"a": 0, "b": 499}],
     )
+
+
+async def test_healthy_outage_mode_groups_batches_that_queue_behind_an_insert(
+    backend, tmp_path, clock
+):
+    faults = FaultyTransport(backend.transport)
+    sink = await make_sink(backend, tmp_path, faults)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(50):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (200, 200)
+    assert faults.inserts < 50  # batches that waited went in together
+    assert sink.snapshot().spool.appended_batches == 0  # never touched the disk

@@ -70,11 +70,13 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Layout
 from taproute.routing.routes import Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
+from taproute.routing.sink import RecordSink
 from taproute.service.host.config_destinations import (
     DestinationConfig,
     destination_problems,
     open_destination,
     prepare_directory,
+    spooled,
 )
 from taproute.service.host.config_rules import (
     ConfigFileError,
@@ -87,7 +89,6 @@ from taproute.service.host.config_rules import (
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
-from taproute.service.sinks.clickhouse import ClickHouseSink
 
 
 @attrs.frozen(kw_only=True)
@@ -190,9 +191,7 @@ class ServiceConfig:
                     ],
                 ) from None
 
-    def destination_factories(
-        self, schema: RecordSchema
-    ) -> dict[str, Callable[[], ClickHouseSink]]:
+    def destination_factories(self, schema: RecordSchema) -> dict[str, Callable[[], RecordSink]]:
         """A factory per destination (the routing sink creates and owns them)."""
         return {
             name: _factory(self.source, name, dest, schema)
@@ -270,8 +269,10 @@ class ServiceConfig:
         self.import_processors()
         schema = self.schema()
         lines = []
-        for name, factory in self.destination_factories(schema).items():
-            sink = factory()
+        for name, dest in self.destinations.items():
+            sink = open_destination(
+                self.source, name, dest, schema, dest.path_under(self.source.parent)
+            )
             lines.append(
                 f"destination {name!r}: {sink.transport.description}, tables "
                 f"{', '.join(sorted(sink.tables))} match the schema"
@@ -289,11 +290,11 @@ def _key(where: str | None) -> str:
 
 def _factory(
     source: Path, name: str, dest: DestinationConfig, schema: RecordSchema
-) -> Callable[[], ClickHouseSink]:
+) -> Callable[[], RecordSink]:
     path = dest.path_under(source.parent)
 
-    def make() -> ClickHouseSink:
-        return open_destination(source, name, dest, schema, path)
+    def make() -> RecordSink:
+        return spooled(source, name, dest, open_destination(source, name, dest, schema, path))
 
     return make
 

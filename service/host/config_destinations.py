@@ -13,13 +13,17 @@ import string
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import attrs
 
 from taproute.routing.errors import TaprouteError
 from taproute.routing.schema import RecordSchema
+from taproute.routing.sink import RecordSink
 from taproute.service.host.config_rules import ConfigFileError
 from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
+from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.spooling import SpoolingSink
 
 #: What a table template must format to: a plain identifier (it is quoted with
 #: backticks in SQL, so a backtick or an unknown ``{field}`` would break it).
@@ -32,7 +36,13 @@ class DestinationConfig:
     the layouts it stores raw and as processed rows, table name templates
     (``{layout}`` is the layout's name), the sink's batching and retry, and
     ``require_deduplication`` (false: opt into at-least-once on tables
-    without a deduplication window)."""
+    without a deduplication window).
+
+    ``spool`` (``"outage"``, default; ``"always"``; ``"off"``) and the
+    ``spool_*`` keys set the destination's disk spool (see the README, "When
+    a destination is down"); ``spool_dir`` defaults to ``<path>-spool/<name>``
+    beside a chDB directory, ``taproute-spool/<name>`` beside the file for a
+    server."""
 
     path: str | None = None
     url: str | None = None
@@ -44,6 +54,22 @@ class DestinationConfig:
     rows_table: str = "{layout}"
     batching: Batching = attrs.Factory(Batching)
     retry: Retry = attrs.Factory(Retry)
+    spool: Literal["outage", "always", "off"] = "outage"
+    spool_dir: str | None = None
+    spool_quota_bytes: int = 1 << 30
+    spool_fsync: Literal["flush", "interval", "batch"] = "flush"
+    spool_fsync_interval: float = 1.0
+    spool_when_full: Literal["block", "drop_newest"] = "block"
+
+    def spool_directory(self, base: Path, name: str) -> Path:
+        """Where this destination's spool lives (relative paths are relative to ``base``)."""
+        if self.spool_dir is not None:
+            path = Path(self.spool_dir)
+            return path if path.is_absolute() else base / path
+        data = self.path_under(base)
+        if data is not None:
+            return data.with_name(data.name + "-spool") / name
+        return base / "taproute-spool" / name
 
     def path_under(self, base: Path) -> Path | None:
         """``path``, relative to ``base`` unless absolute."""
@@ -116,6 +142,36 @@ def prepare_directory(source: Path, path: Path, where: str) -> None:
         ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigFileError(source, [f"{where}: directory {path} is not writable"])
+
+
+def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseSink) -> RecordSink:
+    """``inner`` with its spool, per ``dest.spool`` (``"off"``: ``inner`` itself).
+
+    Opening the spool recovers it: unacknowledged batches a previous run left
+    are delivered first, in order, once the sink runs; damage found (a torn
+    last frame) is truncated and logged, never raised.
+    """
+    if dest.spool == "off":
+        return inner
+    directory = dest.spool_directory(source.parent, name)
+    where = f"destinations.{name}.spool_dir"
+    try:
+        prepare_directory(source, directory, where)
+        spool = Spool.open(
+            SpoolConfig(
+                directory=directory,
+                quota_bytes=dest.spool_quota_bytes,
+                fsync=dest.spool_fsync,
+                fsync_interval=dest.spool_fsync_interval,
+                when_full=dest.spool_when_full,
+            )
+        )
+    except BaseException:
+        inner.transport.close()
+        raise
+    for damage in spool.damage:
+        logging.getLogger("taproute.spool").warning("destination %r: %s", name, damage)
+    return SpoolingSink(name, inner, spool, mode=dest.spool)
 
 
 def _lock_holder(data: Path) -> int | None:

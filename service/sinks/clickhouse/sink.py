@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -401,35 +401,38 @@ class ClickHouseSink:
         data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         self.transport.insert(table, data, dedup_token=token)
 
-    async def insert_now(self, batch: Batch, token: str) -> None:
-        """Insert ``batch`` at once, once per table, with tokens derived from ``token``.
+    async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
+        """Insert ``batches`` at once, one block per table, with tokens derived from ``token``.
 
         For a wrapper that keeps its own durable queue (the spool): no
         buffering and no retry here; a failure is raised, not latched, and
         :meth:`is_transient` says whether the same call may succeed later.
-        A repeat with the same ``token`` writes nothing twice.
+        A repeat with the same ``token`` and batches writes nothing twice.
         """
         parts: dict[str, _Buffer] = {}
-        if isinstance(batch, RowBatch):
-            spec = self._rows.get(batch.layout_name)
-            if spec is None:
-                raise ConfigError(f"ClickHouseSink writes no rows of layout {batch.layout_name!r}")
-            parts.setdefault(spec.name, _Buffer()).items.append(batch)
-        elif len(batch):
-            for layout_id in np.unique(batch.descriptors["layout_id"]):
+        for batch in batches:
+            if isinstance(batch, RowBatch):
+                spec = self._rows.get(batch.layout_name)
+                if spec is None:
+                    raise ConfigError(
+                        f"ClickHouseSink writes no rows of layout {batch.layout_name!r}"
+                    )
+                parts.setdefault(spec.name, _Buffer()).items.append(batch)
+                continue
+            layout_ids = batch.descriptors["layout_id"]
+            for layout_id in np.unique(layout_ids):
                 spec = self._raw.get(int(layout_id))
                 if spec is None:
                     raise ConfigError(
                         f"ClickHouseSink writes no raw records of layout id {layout_id}"
                     )
-                part = batch.select(np.flatnonzero(batch.descriptors["layout_id"] == layout_id))
+                part = batch.select(np.flatnonzero(layout_ids == layout_id))
                 parts.setdefault(spec.name, _Buffer()).items.append(part)
         for table, buffer in parts.items():
-            rows = sum(len(item) for item in buffer.items)
             await trio.to_thread.run_sync(self._insert_blocking, table, buffer, f"{token}-{table}")
             counters = self.counters[table]
             counters.inserts += 1
-            counters.records += rows
+            counters.records += sum(len(item) for item in buffer.items)
             counters.bytes += sum(item.nbytes for item in buffer.items)
 
     def is_transient(self, error: BaseException) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,6 +28,8 @@ ROWS = 2
 _RECORDS_HEAD = struct.Struct("<BQ")  # kind, descriptor count
 _ROWS_HEAD = struct.Struct("<BI")  # kind, JSON header length
 _TOKEN = struct.Struct("<H")  # length of a deduplication token fixed before spooling
+_COUNT = struct.Struct("<I")  # batches in the frame
+_LENGTH = struct.Struct("<Q")  # bytes of one encoded batch
 
 
 class SpoolDecodeError(ValueError):
@@ -45,15 +48,23 @@ def _contiguous(batch: RecordBatch) -> bool:
     return bool(np.array_equal(offsets[1:], ends[:-1])) and int(ends[-1]) == len(batch.payload)
 
 
-def encode(batch: Batch, token: str | None = None) -> list[bytes | memoryview]:
-    """The buffers of one frame body for ``batch`` (no copy of a contiguous payload).
+def encode(batches: Sequence[Batch], token: str | None = None) -> list[bytes | memoryview]:
+    """The buffers of one frame body for ``batches`` (no copy of a contiguous payload).
 
-    ``token`` is the deduplication token already used for ``batch`` (a batch
-    tried on the memory path before it was spooled keeps its token, so a
-    reply lost on that try is not a duplicate on replay).
+    A frame holds the batches that are inserted together under one
+    deduplication token.  ``token`` is that token when one was already used
+    (batches tried on the memory path before they were spooled keep theirs,
+    so a reply lost on that try is not a duplicate on replay).
     """
     raw_token = (token or "").encode()
-    return [_TOKEN.pack(len(raw_token)) + raw_token, *_encode_batch(batch)]
+    out: list[bytes | memoryview] = [
+        _TOKEN.pack(len(raw_token)) + raw_token + _COUNT.pack(len(batches))
+    ]
+    for batch in batches:
+        parts = _encode_batch(batch)
+        out.append(_LENGTH.pack(sum(memoryview(p).nbytes for p in parts)))
+        out.extend(parts)
+    return out
 
 
 def _encode_batch(batch: Batch) -> list[bytes | memoryview]:
@@ -84,14 +95,25 @@ def _encode_batch(batch: Batch) -> list[bytes | memoryview]:
     return [_ROWS_HEAD.pack(ROWS, len(head)), head, body]
 
 
-def decode(body: bytes | memoryview) -> tuple[Batch, str | None]:
-    """The batch one frame body holds (its memory is ``body``'s) and its fixed token."""
+def decode(body: bytes | memoryview) -> tuple[list[Batch], str | None]:
+    """The batches one frame body holds (their memory is ``body``'s) and its fixed token."""
     view = memoryview(body)
     if len(view) < _TOKEN.size:
         raise SpoolDecodeError("frame body shorter than its token length")
     (token_len,) = _TOKEN.unpack_from(view)
-    token = bytes(view[_TOKEN.size : _TOKEN.size + token_len]).decode() or None
-    return _decode_batch(view[_TOKEN.size + token_len :]), token
+    at = _TOKEN.size + token_len
+    token = bytes(view[_TOKEN.size : at]).decode() or None
+    (count,) = _COUNT.unpack_from(view, at)
+    at += _COUNT.size
+    batches = []
+    for _ in range(count):
+        (length,) = _LENGTH.unpack_from(view, at)
+        at += _LENGTH.size
+        if at + length > len(view):
+            raise SpoolDecodeError(f"frame says a batch of {length} bytes, body too short")
+        batches.append(_decode_batch(view[at : at + length]))
+        at += length
+    return batches, token
 
 
 def _decode_batch(view: memoryview) -> Batch:

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 import attrs
 import trio
 
-from taproute.routing.batch import Batch
+from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.service.sinks.spool.codec import decode, encode
 from taproute.service.sinks.spool.config import SpoolConfig
-from taproute.service.sinks.spool.log import Damage, Entry, SegmentLog
+from taproute.service.sinks.spool.log import HEADER, Damage, Entry, SegmentLog
 
 #: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds.
 DeadLetter = Callable[[Batch, str], Awaitable[None]]
@@ -49,7 +49,7 @@ class SpoolCounters:
 
     bytes: int = 0
     segments: int = 0
-    batches: int = 0
+    frames: int = 0  # unacknowledged (a frame: batches inserted together)
     oldest_unacked_age_s: float = 0.0
     appended_batches: int = 0
     appended_records: int = 0
@@ -66,10 +66,11 @@ class SpoolCounters:
 
 @attrs.frozen
 class Spooled:
-    """One batch read back from the spool, with its position."""
+    """One frame read back from the spool: its batches (inserted together
+    under ``token``) and its position."""
 
     seq: int
-    batch: Batch
+    batches: tuple[Batch, ...]
     token: str
     records: int
 
@@ -97,7 +98,7 @@ class Spool:
         self._changed = trio.Event()  # set on every append and ack
         self._lock = trio.Lock()  # one writer at a time
         self._last_sync = clock()
-        self._records: dict[int, int] = {}  # seq -> records (known for this run's appends)
+        self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
     @classmethod
@@ -136,7 +137,7 @@ class Spool:
         return f"spool-{self._log.spool_id}-{seq}"
 
     def __len__(self) -> int:
-        """Unacknowledged batches."""
+        """Unacknowledged frames."""
         return len(self._log.entries)
 
     @property
@@ -151,27 +152,31 @@ class Spool:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def append(self, batch: Batch, token: str | None = None) -> Outcome:
-        """Put ``batch`` on disk, applying the quota policy when the spool is full.
+    async def append(self, batch: Batch | Sequence[Batch], token: str | None = None) -> Outcome:
+        """Put ``batch`` (or several, as one frame) on disk, applying the quota
+        policy when the spool is full.
 
         ``"spooled"``: it is in the spool (durable per the fsync policy);
         ``"dropped"`` / ``"dead_lettered"``: the policy shed it (counted).
         Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``.
         ``token``: a deduplication token the batch was already sent with.
         """
-        buffers = encode(batch, token)
-        size = sum(memoryview(b).nbytes for b in buffers)
+        batches = [batch] if isinstance(batch, (RecordBatch, RowBatch)) else list(batch)
+        records = sum(len(b) for b in batches)
+        buffers = encode(batches, token)
+        size = HEADER.size + sum(memoryview(b).nbytes for b in buffers)
         if not self._has_room(size):
             policy = self.config.when_full
             if policy == "drop_newest":
-                self.counters.dropped_batches += 1
-                self.counters.dropped_records += len(batch)
+                self.counters.dropped_batches += len(batches)
+                self.counters.dropped_records += records
                 return "dropped"
             if policy == "dead_letter":
                 assert self._dead_letter is not None
-                await self._dead_letter(batch, "spool_full")
-                self.counters.dead_lettered_batches += 1
-                self.counters.dead_lettered_records += len(batch)
+                for shed in batches:
+                    await self._dead_letter(shed, "spool_full")
+                self.counters.dead_lettered_batches += len(batches)
+                self.counters.dead_lettered_records += records
                 return "dead_lettered"
             await self._wait_for_room(size)
         async with self._lock:
@@ -181,9 +186,9 @@ class Spool:
                 entry = self._log.append(buffers, written_ns)
             else:
                 entry = await trio.to_thread.run_sync(self._log.append, buffers, written_ns)
-            self._records[entry.seq] = len(batch)
-            self.counters.appended_batches += 1
-            self.counters.appended_records += len(batch)
+            self._records[entry.seq] = (records, len(batches))
+            self.counters.appended_batches += len(batches)
+            self.counters.appended_records += records
             policy_sync = self.config.fsync
             if policy_sync == "batch" or (
                 policy_sync == "interval" and now - self._last_sync >= self.config.fsync_interval
@@ -224,20 +229,22 @@ class Spool:
             await self._changed.wait()
 
     async def read(self, entry: Entry) -> Spooled:
-        """The batch of ``entry``, decoded from disk."""
+        """The batches of ``entry``, decoded from disk."""
         body = await trio.to_thread.run_sync(self._log.read, entry)
-        batch, token = decode(body)
-        self._records.setdefault(entry.seq, len(batch))
-        return Spooled(entry.seq, batch, token or self.token(entry.seq), len(batch))
+        batches, token = decode(body)
+        records = sum(len(b) for b in batches)
+        self._records.setdefault(entry.seq, (records, len(batches)))
+        return Spooled(entry.seq, tuple(batches), token or self.token(entry.seq), records)
 
     async def ack(self, seq: int) -> None:
         """``seq`` and everything before it left the spool (delivered or given up on)."""
         async with self._lock:
             done = self._log.ack(seq)
         for entry in done:
-            self.counters.acked_batches += 1
+            records, batches = self._records.pop(entry.seq, (0, 0))
+            self.counters.acked_batches += batches
             self.counters.acked_bytes += entry.size
-            self.counters.acked_records += self._records.pop(entry.seq, 0)
+            self.counters.acked_records += records
         self._changed_now()
 
     async def _sync_locked(self) -> None:
@@ -257,7 +264,7 @@ class Spool:
             self.counters,
             bytes=self._log.unacked_bytes,
             segments=self._log.segment_count,
-            batches=len(self._log.entries),
+            frames=len(self._log.entries),
             oldest_unacked_age_s=age,
         )
 

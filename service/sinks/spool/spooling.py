@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -44,9 +44,10 @@ import trio
 
 from taproute.routing.batch import Batch, RecordBatch, Retained
 from taproute.routing.errors import SinkClosed
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import capped_backoff
-from taproute.routing.sink import RecordSink, RunsInBackground
+from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground
 from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters
 
 Mode = Literal["outage", "always", "off"]
@@ -57,7 +58,7 @@ MODES: tuple[str, ...] = ("outage", "always", "off")
 class InsertsWithToken(Protocol):
     """An inner sink that inserts one batch now, idempotently per token."""
 
-    async def insert_now(self, batch: Batch, token: str) -> None: ...
+    async def insert_now(self, batches: Sequence[Batch], token: str) -> None: ...
 
     def is_transient(self, error: BaseException) -> bool: ...
 
@@ -120,6 +121,7 @@ class SpoolingSink:
         mode: Mode = "outage",
         backoff: Backoff | None = None,
         memory_records: int = 65_536,
+        drain_on_close: float = 30.0,
         dead_letter: DeadLetter | None = None,
         clock: Callable[[], float] = time.time,
         owns_inner: bool = True,
@@ -136,12 +138,14 @@ class SpoolingSink:
         self.mode = mode
         self.backoff = backoff or Backoff()
         self.memory_records = memory_records
+        self.drain_on_close = drain_on_close
         self._dead_letter = dead_letter
         self._clock = clock
         self._owns_inner = owns_inner
         self._direct = inner if isinstance(inner, InsertsWithToken) else None
         self._latch = FailureLatch()
         self._memory: deque[_Held] = deque()
+        self._single = 0  # held batches to try one by one (after a refused group)
         self._memory_in = 0  # batches ever put in memory
         self._memory_out = 0  # batches that left memory (delivered, refused, spooled)
         self._order = trio.Lock()  # one decision "memory or spool" at a time
@@ -184,6 +188,11 @@ class SpoolingSink:
     @property
     def health(self) -> Health:
         return self._health
+
+    def use_hooks(self, hooks: HookRegistry) -> None:
+        """Hand the producer's hook registry to the inner sink, if it names hooks."""
+        if isinstance(self.inner, NamesHooks):
+            self.inner.use_hooks(hooks)
 
     # -- RecordSink ----------------------------------------------------------
     async def submit(self, batch: Batch) -> None:
@@ -254,18 +263,30 @@ class SpoolingSink:
             self._latch.raise_if_failed()
             await self._moved.wait() if self._memory else await self._spool_changed()
 
+    async def _drain_while_healthy(self) -> None:
+        assert self.spool is not None
+        while self._health.healthy and (self._memory or len(self.spool)):
+            if self._latch.failure is not None:
+                return
+            await self._moved.wait() if self._memory else await self._spool_changed()
+
     async def _spool_changed(self) -> None:
         assert self.spool is not None
         await self.spool.wait_changed()
 
     async def close(self) -> None:
-        """Flush, stop delivering (the spool keeps the rest for the next start), close."""
+        """Flush; while the destination is healthy, deliver what is held for up to
+        ``drain_on_close`` seconds; then stop (the spool keeps the rest for the
+        next start) and close."""
         if self._closing:
             await self._stopped.wait()
             return
         try:
             if self.running:
                 await self.flush()
+                if self.mode != "off":
+                    with trio.move_on_after(self.drain_on_close):
+                        await self._drain_while_healthy()
         finally:
             self._closing = True
             self._stopped.set()
@@ -281,11 +302,12 @@ class SpoolingSink:
                     await self.spool.aclose()
 
     # -- delivery --------------------------------------------------------------
-    async def _insert(self, batch: Batch, token: str) -> None:
+    async def _insert(self, batches: Sequence[Batch], token: str) -> None:
         if self._direct is not None:
-            await self._direct.insert_now(batch, token)
+            await self._direct.insert_now(batches, token)
         else:
-            await self.inner.submit(batch)
+            for batch in batches:
+                await self.inner.submit(batch)
             await self.inner.flush()
 
     def _transient(self, error: BaseException) -> bool:
@@ -325,43 +347,62 @@ class SpoolingSink:
                 await trio.sleep(self.backoff.after(self._health.consecutive_failures))
             spooled = await self.spool.read(entry)
             try:
-                await self._insert(spooled.batch, spooled.token)
+                await self._insert(spooled.batches, spooled.token)
             except Exception as exc:
                 if self._transient(exc):
                     self._unhealthy(exc)
                     continue
-                await self._refused(spooled.batch, exc)
+                for batch in spooled.batches:
+                    await self._refused(batch, exc)
             else:
                 self._healthy()
                 self.counters.delivered_records += spooled.records
-                self.counters.delivered_batches += 1
+                self.counters.delivered_batches += len(spooled.batches)
             await self.spool.ack(spooled.seq)
 
     async def _deliver_memory(self) -> None:
+        """Insert everything held now as one group (batches that queued behind
+        an insert go together in the next one: inserts stay large under load)."""
         assert self.spool is not None
-        held = self._memory[0]
+        group = [self._memory[0]] if self._single else list(self._memory)
+        self._single = max(0, self._single - 1)
+        batches = [held.batch for held in group]
+        token = group[0].token
         try:
-            await self._insert(held.batch, held.token)
+            await self._insert(batches, token)
         except Exception as exc:
             if self._transient(exc):
-                # Unreachable: this batch and every one behind it go to the
-                # spool, in order, keeping the token already used.
+                # Unreachable: this group, as one frame keeping the token it
+                # was tried with, and every batch behind it go to the spool,
+                # in order.
                 async with self._order:
                     self._unhealthy(exc)
+                    await self.spool.append(batches, token)
+                    for _ in group:
+                        self._release(self._memory.popleft())
                     while self._memory:
                         moved = self._memory.popleft()
                         await self.spool.append(moved.batch, moved.token)
                         self._release(moved)
                 return
-            self._memory.popleft()
-            await self._refused(held.batch, exc)
-            self._release(held)
+            if len(group) == 1:
+                await self._refused(group[0].batch, exc)
+                self._release(self._memory.popleft())
+                return
+            # Refused: find which batch is bad by trying them one by one
+            # (the next loop turn tries the head alone).
+            for _ in group:
+                self._memory.popleft()
+            self._memory.extendleft(
+                reversed([attrs.evolve(h, token=f"{token}.{i}") for i, h in enumerate(group)])
+            )
+            self._single = len(group)
             return
-        self._memory.popleft()
         self._healthy()
-        self.counters.delivered_records += len(held.batch)
-        self.counters.delivered_batches += 1
-        self._release(held)
+        for held in group:
+            self.counters.delivered_records += len(held.batch)
+            self.counters.delivered_batches += 1
+            self._release(self._memory.popleft())
 
     def _release(self, held: _Held) -> None:
         if held.hold is not None:
