@@ -21,7 +21,7 @@ import trio
 
 from taproute.routing.batch import RecordBatch, Retained
 from taproute.routing.errors import OutputLayoutMismatch
-from taproute.routing.failures import Failed, FailureCode, InvalidInput, ProcessorFailed
+from taproute.routing.failures import Failed, FailureCode, ProcessorFailed, classify
 from taproute.routing.plan import PlannedRoute
 from taproute.routing.records import Records
 from taproute.routing.validation import check_rows
@@ -119,10 +119,10 @@ async def call_processor(
                 code=FailureCode.HANDLER_TIMEOUT,
                 error=TimeoutError(f"no result within the route's {deadline:g} s deadline"),
             )
-    except InvalidInput as exc:
-        return Outcome(code=FailureCode.HANDLER_INVALID, error=exc)
     except Exception as exc:
-        return Outcome(code=FailureCode.HANDLER_PANIC, error=exc, traceback=traceback.format_exc())
+        code = classify(exc)
+        tb = None if code is FailureCode.HANDLER_INVALID else traceback.format_exc()
+        return Outcome(code=code, error=exc, traceback=tb)
     if isinstance(result, Failed):
         return Outcome(code=FailureCode.HANDLER_FAILED, error=ProcessorFailed(result.reason))
     if result is None:

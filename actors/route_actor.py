@@ -35,7 +35,12 @@ from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.retry import RetryQueue
 from taproute.routing.batch import RecordBatch, RowBatch
-from taproute.routing.failures import FailureCode, FailureHandler, RecordFailure
+from taproute.routing.failures import (
+    FailureCode,
+    FailureHandler,
+    GiveUpLog,
+    RecordFailure,
+)
 from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import PlannedRoute
 
@@ -53,8 +58,10 @@ class RouteActor:
         in_flight: InFlight,
         on_failure: FailureHandler,
         hook_name: Callable[[int], str] | None = None,
+        give_up_log: GiveUpLog | None = None,
     ) -> None:
         self.planned = planned
+        self._give_up_log = give_up_log if give_up_log is not None else GiveUpLog()
         self.name = planned.name
         self.destination = destination
         self.policy = planned.route.failure_policy
@@ -199,6 +206,7 @@ class RouteActor:
             last_failure_at=attempt.last_failure_wall or time.time(),
             traceback=attempt.traceback,
         )
+        self._give_up_log(failure)  # whatever the handler: an operator sees give-ups in the log
         try:
             result = self._on_failure(failure)
             if inspect.isawaitable(result):

@@ -44,7 +44,7 @@ from taproute.routing.errors import (
     at,
     raise_collected,
 )
-from taproute.routing.failures import FailureHandler, log_failure
+from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
@@ -102,6 +102,8 @@ class RoutingSink:
         self.schema = schema
         self.config = config
         self._on_failure = on_failure
+        #: Every give-up of every route is logged here (rate-limited per route).
+        self.give_up_log = GiveUpLog()
         self._latch = FailureLatch()
         self._in_flight = InFlight()
         errors: list[ConfigError] = []
@@ -145,6 +147,7 @@ class RoutingSink:
                 in_flight=self._in_flight,
                 on_failure=on_failure,
                 hook_name=self.hooks.name_of,
+                give_up_log=self.give_up_log,
             )
             for planned in self.plan.routes
         ]

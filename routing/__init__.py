@@ -28,6 +28,7 @@ from taproute.routing.errors import (
     UnknownProcessor,
 )
 from taproute.routing.failures import (
+    PANIC_TYPES,
     Failed,
     FailureCode,
     FailureHandler,
@@ -35,6 +36,7 @@ from taproute.routing.failures import (
     InvalidInput,
     ProcessorFailed,
     RecordFailure,
+    classify,
     log_failure,
 )
 from taproute.routing.hooks import HookRegistry
@@ -109,6 +111,8 @@ __all__ = [
     "check_batch",
     "check_rows",
     "log_failure",
+    "PANIC_TYPES",
+    "classify",
     "request_key",
     "stateful_processor",
     "stateless_processor",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -34,11 +36,12 @@ class FailureCode(enum.StrEnum):
     POLICY_INVALID = "policy_invalid"
     #: The processor said the input is malformed, or its output failed validation.
     HANDLER_INVALID = "handler_invalid"
-    #: The processor returned :class:`Failed` (transient).
+    #: The processor returned :class:`Failed` or raised a transient error
+    #: (anything but :class:`InvalidInput` and the :data:`PANIC_TYPES`).
     HANDLER_FAILED = "handler_failed"
     #: No result within the route's deadline.
     HANDLER_TIMEOUT = "handler_timeout"
-    #: The processor raised anything else.
+    #: The processor raised one of the :data:`PANIC_TYPES` (a bug in its code).
     HANDLER_PANIC = "handler_panic"
 
     @property
@@ -49,6 +52,41 @@ class FailureCode(enum.StrEnum):
 
 class InvalidInput(Exception):
     """Raised by a processor for input it cannot process (``handler_invalid``, not retried)."""
+
+
+#: What a *panic* is in Python: the exception classes that mean the processor's
+#: own code is wrong (a wrong type, a missing attribute or name, a failed
+#: assertion, a bad index or value computed from the record, a missing import,
+#: unbounded recursion).  A retry runs the same code on the same records, so
+#: these are given up at once (``handler_panic``, traceback kept).  Anything
+#: else a processor raises (``ConnectionError``, ``TimeoutError``, other
+#: ``OSError``, ``RuntimeError``, an exception class of a client library) is
+#: taken as transient: ``handler_failed``, retried with backoff.
+PANIC_TYPES: tuple[type[BaseException], ...] = (
+    ArithmeticError,
+    AssertionError,
+    AttributeError,
+    ImportError,
+    LookupError,
+    NameError,
+    NotImplementedError,
+    RecursionError,
+    TypeError,
+    ValueError,
+)
+
+
+def classify(error: BaseException) -> FailureCode:
+    """The failure code of an exception a processor (or route predicate) raised.
+
+    :class:`InvalidInput` is ``handler_invalid``; a :data:`PANIC_TYPES`
+    exception ``handler_panic``; anything else (transient) ``handler_failed``.
+    """
+    if isinstance(error, InvalidInput):
+        return FailureCode.HANDLER_INVALID
+    if isinstance(error, PANIC_TYPES):
+        return FailureCode.HANDLER_PANIC
+    return FailureCode.HANDLER_FAILED
 
 
 @attrs.frozen
@@ -108,7 +146,7 @@ class RecordFailure:
 
     ``records`` shares the original buffer: a handler that keeps it past the
     call must ``records.retain()``.  Times are wall-clock seconds since the
-    epoch; ``traceback`` is set for ``handler_panic``.
+    epoch; ``traceback`` is set for exceptions a processor raised (not ``InvalidInput``).
     """
 
     route: str
@@ -135,6 +173,42 @@ class RecordFailure:
 FailureHandler = Callable[[RecordFailure], Awaitable[None] | None]
 
 
+class GiveUpLog:
+    """Warning lines for give-ups, at most ``burst`` per route per ``interval`` seconds.
+
+    Every give-up is logged whatever failure handler is installed (a
+    dead-letter store is silent by itself); past the rate, lines are counted
+    and the next line that gets through says how many were left out.
+    """
+
+    def __init__(self, *, burst: int = 10, interval: float = 60.0) -> None:
+        self.burst = burst
+        self.interval = interval
+        self._lock = threading.Lock()
+        #: route -> (window start, lines logged in it, lines left out since the last one)
+        self._windows: dict[str, tuple[float, int, int]] = {}
+
+    def __call__(self, failure: RecordFailure) -> bool:
+        """Log ``failure`` at warning level unless its route is over the rate; True if logged."""
+        now = time.monotonic()
+        with self._lock:
+            start, logged, left_out = self._windows.get(failure.route, (now, 0, 0))
+            if now - start >= self.interval:
+                start, logged = now, 0
+            if logged >= self.burst:
+                self._windows[failure.route] = (start, logged, left_out + 1)
+                return False
+            self._windows[failure.route] = (start, logged + 1, 0)
+        if left_out:
+            logger.warning("%s (%d earlier give-up line(s) left out)", failure.message, left_out)
+        else:
+            logger.warning("%s", failure.message)
+        return True
+
+
 def log_failure(failure: RecordFailure) -> None:
-    """The default handler: log a warning (the route's ``failed`` counter counts it)."""
-    logger.warning("%s", failure.message)
+    """The default handler: nothing beyond the give-up warning every route logs.
+
+    Kept as the default so that installing no handler still records each
+    give-up once, in the log (rate-limited) and the route's ``failed`` counter.
+    """

@@ -119,3 +119,20 @@ def keyed_log(records: Records, keys: np.ndarray, state) -> np.ndarray:
     rows["key"] = keys
     rows["seq"] = records.descriptors["seq"]
     return rows
+
+
+@stateless_processor("fail.connection_then_ok", input="vec", output="norm")
+def connection_then_ok(records: Records) -> np.ndarray:
+    """Raises ConnectionError (a transient error) failures_left[-2] times, then works."""
+    with SCRIPT.lock:
+        left = SCRIPT.failures_left.get(-2, 0)
+        if left:
+            SCRIPT.failures_left[-2] = left - 1
+            raise ConnectionError("feature store connection reset")
+    return norms(records)
+
+
+@stateless_processor("fail.type_error", input="vec", output="norm")
+def type_error(records: Records) -> np.ndarray:
+    """A bug in the processor's own code: a panic."""
+    return records + 1  # type: ignore[operator,no-any-return]
