@@ -38,6 +38,9 @@ _YIELD_EVERY = 64
 #: Called with (route, batch, error) for raw records a closed destination refused.
 Undeliverable = Callable[[str, RecordBatch, BaseException], Awaitable[None]]
 
+#: Called with (route, batch) for raw records of a route the sink took.
+Taken = Callable[[str, RecordBatch], None]
+
 #: (route name or None for unmatched records, batch)
 DestinationMessage = tuple[str | None, Batch]
 
@@ -60,6 +63,7 @@ class DestinationActor:
         capacity_records: int,
         capacity_bytes: int,
         undeliverable: Undeliverable | None = None,
+        taken: Taken | None = None,
     ) -> None:
         if not (is_sink(spec) or callable(spec)):
             raise ConfigError(
@@ -77,6 +81,7 @@ class DestinationActor:
         self._latch = latch
         self._in_flight = in_flight
         self._undeliverable = undeliverable
+        self._taken = taken
         self.mailbox: Mailbox[DestinationMessage] = Mailbox(
             f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
         )
@@ -147,8 +152,16 @@ class DestinationActor:
                 self.counters.records += len(batch)
                 self.counters.bytes += batch.nbytes
                 self.counters.batches += 1
+                if self._taken is not None and route is not None and isinstance(batch, RecordBatch):
+                    self._taken(route, batch)
             finally:
                 self._finished(batch)
+
+    def abandon(self) -> None:
+        """The actor is gone (the run was cancelled or raised): give back the
+        leases of every batch still queued, without waiting."""
+        for _, batch in self.mailbox.take_all():
+            self._finished(batch)
 
     def _finished(self, batch: Batch) -> None:
         try:

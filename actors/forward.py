@@ -7,9 +7,17 @@ from taproute.routing.batch import RecordBatch
 
 
 class ForwardRoute(RouteActor):
-    """Hands batches to the destination as they are: no copy, no actor hop of its own."""
+    """Hands batches to the destination as they are: no copy, no actor hop of its own.
+
+    A record counts as processed (and emitted) once the destination's sink
+    took it; one the sink refused is failed instead, never both, so
+    ``processed + failed`` is what the route was given.
+    """
 
     async def dispatch(self, batch: RecordBatch) -> None:
-        self.counters.processed += len(batch)
-        self.counters.emitted += len(batch)
         await self.destination.deliver(self.name, batch)
+
+    def taken(self, records: int) -> None:
+        """The destination's sink took ``records`` of this route's records."""
+        self.counters.processed += records
+        self.counters.emitted += records

@@ -73,3 +73,19 @@ class Mailbox(Generic[T]):
     def close(self) -> None:
         """No more messages; receivers drain what is queued, then see EndOfChannel."""
         self._send.close()
+
+    def take_all(self) -> list[T]:
+        """Every message still queued, in order, without waiting (to settle them
+        when the actors that would have handled them are gone)."""
+        taken: list[T] = []
+        while True:
+            try:
+                message, records, nbytes = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.records -= records
+            self.bytes -= nbytes
+            taken.append(message)
+        if self._space:
+            self._space.unpark_all()
+        return taken

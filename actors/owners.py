@@ -144,6 +144,21 @@ class StatefulRoute(RouteActor):
                 await self._give_up(attempt)
         held.clear()
 
+    def _message_batch(self, message: Any) -> RecordBatch | None:
+        if isinstance(message, _RetryKey):
+            self._in_flight.done()
+            return None
+        batch: RecordBatch = message[0]
+        return batch
+
+    def abandon(self) -> None:
+        super().abandon()
+        for held in self.held:
+            for queue in held.values():
+                for attempt in queue:
+                    self.parked.release(attempt)
+            held.clear()
+
     async def _admit(self, held: Held, attempt: Attempt) -> None:
         """Queue records of held keys behind them; process the rest."""
         assert attempt.keys is not None
@@ -163,10 +178,23 @@ class StatefulRoute(RouteActor):
     # -- the failure path's stateful parts (the path itself is RouteActor's) -------
 
     async def _call(self, attempt: Attempt) -> Outcome:
-        assert attempt.keys is not None
-        outcome = await self._call_processor(attempt.batch, attempt.keys, self.state)
+        """One processor call; a failed call leaves no trace in the state.
+
+        The slots of the batch's keys are saved before the call and put back
+        if it fails, so a retry or the record-by-record re-run applies each
+        record once.  (A call abandoned at its deadline may still write after
+        that: its thread cannot be stopped.)
+        """
+        keys = attempt.keys
+        assert keys is not None
+        slots = self.state.slots
+        touched = np.unique(keys)
+        saved = slots[touched]  # fancy indexing: a copy
+        outcome = await self._call_processor(attempt.batch, keys, self.state)
         if outcome.code is None:
-            self.state.valid[attempt.keys] = True
+            self.state.valid[keys] = True
+        else:
+            slots[touched] = saved
         return outcome
 
     def _units(self, attempt: Attempt) -> list[Attempt]:

@@ -95,6 +95,22 @@ class RouteActor:
         for mailbox in self.mailboxes:
             mailbox.close()
 
+    def abandon(self) -> None:
+        """The route's actors are gone (the run was cancelled or raised): give
+        back every buffer still queued or parked here, without waiting."""
+        for mailbox in self.mailboxes:
+            for message in mailbox.take_all():
+                batch = self._message_batch(message)
+                if batch is not None:
+                    self._settle(batch)
+        for item in self.parked.drain():
+            if isinstance(item, Attempt):
+                self.parked.release(item)
+
+    def _message_batch(self, message: Any) -> RecordBatch | None:
+        """The batch a queued message holds a lease on (None: it holds none)."""
+        return message.batch if isinstance(message, Attempt) else None
+
     def snapshot(self) -> RouteCounters:
         """A detached copy of the counters."""
         self.counters.queue_depth = sum(m.records for m in self.mailboxes)

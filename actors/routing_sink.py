@@ -53,6 +53,7 @@ from taproute.routing.predicates import Groups, PredicateFailed, narrow
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.routes import RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
+from taproute.routing.validation import check_batch
 
 if TYPE_CHECKING:
     from taproute.routing.trace import TraceResult
@@ -118,6 +119,7 @@ class RoutingSink:
                     capacity_records=destination_capacity,
                     capacity_bytes=destination_capacity_bytes,
                     undeliverable=self._undeliverable,
+                    taken=self._taken,
                 )
             except ConfigError as exc:
                 errors.append(at(exc, f"destinations.{name}"))
@@ -206,6 +208,13 @@ class RoutingSink:
                     with suppress(RoutingFailure):  # latched; close() raises it
                         await destination.close()
         finally:
+            # On a normal exit everything has drained; when the run was
+            # cancelled or raised, what is still queued or parked is let go
+            # here, so every accepted batch's release runs exactly once.
+            for route in self._routes:
+                route.abandon()
+            for destination in self._destinations.values():
+                destination.abandon()
             self._stopped.set()
             self._unsubscribe()
 
@@ -226,6 +235,11 @@ class RoutingSink:
             return
         self._latch.latch(error, route=route, where="destination refused records")
 
+    def _taken(self, route: str, batch: RecordBatch) -> None:
+        actor = self._by_name.get(route)
+        if isinstance(actor, ForwardRoute):
+            actor.taken(len(batch))
+
     def _check_open(self) -> None:
         self._latch.raise_if_failed()
         if self._closing:
@@ -243,11 +257,24 @@ class RoutingSink:
 
         The caller keeps its own hold on the batch's buffer and releases it
         after this returns; every route and destination that takes the batch
-        holds its own lease.  Raises the latched failure, if any.
+        holds its own lease.  Raises the latched failure, if any.  A batch
+        that cannot be routed (an unbound output_id, a record range outside
+        the buffer, an unknown layout_id, a payload length its layout does
+        not allow) is refused whole, as the runtime's ``submit_batch`` does
+        (:func:`~taproute.routing.validation.check_batch`).
         """
         self._check_open()
         if not isinstance(batch, RecordBatch):
             raise TypeError(f"RoutingSink routes RecordBatch objects, got {type(batch).__name__}")
+        # The runtime's check, the same native pass: a batch that cannot be
+        # routed is refused whole, before any record of it is accepted.
+        check_batch(
+            batch.descriptors,
+            len(batch.payload),
+            bound_ids=len(self.hooks),
+            schema=self.schema,
+            hook_name=self.hooks.name_of,
+        )
         async with self._lock:
             groups = self._table.group(batch.descriptors)
             if self._has_predicates:

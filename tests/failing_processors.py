@@ -136,3 +136,22 @@ def connection_then_ok(records: Records) -> np.ndarray:
 def type_error(records: Records) -> np.ndarray:
     """A bug in the processor's own code: a panic."""
     return records + 1  # type: ignore[operator,no-any-return]
+
+
+@stateful_processor(
+    "fail.running_sum",
+    key=lambda d: d["key"],
+    key_range=KEY_RANGE,
+    slot=SlotSpec((1,), "int64"),
+    input="vec",
+    output="norm",
+)
+def running_sum(records: Records, keys: np.ndarray, state) -> np.ndarray:
+    """state[k] += 1 per record, record by record; a record of key 5 is malformed."""
+    rows = np.zeros(len(keys), dtype=NORM.dtype)
+    for i, key in enumerate(keys.tolist()):
+        if key == 5:
+            raise InvalidInput(f"record {i}: key 5 is malformed")
+        state.slots[key] += 1
+        rows[i] = (key, records.descriptors["seq"][i], float(state.slots[key][0]))
+    return rows

@@ -148,3 +148,152 @@ async def test_give_ups_are_logged_with_the_dead_letter_store_as_handler(tmp_pat
     given_up = [line for line in lines if "given up" in line]
     assert len(given_up) == 10  # rate-limited: 10 lines per route per minute
     assert all("route 'r'" in line and "[handler_panic]" in line for line in given_up)
+
+
+# -- #10.2: a forward route counts a record once: processed or failed ------------------
+
+
+async def test_a_forward_route_counts_processed_only_once_its_destination_took_it():
+    hooks, q = hooks_with_q()
+    gone, live = CaptureSink(), CaptureSink()
+    await gone.close()
+    failures: list[RecordFailure] = []
+    config = RoutingConfig([Route("to_gone", Q, "gone"), Route("to_live", Q, "live")])
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"gone": gone, "live": live},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=failures.append,
+    ) as sink:
+        await sink.submit(vec_batch(q, 3))
+        await sink.flush()
+        counters = sink.counters().routes
+    refused, took = counters["to_gone"], counters["to_live"]
+    assert (refused.processed, refused.emitted, refused.failed) == (0, 0, 3)
+    assert (took.processed, took.emitted, took.failed) == (3, 3, 0)
+    assert [len(f.records) for f in failures] == [3]
+
+
+# -- #10.1: the Trio API checks batches as the runtime does ------------------------------
+
+
+def _raw(q: int, *, output_id=None, length=16, offsets=None, layout_id=None, payload=None):
+    import numpy as np
+
+    from taproute.native import make_descriptors
+    from taproute.routing import RecordBatch
+
+    desc = make_descriptors(
+        q if output_id is None else output_id,
+        length,
+        count=2,
+        layout_ids=SCHEMA.layout_id("vec") if layout_id is None else layout_id,
+    )
+    if offsets is not None:
+        desc["offset"] = offsets
+    data = np.zeros((2, 4), np.float32) if payload is None else payload
+    return RecordBatch.from_buffer(desc, data)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"output_id": 7}, "output_id 7 was never bound"),
+        ({"length": 12}, "payload"),
+        ({"offsets": [0, 64]}, "outside the 32-byte buffer"),
+        ({"layout_id": 99}, "layout_id 99 is not in the schema"),
+    ],
+)
+async def test_routing_sink_submit_refuses_a_batch_the_runtime_refuses(change, message):
+    from taproute.routing.errors import RecordError
+
+    hooks, q = hooks_with_q()
+    out = CaptureSink()
+    async with open_routing_sink(
+        RoutingConfig([Route("raw", Q, "out")]),
+        SCHEMA,
+        {"out": out},
+        default_destination="out",
+        hooks=hooks,
+    ) as sink:
+        bad = _raw(q, **change)
+        with pytest.raises(RecordError, match=message):
+            await sink.submit(bad)
+        await sink.submit(_raw(q))  # a good batch still goes through
+        await sink.flush()
+        assert bad.lease.holders == 1  # nothing took a lease on the refused batch
+    assert len(out.batches) == 1 and len(out.batches[0]) == 2
+
+
+# -- #10.3: a failed stateful call leaves no trace in state --------------------------------
+
+
+async def test_stateful_isolation_applies_each_good_record_once():
+    hooks, q = hooks_with_q()
+    out = CaptureSink()
+    failures: list[RecordFailure] = []
+    route = Route(
+        "sums", Q, "out", mode="stateful", processor="fail.running_sum", failure_policy=NO_DEADLINE
+    )
+    async with open_routing_sink(
+        RoutingConfig([route]),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=failures.append,
+    ) as sink:
+        await sink.submit(vec_batch(q, 4, keys=[3, 3, 5, 3]))
+        await sink.flush()
+        counters = sink.counters().routes["sums"]
+    rows = out.rows("sums")
+    assert rows[rows["key"] == 3]["norm"].tolist() == [1.0, 2.0, 3.0]
+    assert [int(f.records.descriptors["key"][0]) for f in failures] == [5]
+    assert counters.processed == 3 and counters.failed == 1
+
+
+# -- #10.4: every accepted batch is released once, on every exit path ------------------------
+
+
+async def _leave_with_batches_queued(how: str, mode: str) -> list[int]:
+    from tests.sinks import GateSink
+
+    hooks, q = hooks_with_q()
+    slow = GateSink()  # takes nothing until its gate opens (never, here)
+    released = [0, 0, 0, 0]
+
+    def release(i: int):
+        def done() -> None:
+            released[i] += 1
+
+        return done
+
+    processor = {"forward": None, "stateless": "fail.hangs", "stateful": "fail.keyed_log"}[mode]
+    route = Route("r", Q, "slow", mode=mode, processor=processor, failure_policy=NO_DEADLINE)
+    with trio.CancelScope() as scope:
+        try:
+            async with open_routing_sink(
+                RoutingConfig([route]), SCHEMA, {"slow": slow}, unmatched="drop", hooks=hooks
+            ) as sink:
+                for i in range(4):
+                    batch = vec_batch(q, 2, seq_start=2 * i, release=release(i))
+                    await sink.submit(batch)
+                    batch.lease.release()  # the submitter's own hold
+                await trio.testing.wait_all_tasks_blocked()
+                if how == "exception":
+                    raise KeyError("the caller's own bug")
+                scope.cancel()
+                await trio.sleep_forever()
+        except KeyError:
+            assert how == "exception"
+    SCRIPT.release_hang.set()
+    return released
+
+
+@pytest.mark.parametrize("mode", ["forward", "stateless", "stateful"])
+@pytest.mark.parametrize("how", ["exception", "cancellation"])
+async def test_leaving_open_routing_sink_early_releases_every_batch_once(how, mode):
+    with trio.fail_after(10):
+        assert await _leave_with_batches_queued(how, mode) == [1, 1, 1, 1]
