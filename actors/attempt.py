@@ -9,6 +9,7 @@ under the route's deadline, and classifies what came back as an
 from __future__ import annotations
 
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -89,6 +90,54 @@ class Outcome:
     traceback: str | None = None
 
 
+class HeldWhileRunning:
+    """Holds a batch's buffer while a worker thread reads it, even past the call.
+
+    A call abandoned at its deadline (or by cancellation) keeps running in
+    its thread; the buffer is then let go when that thread returns, on the
+    Trio loop (in the thread itself once the loop is gone), and never
+    before.  ``abandoned(+1/-1)`` is told when such a hold starts and ends.
+    """
+
+    def __init__(self, batch: RecordBatch, abandoned: Callable[[int], None] | None) -> None:
+        self._hold = batch.retain()
+        self._abandoned = abandoned
+        self._lock = threading.Lock()
+        self._returned = False
+        self._left = False
+        self._token = trio.lowlevel.current_trio_token()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn(*args)`` (in the worker thread); then let go if the caller left."""
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._returned = True
+                left = self._left
+            if left:
+                try:
+                    self._token.run_sync_soon(self._let_go_late)
+                except trio.RunFinishedError:
+                    self._let_go_late()
+
+    def leave(self) -> None:
+        """The caller is done waiting (on the loop): let go now if the thread
+        returned, else when it does."""
+        with self._lock:
+            self._left = True
+            returned = self._returned
+        if returned:
+            self._hold.release()
+        elif self._abandoned is not None:
+            self._abandoned(1)
+
+    def _let_go_late(self) -> None:
+        self._hold.release()
+        if self._abandoned is not None:
+            self._abandoned(-1)
+
+
 async def call_processor(
     planned: PlannedRoute,
     batch: RecordBatch,
@@ -96,11 +145,14 @@ async def call_processor(
     limiter: trio.CapacityLimiter,
     threads: trio.CapacityLimiter,
     hook_name: Callable[[int], str] | None = None,
+    abandoned: Callable[[int], None] | None = None,
 ) -> Outcome:
     """Run ``planned``'s processor on ``batch`` under the route's deadline.
 
     ``limiter`` bounds concurrent calls; ``threads`` only counts worker
     threads (one past its deadline is abandoned and must not keep a slot).
+    The batch's buffer stays held until the processor returns, even when
+    the call was given up at its deadline (``abandoned`` counts those).
     """
     if planned.processor is None:
         return Outcome(code=FailureCode.HANDLER_MISSING, error=LookupError("no processor"))
@@ -110,10 +162,14 @@ async def call_processor(
     records = Records(batch, layout, hook_name) if layout else batch
     try:
         async with limiter:
-            with trio.move_on_after(deadline) as scope:
-                result = await trio.to_thread.run_sync(
-                    fn, records, *args, limiter=threads, abandon_on_cancel=True
-                )
+            held = HeldWhileRunning(batch, abandoned)
+            try:
+                with trio.move_on_after(deadline) as scope:
+                    result = await trio.to_thread.run_sync(
+                        held.run, fn, records, *args, limiter=threads, abandon_on_cancel=True
+                    )
+            finally:
+                held.leave()
         if scope.cancelled_caught:
             return Outcome(
                 code=FailureCode.HANDLER_TIMEOUT,

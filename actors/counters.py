@@ -59,7 +59,9 @@ class RouteCounters:
 
     Live: ``queue_depth`` waiting in the route's mailboxes; ``backlog``
     accepted and not yet done (waiting or being processed); ``parked``
-    waiting for a retry or behind a failing key; ``valid_slots`` stateful
+    waiting for a retry or behind a failing key; ``abandoned_calls``
+    processor calls given up at their deadline whose thread still runs (each
+    holds its batch's buffer until it returns); ``valid_slots`` stateful
     routes' slots holding state (else None).
     """
 
@@ -78,6 +80,10 @@ class RouteCounters:
     )
     parked: int = live(
         "taproute_route_parked_records", "Records waiting for a retry or behind a failing key."
+    )
+    abandoned_calls: int = live(
+        "taproute_route_abandoned_calls",
+        "Processor calls past their deadline still running (each holds its batch's buffer).",
     )
     retries: int = count("taproute_route_retries", "Retries of parked records.")
     recovered: int = count("taproute_route_recovered_records", "Records processed after failing.")

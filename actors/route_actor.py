@@ -130,7 +130,11 @@ class RouteActor:
             limiter=self.limiter,
             threads=self._threads,
             hook_name=self._hook_name,
+            abandoned=self._abandoned_call,
         )
+
+    def _abandoned_call(self, delta: int) -> None:
+        self.counters.abandoned_calls += delta
 
     def _units(self, attempt: Attempt) -> list[Attempt]:
         """What fails together: the whole attempt (stateful routes: one unit per key)."""

@@ -263,10 +263,13 @@ async def _leave_with_batches_queued(how: str, mode: str) -> list[int]:
     hooks, q = hooks_with_q()
     slow = GateSink()  # takes nothing until its gate opens (never, here)
     released = [0, 0, 0, 0]
+    all_released = trio.Event()
 
     def release(i: int):
         def done() -> None:
             released[i] += 1
+            if all(released):
+                all_released.set()
 
         return done
 
@@ -288,7 +291,9 @@ async def _leave_with_batches_queued(how: str, mode: str) -> list[int]:
                 await trio.sleep_forever()
         except KeyError:
             assert how == "exception"
-    SCRIPT.release_hang.set()
+    SCRIPT.release_hang.set()  # a processor thread still running lets its batch go on return
+    await all_released.wait()
+    await trio.testing.wait_all_tasks_blocked()  # a second release would run by now
     return released
 
 
@@ -297,3 +302,39 @@ async def _leave_with_batches_queued(how: str, mode: str) -> list[int]:
 async def test_leaving_open_routing_sink_early_releases_every_batch_once(how, mode):
     with trio.fail_after(10):
         assert await _leave_with_batches_queued(how, mode) == [1, 1, 1, 1]
+
+
+# -- #10.5: the buffer stays held while an abandoned processor still reads it ---------------
+
+
+async def test_a_timed_out_processor_keeps_its_buffer_until_it_returns():
+    hooks, q = hooks_with_q()
+    released = trio.Event()
+    given_up: list[RecordFailure] = []
+    route = Route(
+        "r",
+        Q,
+        "out",
+        mode="stateless",
+        processor="fail.hangs",
+        failure_policy=FailurePolicy(deadline=0.2, max_failures=1, failure_window=0),
+    )
+    with trio.fail_after(10):
+        async with open_routing_sink(
+            RoutingConfig([route]),
+            SCHEMA,
+            {"out": CaptureSink()},
+            unmatched="drop",
+            hooks=hooks,
+            on_failure=given_up.append,
+        ) as sink:
+            batch = vec_batch(q, 1, release=released.set)
+            await sink.submit(batch)
+            batch.lease.release()
+            await sink.flush()  # the give-up does not wait for the abandoned thread
+            assert [f.code for f in given_up] == [FailureCode.HANDLER_TIMEOUT]
+            assert not released.is_set()  # the processor thread still reads the buffer
+            assert sink.counters().routes["r"].abandoned_calls == 1
+            SCRIPT.release_hang.set()  # the processor returns...
+            await released.wait()  # ...and only then is the buffer let go
+            assert sink.counters().routes["r"].abandoned_calls == 0
