@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from taproute.actors.attempt import Attempt, Outcome, call_processor
+from taproute.actors.attempt import Attempt, HeldWhileRunning, Outcome, call_processor
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
 from taproute.actors.inflight import InFlight
@@ -40,9 +41,11 @@ from taproute.routing.failures import (
     FailureHandler,
     GiveUpLog,
     RecordFailure,
+    classify,
 )
 from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import PlannedRoute
+from taproute.routing.predicates import PredicateFailed, Verdict, evaluate_predicate
 
 
 class RouteActor:
@@ -193,6 +196,43 @@ class RouteActor:
         self.counters.processed += len(attempt.batch)
         if attempt.failures:
             self.counters.recovered += len(attempt.batch)
+
+    # -- route predicates --------------------------------------------------------
+
+    async def screen(self, batch: RecordBatch) -> Verdict:
+        """Run the route's predicate on ``batch`` in a worker thread under the
+        route's deadline.  If it fails (raises, returns a wrong shape, runs past
+        the deadline) the records are this route's failure, classified like a
+        processor's and given up at once; returns None then."""
+        held = HeldWhileRunning(batch, self._abandoned_call)
+        deadline = self.policy.deadline or math.inf
+        try:
+            with trio.move_on_after(deadline) as scope:
+                verdict: Verdict = await trio.to_thread.run_sync(
+                    held.run,
+                    evaluate_predicate,
+                    self.planned,
+                    batch.descriptors,
+                    limiter=self._threads,
+                    abandon_on_cancel=True,
+                )
+        except Exception as exc:
+            code, tb = classify(exc), traceback.format_exc()
+            error = PredicateFailed(self.name, exc)
+        else:
+            if not scope.cancelled_caught:
+                return verdict
+            code, tb = FailureCode.HANDLER_TIMEOUT, None
+            error = PredicateFailed(
+                self.name, TimeoutError(f"no verdict within the route's {deadline:g} s deadline")
+            )
+        finally:
+            held.leave()
+        attempt = Attempt(batch)
+        attempt.failed(code, error, tb)
+        self._count_failure(attempt)
+        await self._give_up(attempt)
+        return None
 
     # -- giving up -------------------------------------------------------------
 

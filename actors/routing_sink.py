@@ -49,7 +49,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import RoutePlan, Unmatched
-from taproute.routing.predicates import Groups, PredicateFailed, narrow
+from taproute.routing.predicates import Groups, Verdict, narrow
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.routes import RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
@@ -278,7 +278,7 @@ class RoutingSink:
         async with self._lock:
             groups = self._table.group(batch.descriptors)
             if self._has_predicates:
-                groups = self._apply_predicates(batch, groups)
+                groups = await self._apply_predicates(batch, groups)
             routes = self._routes
             for index, selection in groups:
                 part = batch.select(selection)
@@ -287,13 +287,16 @@ class RoutingSink:
                 else:
                     await routes[index].dispatch(part)
 
-    def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
-        try:
-            return narrow(groups, batch.descriptors, self.plan.routes, self._declined)
-        except PredicateFailed as exc:  # a broken predicate is a bug: stop loudly
-            raise self._latch.latch(
-                exc.cause, route=exc.route, where="route predicate"
-            ) from exc.cause
+    async def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
+        """Each route's predicate on its group, under the route's deadline; a
+        route whose predicate failed has given those records up (not the router)."""
+        n = len(batch)
+        verdicts: dict[int, Verdict] = {}
+        for index, selection in groups:
+            if index != UNMATCHED and self.plan.routes[index].route.predicate is not None:
+                part = batch.select(selection)
+                verdicts[index] = await self._routes[index].screen(part)
+        return narrow(groups, n, verdicts, self._declined)
 
     def _declined(self, index: int, count: int, reason: str) -> None:
         counters = self._routes[index].counters

@@ -2,13 +2,14 @@
 
 A route may carry a predicate on descriptor fields that takes or declines
 each record, with a short reason for the declines.  The routing sink runs it
-on every batch; the dry-run trace (:mod:`taproute.routing.trace`) runs it on
-one record.
+on every batch, in a worker thread under the route's deadline (a predicate
+that fails is that route's failure for those records, never the router's);
+the dry-run trace (:mod:`taproute.routing.trace`) runs it on one record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -48,40 +49,51 @@ def evaluate_predicate(
 #: (route index or UNMATCHED, positions in the batch or None for all of it)
 Groups = list[tuple[int, npt.NDArray[np.intp] | None]]
 
+#: A predicate's verdict on a route's records: which it takes and why it
+#: declines the rest, or None when it failed (the route gave those records up).
+Verdict = tuple[npt.NDArray[np.bool_], str] | None
+
 
 class PredicateFailed(Exception):
-    """A route's predicate raised (or returned the wrong shape): a bug, raised loudly."""
+    """A route's predicate raised (or returned the wrong shape, or ran past
+    the route's deadline): a failure of that route for those records."""
 
-    def __init__(self, route: str, cause: Exception) -> None:
-        super().__init__(f"route {route!r}: predicate failed: {cause}")
+    def __init__(self, route: str, cause: BaseException) -> None:
+        super().__init__(f"route {route!r}: predicate failed: {type(cause).__name__}: {cause}")
         self.route = route
         self.cause = cause
 
 
+def positions_of(selection: npt.NDArray[np.intp] | None, n: int) -> npt.NDArray[np.intp]:
+    """A group's positions in a batch of ``n`` records."""
+    return np.arange(n) if selection is None else selection
+
+
 def narrow(
     groups: Groups,
-    descriptors: npt.NDArray[np.void],
-    routes: Sequence[PlannedRoute],
+    n: int,
+    verdicts: Mapping[int, Verdict],
     declined: Callable[[int, int, str], None],
 ) -> Groups:
-    """Narrow each route's group by its predicate; what no route takes is unmatched.
+    """Narrow each route's group of a batch of ``n`` records by its predicate's
+    verdict; what no route takes is unmatched.
 
-    ``declined(route_index, count, reason)`` is told what each predicate
-    declined.  A predicate that fails raises :class:`PredicateFailed`.
+    ``verdicts`` holds one verdict per route with a predicate; records of a
+    failed verdict (None) count as taken by their route, which gave them up.
+    ``declined(route_index, count, reason)`` is told what each predicate declined.
     """
-    n = len(descriptors)
     taken = np.zeros(n, dtype=bool)
     narrowed: Groups = []
     for index, selection in groups:
         if index == UNMATCHED:
             continue  # recomputed below: what no route took
-        positions = np.arange(n) if selection is None else selection
-        planned = routes[index]
-        if planned.route.predicate is not None:
-            try:
-                mask, reason = evaluate_predicate(planned, descriptors[positions])
-            except Exception as exc:
-                raise PredicateFailed(planned.name, exc) from exc
+        positions = positions_of(selection, n)
+        if index in verdicts:
+            verdict = verdicts[index]
+            if verdict is None:
+                taken[positions] = True
+                continue
+            mask, reason = verdict
             count = int(len(mask) - mask.sum())
             if count:
                 declined(index, count, reason)

@@ -338,3 +338,54 @@ async def test_a_timed_out_processor_keeps_its_buffer_until_it_returns():
             SCRIPT.release_hang.set()  # the processor returns...
             await released.wait()  # ...and only then is the buffer let go
             assert sink.counters().routes["r"].abandoned_calls == 0
+
+
+# -- #10.9: predicates run under the route's deadline; a failure is the route's ------------
+
+
+async def test_a_slow_or_raising_predicate_fails_its_route_not_the_router():
+    import threading
+
+    stuck = threading.Event()
+
+    def slow(descriptors):
+        stuck.wait(30)
+        return descriptors["step"] >= 0
+
+    def raising(descriptors):
+        raise ConnectionError("label service unreachable")
+
+    policy = FailurePolicy(deadline=0.2, max_failures=1, failure_window=0)
+    config = RoutingConfig(
+        [
+            Route("slow", Q, "out", predicate=slow, failure_policy=policy),
+            Route("raising", Q, "out", predicate=raising, failure_policy=policy),
+            Route("plain", Q, "out"),
+        ]
+    )
+    hooks, q = hooks_with_q()
+    out = CaptureSink()
+    failures: list[RecordFailure] = []
+    try:
+        with trio.fail_after(10):
+            async with open_routing_sink(
+                config,
+                SCHEMA,
+                {"out": out},
+                unmatched="drop",
+                hooks=hooks,
+                on_failure=failures.append,
+            ) as sink:
+                await sink.submit(vec_batch(q, 3))
+                await sink.flush()
+                assert sink.failure is None  # no router-wide latch
+                counters = sink.counters().routes
+    finally:
+        stuck.set()
+    by_route = {f.route: f for f in failures}
+    assert by_route["slow"].code is FailureCode.HANDLER_TIMEOUT
+    assert by_route["raising"].code is FailureCode.HANDLER_FAILED
+    assert "ConnectionError: label service unreachable" in str(by_route["raising"].error)
+    assert counters["slow"].failed == 3 and counters["raising"].failed == 3
+    assert counters["slow"].failures_by_code == {"handler_timeout": 3}
+    assert counters["plain"].processed == 3 and len(out.batches) == 1
