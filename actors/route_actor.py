@@ -206,6 +206,7 @@ class RouteActor:
         processor's and given up at once; returns None then."""
         held = HeldWhileRunning(batch, self._abandoned_call)
         deadline = self.policy.deadline or math.inf
+        tb: str | None = None
         try:
             with trio.move_on_after(deadline) as scope:
                 verdict: Verdict = await trio.to_thread.run_sync(
@@ -222,7 +223,7 @@ class RouteActor:
         else:
             if not scope.cancelled_caught:
                 return verdict
-            code, tb = FailureCode.HANDLER_TIMEOUT, None
+            code = FailureCode.HANDLER_TIMEOUT
             error = PredicateFailed(
                 self.name, TimeoutError(f"no verdict within the route's {deadline:g} s deadline")
             )
