@@ -19,7 +19,7 @@ from tests.sinks import NullSink
 
 def test_every_counters_class_declares_counts_apart_from_live_state():
     live = {d.field for d in declared(RouteCounters, "live")}
-    assert live == {"queue_depth", "backlog", "valid_slots", "parked"}
+    assert live == {"queue_depth", "backlog", "valid_slots", "parked", "abandoned_calls"}
     assert {d.field for d in declared(DestinationCounters, "live")} == {"queue_depth"}
     assert {d.field for d in declared(IngressCounters, "live")} == {"queued", "blocked_producers"}
     names = [
@@ -65,6 +65,7 @@ def test_runtime_and_sink_answer_snapshot_with_live_state_drained_and_counts_kep
             "queue_depth": 0,
             "backlog": 0,
             "parked": 0,
+            "abandoned_calls": 0,
         }
     assert snap.routes["sums"].valid_slots == 1  # every record had key 0
     assert snap.routes["raw"].valid_slots is None
