@@ -62,9 +62,11 @@ class RouteActor:
         on_failure: FailureHandler,
         hook_name: Callable[[int], str] | None = None,
         give_up_log: GiveUpLog | None = None,
+        copy_of: Callable[[RecordBatch], int | None] | None = None,
     ) -> None:
         self.planned = planned
         self._give_up_log = give_up_log if give_up_log is not None else GiveUpLog()
+        self._copy_of = copy_of
         self.name = planned.name
         self.destination = destination
         self.policy = planned.route.failure_policy
@@ -266,6 +268,7 @@ class RouteActor:
             first_failure_at=attempt.first_failure_wall or time.time(),
             last_failure_at=attempt.last_failure_wall or time.time(),
             traceback=attempt.traceback,
+            reroute_of=None if self._copy_of is None else self._copy_of(attempt.batch),
         )
         self._give_up_log(failure)  # whatever the handler: an operator sees give-ups in the log
         try:

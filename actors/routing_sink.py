@@ -21,6 +21,7 @@ queue it in their mailboxes.  A full mailbox makes ``submit`` wait.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,12 @@ from taproute.actors.owners import StatefulRoute
 from taproute.actors.pool import StatelessRoute
 from taproute.actors.route_actor import RouteActor
 from taproute.actors.turnstile import Turnstile
-from taproute.native import UNMATCHED, RouteTable
-from taproute.routing.batch import Batch, RecordBatch
+from taproute.native import UNMATCHED, BufferLease, RouteTable
+from taproute.routing.batch import Batch, RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import (
     ConfigError,
     PlanErrors,
+    RerouteRefused,
     RoutingFailure,
     SinkClosed,
     at,
@@ -150,6 +152,7 @@ class RoutingSink:
                 on_failure=on_failure,
                 hook_name=self.hooks.name_of,
                 give_up_log=self.give_up_log,
+                copy_of=self._copy_of,
             )
             for planned in self.plan.routes
         ]
@@ -162,6 +165,10 @@ class RoutingSink:
         self._unmatched_dropped = 0
         self._lock = Turnstile()
         self._has_predicates = any(p.route.predicate is not None for p in self.plan.routes)
+        #: id(lease) of a rerouted letter's copy -> the letter's id, while it is held.
+        self._copies: dict[int, int] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
         self._started = False
         self._closing = False
         self._close_inputs = trio.Event()
@@ -185,6 +192,7 @@ class RoutingSink:
         if self._started:
             raise RuntimeError("RoutingSink.run() can only be started once")
         self._started = True
+        self._token = trio.lowlevel.current_trio_token()
         try:
             for destination in self._destinations.values():
                 destination.open(self.hooks)  # owned sinks are created now
@@ -199,6 +207,7 @@ class RoutingSink:
                         for route in self._routes:
                             await route.run(routes)
                         routes.start_soon(self._close_inputs_when_asked)
+                        self._nursery = routes  # rerouted copies are sent from here
                         task_status.started()
                     # The routes' inputs were closed and they drained: so do the destinations.
                     for destination in self._destinations.values():
@@ -297,6 +306,89 @@ class RoutingSink:
                 part = batch.select(selection)
                 verdicts[index] = await self._routes[index].screen(part)
         return narrow(groups, n, verdicts, self._declined)
+
+    # -- rerouting dead letters ---------------------------------------------------
+
+    def reroute_targets(self, hook: str, route: str) -> None:
+        """Raise :class:`RerouteRefused` unless ``route`` exists and takes ``hook``."""
+        actor = self._by_name.get(route)
+        if actor is None:
+            raise RerouteRefused(
+                f"route {route!r} is not in the running configuration (routes: "
+                f"{', '.join(self._by_name) or 'none'}); nothing would take the record"
+            )
+        if not actor.planned.matches(hook):
+            raise RerouteRefused(f"route {route!r} does not take hook {hook!r}")
+
+    def reroute_from_thread(
+        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
+    ) -> None:
+        """Send a dead letter's copy to ``routes`` only (not through the route
+        table nor predicates), from a thread other than the loop's; returns once
+        the routes took it.  A copy that fails again is linked to ``letter_id``."""
+        token, nursery = self._token, self._nursery
+        if token is None or nursery is None or not self.running:
+            raise SinkClosed("the routing sink is not running; reroute refused")
+        try:
+            on_loop = trio.lowlevel.current_trio_token() is token
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            raise RuntimeError("reroute from the routing sink's own loop would wait for itself")
+        done: Future[None] = Future()
+
+        async def send() -> None:
+            try:
+                await self._reroute(descriptors, payload, routes, letter_id)
+            except BaseException as exc:
+                done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                done.set_result(None)
+
+        def start() -> None:  # a run_sync_soon callback: must not raise
+            try:
+                nursery.start_soon(send)
+            except BaseException as exc:  # the nursery is closed: the sink stopped
+                done.set_exception(SinkClosed(f"the routing sink stopped; reroute refused ({exc})"))
+
+        try:
+            token.run_sync_soon(start)
+        except trio.RunFinishedError:
+            raise SinkClosed("the routing sink is not running; reroute refused") from None
+        done.result()
+
+    async def _reroute(
+        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], letter_id: int
+    ) -> None:
+        self._check_open()
+        copies = self._copies
+        key = 0
+
+        def forget() -> None:  # the copy is let go: forget its link
+            copies.pop(key, None)
+
+        lease = BufferLease(forget)
+        key = id(lease)
+        copies[key] = letter_id
+        batch = RecordBatch(readonly_descriptors(descriptors), readonly_bytes(payload), lease)
+        try:
+            check_batch(
+                batch.descriptors,
+                len(batch.payload),
+                bound_ids=len(self.hooks),
+                schema=self.schema,
+                hook_name=self.hooks.name_of,
+            )
+            async with self._lock:
+                for route in routes:
+                    await self._by_name[route].dispatch(batch)
+        finally:
+            batch.lease.release()  # this call's own hold
+
+    def _copy_of(self, batch: RecordBatch) -> int | None:
+        return self._copies.get(id(batch.lease)) if self._copies else None
 
     def _declined(self, index: int, count: int, reason: str) -> None:
         counters = self._routes[index].counters

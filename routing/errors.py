@@ -117,6 +117,11 @@ class SinkClosed(TaprouteError, RuntimeError):
     """``submit`` or ``flush`` after ``close``."""
 
 
+class RerouteRefused(TaprouteError):
+    """A dead letter that cannot be rerouted (already rerouted, skipped, or no
+    route would take it); it stays as it was."""
+
+
 class IngressFull(TaprouteError, RuntimeError):
     """Ingress is at capacity and the runtime was built with ``when_full="reject"``."""
 

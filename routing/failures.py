@@ -158,6 +158,8 @@ class RecordFailure:
     first_failure_at: float = 0.0
     last_failure_at: float = 0.0
     traceback: str | None = None
+    #: When the records are a rerouted dead letter's copy: the original letter's id.
+    reroute_of: int | None = None
 
     @property
     def message(self) -> str:

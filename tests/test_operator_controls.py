@@ -217,3 +217,67 @@ def test_cli_trace_prints_verdicts(tmp_path, chdb_transport, capsys):
     assert out[3].strip() == "=> ch"
     assert main(["trace", "--config", str(path), "--hook", "mlp.0"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].strip() == "=> dropped"
+
+
+def test_reroute_goes_only_to_the_failed_route_once_and_refuses_what_it_cannot_do(tmp_path):
+    from taproute.routing.errors import RerouteRefused
+
+    hooks = HookRegistry()
+    store = DeadLetterStore(tmp_path / "dead.sqlite", hooks=hooks)
+    out, raw = CaptureSink(), CaptureSink()
+    sink = RoutingSink(
+        RoutingConfig(
+            [
+                Route("r", "*", "out", mode="stateless", processor="fail.invalid_when_broken"),
+                Route("fwd", "*", "raw"),  # takes the same records, and does not fail
+            ]
+        ),
+        SCHEMA,
+        {"out": out, "raw": raw},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=store.handle,
+    )
+    SCRIPT.broken = True
+    with create_record_runtime(record_sink=sink, dead_letters=store) as runtime:
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        batch = vec_batch(q, 5)
+        runtime.submit_batch(batch.descriptors, batch.payload)
+        runtime.flush()
+        letters = store.list()
+        assert len(letters) == 5 and {d.route for d in letters} == {"r"}
+        ids = [d.id for d in letters]
+        assert len(raw.batches) == 1 and len(raw.batches[0]) == 5
+
+        # Skip one; it stays skipped whatever is asked next.
+        store.skip(ids[0])
+        with pytest.raises(RerouteRefused, match="is skipped"):
+            runtime.reroute(ids[0])
+        assert store.get(ids[0]).state == "skipped"
+
+        # A route that is not running: refused, the letter stays dead.
+        with pytest.raises(RerouteRefused, match="'gone' is not in the running configuration"):
+            runtime.reroute(ids[1], route="gone")
+        assert store.get(ids[1]).state == "dead"
+
+        # Still broken: the copy fails again on "r" and is linked to its original.
+        copy = runtime.reroute(ids[1])
+        runtime.flush()
+        assert copy.state == "rerouted" and copy.reroute_id is not None
+        assert copy.rerouted_to == "r"
+        (again,) = store.list(state="dead", route="r")[-1:]
+        assert again.reroute_of == ids[1] and again.id not in ids
+
+        SCRIPT.broken = False
+        for letter_id in ids[2:]:
+            runtime.reroute(letter_id)
+        runtime.flush()
+        with pytest.raises(RerouteRefused, match="rerouted at most once"):
+            runtime.reroute(ids[2])
+        with pytest.raises(RerouteRefused, match="cannot be skipped"):
+            store.skip(ids[2])
+    # The copies went to "r" only: "fwd" did not get them a second time.
+    assert sum(len(b) for b in raw.batches) == 5
+    assert sorted(out.rows("r")["seq"].tolist()) == [2, 3, 4]
+    assert len({store.get(i).reroute_id for i in ids[1:]}) == 4  # each copy its own id
+    store.close()

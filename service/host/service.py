@@ -125,13 +125,13 @@ class RecordService:
 
     # -- operator controls ---------------------------------------------------
 
-    def reroute(self, letter_id: int) -> DeadLetter:
-        """Feed dead letter ``letter_id`` through routing again, as new input (any thread
-        but the loop's; blocks while ingress is full).  A skipped or already rerouted
-        letter goes again as a copy."""
+    def reroute(self, letter_id: int, route: str | None = None) -> DeadLetter:
+        """Send a copy of dead letter ``letter_id`` to the route that failed it (or
+        to ``route``), once; any thread but the loop's.  See
+        :meth:`DeadLetterControls.reroute` for what is refused."""
         if self.controls is None:
             raise ConfigError("this runtime has no dead-letter store (dead_letters=...)")
-        return self.controls.reroute(letter_id)
+        return self.controls.reroute(letter_id, route)
 
     # -- lifecycle -------------------------------------------------------------
 

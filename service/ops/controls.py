@@ -8,13 +8,12 @@ are two faces over the same :class:`DeadLetterControls`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from taproute.native import make_descriptors
-from taproute.routing.errors import IngressFull
+from taproute.routing.errors import RerouteRefused
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
 
 
@@ -23,13 +22,19 @@ class RecordIntake(Protocol):
 
     def bind_hook(self, name: str, *, layout: str | None = None) -> int: ...
 
-    def submit_batch(
-        self, descriptors: Any, payload: Any, release: Callable[[], object] | None = None
-    ) -> None: ...
+    @property
+    def record_sink(self) -> Any: ...
 
-    def try_submit_batch(
-        self, descriptors: Any, payload: Any, release: Callable[[], object] | None = None
-    ) -> bool: ...
+
+@runtime_checkable
+class Rerouter(Protocol):
+    """A sink that can send a dead letter's copy to named routes (a RoutingSink)."""
+
+    def reroute_targets(self, hook: str, route: str) -> None: ...
+
+    def reroute_from_thread(
+        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
+    ) -> None: ...
 
 
 @attrs.frozen
@@ -45,31 +50,50 @@ class DeadLetterControls:
     token: str | None = attrs.field(default=None, repr=False)
 
     def skip(self, letter_id: int) -> DeadLetter:
-        """Mark dead letter ``letter_id`` as skipped (kept, never rerouted by itself)."""
+        """Mark dead letter ``letter_id`` as skipped (kept, never rerouted).
+
+        A rerouted letter cannot be skipped; skipping twice changes nothing."""
         return self.store.skip(letter_id)
 
-    def reroute(self, letter_id: int) -> DeadLetter:
-        """Feed dead letter ``letter_id`` through routing again, as new input.
+    def reroute(self, letter_id: int, route: str | None = None) -> DeadLetter:
+        """Send a copy of dead letter ``letter_id`` to the route that failed it
+        (or to ``route``), and only there; any thread but the loop's.
 
-        Any thread but the loop's; blocks while ingress is full.  A skipped or
-        already rerouted letter goes again as a copy.
+        The copy gets its own id (``reroute_id``), linked to the letter; if it
+        fails again, the new letter's ``reroute_of`` names this one.  Refused
+        with :class:`~taproute.routing.errors.RerouteRefused`, the letter
+        unchanged, when it was rerouted or skipped already, or when the route
+        is gone or does not take its hook.
         """
-        descriptors, payload = self._records(letter_id)
-        self.intake.submit_batch(descriptors, payload)
-        return self.store.mark_rerouted(letter_id)
+        letter = self.store.get(letter_id)
+        target = route or letter.route
+        sink = self.intake.record_sink
+        if not isinstance(sink, Rerouter):
+            raise RerouteRefused(
+                f"dead letter {letter_id}: the running sink ({type(sink).__name__}) has no "
+                "routes to reroute to; it stays a dead letter"
+            )
+        try:
+            sink.reroute_targets(letter.hook, target)
+        except RerouteRefused as exc:
+            raise RerouteRefused(
+                f"dead letter {letter_id}: {exc}; it stays a dead letter"
+            ) from None
+        descriptors, payload = self._records(letter)
+        self.store.claim_reroute(letter_id, target)  # refuses a second reroute, atomically
+        try:
+            sink.reroute_from_thread(descriptors, payload, (target,), letter_id=letter_id)
+        except BaseException:
+            self.store.unclaim_reroute(letter_id)
+            raise
+        return self.store.get(letter_id)
 
     def reroute_now(self, letter_id: int) -> DeadLetter:
-        """:meth:`reroute` that never waits: raises :class:`IngressFull` instead.
+        """:meth:`reroute` for the HTTP endpoint (the copy goes straight to its
+        route's mailbox, not through ingress, so there is no ingress to be full)."""
+        return self.reroute(letter_id)
 
-        For callers that must not wait (the HTTP endpoint, the loop thread itself).
-        """
-        descriptors, payload = self._records(letter_id)
-        if not self.intake.try_submit_batch(descriptors, payload):
-            raise IngressFull("ingress is full; reroute refused, try again")
-        return self.store.mark_rerouted(letter_id)
-
-    def _records(self, letter_id: int) -> tuple[Any, bytes]:
-        letter = self.store.get(letter_id)
+    def _records(self, letter: DeadLetter) -> tuple[Any, bytes]:
         assert letter.payload is not None
         output_id = self.intake.bind_hook(letter.hook)
         descriptors = make_descriptors(
@@ -84,4 +108,4 @@ class DeadLetterControls:
         return descriptors, letter.payload
 
 
-__all__ = ["DeadLetterControls", "RecordIntake"]
+__all__ = ["DeadLetterControls", "RecordIntake", "Rerouter"]

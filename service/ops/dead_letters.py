@@ -3,8 +3,9 @@
 Each record is one row: its descriptor and payload (so it can be fed through
 routing again), the route, failure code, error text, traceback, attempts and
 first/last failure time.  Operators list and show them, *skip* them (handled,
-never retried) or *reroute* them (fed through routing again as new input;
-skipped or already rerouted letters go again as a copy).  The file survives
+never retried) or *reroute* them (a copy, with its own id, goes to the
+route(s) that failed it; at most once per letter; a skipped letter stays
+skipped).  The file survives
 restarts; writes happen in worker threads, never on the Trio loop.
 """
 
@@ -21,7 +22,7 @@ from typing import Literal
 import attrs
 import trio
 
-from taproute.routing.errors import TaprouteError
+from taproute.routing.errors import RerouteRefused, TaprouteError
 from taproute.routing.failures import RecordFailure
 from taproute.routing.hooks import HookRegistry
 
@@ -51,9 +52,33 @@ CREATE TABLE IF NOT EXISTS dead_letters (
 CREATE INDEX IF NOT EXISTS dead_letters_by_route ON dead_letters (route, code, state);
 """
 
+#: Reroutes: each letter is rerouted at most once (``letter_id`` is unique);
+#: the copy's own id is the row's ``id``.  A copy that failed again is a new
+#: letter, linked to the original in ``copy_letters``.
+_LINKS = """
+CREATE TABLE IF NOT EXISTS reroutes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    letter_id INTEGER NOT NULL UNIQUE,
+    routes TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS copy_letters (
+    letter_id INTEGER PRIMARY KEY,
+    reroute_of INTEGER NOT NULL
+);
+"""
+
 _COLUMNS = (
     "id, route, processor, code, error, traceback, attempts, first_failure_at, "
     "last_failure_at, hook, layout_id, key, step, seq, timestamp_ns, state, handled_at"
+)
+
+
+_SELECT = (
+    ", ".join(f"d.{name}" for name in _COLUMNS.split(", "))
+    + ", r.id, r.routes, c.reroute_of FROM dead_letters d"
+    " LEFT JOIN reroutes r ON r.letter_id = d.id"
+    " LEFT JOIN copy_letters c ON c.letter_id = d.id"
 )
 
 
@@ -86,6 +111,11 @@ class DeadLetter:
     timestamp_ns: int
     state: State
     handled_at: float | None
+    #: The id of this letter's rerouted copy, and the route(s) it went to.
+    reroute_id: int | None = None
+    rerouted_to: str | None = None
+    #: Set on a letter that is a rerouted copy which failed again: the original's id.
+    reroute_of: int | None = None
     payload: bytes | None = None
 
     def summary(self) -> dict[str, object]:
@@ -117,6 +147,7 @@ class DeadLetterStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            self._db.executescript(_LINKS)
             return
         if not self.path.is_file():
             raise DeadLetterStoreError(f"no dead-letter store at {self.path}")
@@ -139,6 +170,7 @@ class DeadLetterStore:
                 f"{self.path}: not a dead-letter store (no dead_letters table with "
                 f"columns {', '.join(sorted(missing))})"
             )
+        self._db.executescript(_LINKS)  # a store written before reroute links existed
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -156,7 +188,10 @@ class DeadLetterStore:
         self.hooks = hooks
 
     def put(self, failure: RecordFailure) -> list[int]:
-        """Store every record of ``failure`` durably (one transaction); returns the ids."""
+        """Store every record of ``failure`` durably (one transaction); returns the ids.
+
+        Records of a rerouted copy that failed again are linked to the
+        original letter (``reroute_of``)."""
         batch = failure.records
         desc = batch.descriptors
         names = self.hooks.names() if self.hooks is not None else []
@@ -190,7 +225,13 @@ class DeadLetterStore:
                 "timestamp_ns, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
-        return list(range(first + 1, first + 1 + len(rows)))
+            ids = list(range(first + 1, first + 1 + len(rows)))
+            if failure.reroute_of is not None:
+                db.executemany(
+                    "INSERT INTO copy_letters (letter_id, reroute_of) VALUES (?, ?)",
+                    [(i, failure.reroute_of) for i in ids],
+                )
+        return ids
 
     async def handle(self, failure: RecordFailure) -> None:
         """The routing sink's failure handler: store, in a worker thread."""
@@ -220,10 +261,10 @@ class DeadLetterStore:
         if state is not None:
             where.append("state = ?")
             args.append(state)
-        sql = f"SELECT {_COLUMNS} FROM dead_letters"
+        sql = f"SELECT {_SELECT}"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY id LIMIT ?"
+        sql += " ORDER BY d.id LIMIT ?"
         with self._lock:
             rows = self._db.execute(sql, (*args, limit)).fetchall()
         return [DeadLetter(*row) for row in rows]
@@ -232,29 +273,67 @@ class DeadLetterStore:
         """One dead letter, with its payload."""
         with self._lock:
             row = self._db.execute(
-                f"SELECT {_COLUMNS}, payload FROM dead_letters WHERE id = ?", (letter_id,)
+                f"SELECT {_SELECT.replace(' FROM', ', d.payload FROM', 1)} WHERE d.id = ?",
+                (letter_id,),
             ).fetchone()
         if row is None:
             raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
         return DeadLetter(*row)
 
-    def _set_state(self, letter_id: int, state: State) -> DeadLetter:
+    def skip(self, letter_id: int) -> DeadLetter:
+        """Mark handled: it is never retried.  Only a dead letter can be skipped
+        (a rerouted one was handled already); skipping twice changes nothing."""
         with self._transaction() as db:
-            updated = db.execute(
-                "UPDATE dead_letters SET state = ?, handled_at = ? WHERE id = ?",
-                (state, time.time(), letter_id),
-            ).rowcount
-        if not updated:
-            raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+            row = db.execute("SELECT state FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
+            if row is None:
+                raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+            if row[0] == "rerouted":
+                raise RerouteRefused(
+                    f"dead letter {letter_id} was already rerouted; it cannot be skipped"
+                )
+            if row[0] == "dead":
+                db.execute(
+                    "UPDATE dead_letters SET state = 'skipped', handled_at = ? WHERE id = ?",
+                    (time.time(), letter_id),
+                )
         return self.get(letter_id)
 
-    def skip(self, letter_id: int) -> DeadLetter:
-        """Mark handled: it is never retried."""
-        return self._set_state(letter_id, "skipped")
+    def claim_reroute(self, letter_id: int, routes: str) -> int:
+        """Mark a *dead* letter rerouted to ``routes`` and give its copy an id (one
+        transaction); a second reroute, or a reroute of a skipped letter, is refused."""
+        with self._transaction() as db:
+            row = db.execute("SELECT state FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
+            if row is None:
+                raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+            if row[0] != "dead":
+                done = db.execute(
+                    "SELECT id, routes FROM reroutes WHERE letter_id = ?", (letter_id,)
+                ).fetchone()
+                how = f" as copy {done[0]} to route(s) {done[1]}" if done else ""
+                raise RerouteRefused(
+                    f"dead letter {letter_id} is {row[0]}{how}; a letter is rerouted at most "
+                    "once and a skipped one stays skipped: refused"
+                )
+            db.execute(
+                "UPDATE dead_letters SET state = 'rerouted', handled_at = ? WHERE id = ?",
+                (time.time(), letter_id),
+            )
+            cursor = db.execute(
+                "INSERT INTO reroutes (letter_id, routes, at) VALUES (?, ?, ?)",
+                (letter_id, routes, time.time()),
+            )
+            copy_id = cursor.lastrowid
+        assert copy_id is not None
+        return copy_id
 
-    def mark_rerouted(self, letter_id: int) -> DeadLetter:
-        """Record that the letter was fed through routing again."""
-        return self._set_state(letter_id, "rerouted")
+    def unclaim_reroute(self, letter_id: int) -> None:
+        """Undo :meth:`claim_reroute` when the copy could not be sent: the letter stays dead."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM reroutes WHERE letter_id = ?", (letter_id,))
+            db.execute(
+                "UPDATE dead_letters SET state = 'dead', handled_at = NULL WHERE id = ?",
+                (letter_id,),
+            )
 
     def counts(self, *, older_than: float | None = None) -> dict[tuple[str, str], int]:
         """Dead (unhandled) letters per (route, code), optionally only the older ones."""

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from taproute.routing.errors import IngressFull, TaprouteError
+from taproute.routing.errors import IngressFull, RerouteRefused, TaprouteError
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
@@ -135,6 +135,8 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
                 return json_error(404, str(exc))
             except IngressFull as exc:
                 return json_error(503, str(exc))
+            except RerouteRefused as exc:  # already rerouted / skipped / no route takes it
+                return json_error(409, str(exc))
             return JSONResponse(letter.summary())
 
         return endpoint
