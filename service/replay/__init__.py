@@ -10,6 +10,7 @@ a ledger beside the outputs records what is done, so a crashed run resumes.
 Backends: ``inprocess``, ``processes``, ``ray`` (``pip install "taproute[ray]"``).
 """
 
+from taproute.service.replay.config import ReplayConfig
 from taproute.service.replay.contract import (
     BATCH_REGISTRY,
     BatchProcessorSpec,
@@ -32,7 +33,8 @@ from taproute.service.replay.errors import (
     WorkerLost,
 )
 from taproute.service.replay.lanes import ClickHouseTable, LaneTarget, ParquetDir
-from taproute.service.replay.runner import ReplayConfig, ReplayReport, config_digest, run_replay
+from taproute.service.replay.report import ReplayReport
+from taproute.service.replay.runner import config_digest, run_replay
 from taproute.service.replay.units import Filters, WorkUnit
 
 __all__ = [

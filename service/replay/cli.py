@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from taproute.routing.schema import RecordSchema
+from taproute.service.replay.config import ReplayConfig
 from taproute.service.replay.corpus import ClickHouseCorpus, Corpus, ParquetCorpus
 from taproute.service.replay.errors import ReplayConfigError, UnitsFailed
 from taproute.service.replay.lanes import parse_target
-from taproute.service.replay.runner import ReplayConfig, config_digest, run_replay
+from taproute.service.replay.runner import config_digest, run_replay
 from taproute.service.replay.units import Filters
 from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import numpy as np
@@ -31,9 +31,9 @@ import numpy.typing as npt
 
 from taproute.native import StateRegion
 from taproute.routing.processors import ProcessorKind, ProcessorSpec
-from taproute.routing.schema import RecordSchema
-from taproute.service.replay.backends import BackendName, InProcess, Schedule, open_backend
-from taproute.service.replay.corpus import ClickHouseCorpus, Corpus
+from taproute.service.replay.backends import InProcess, open_backend
+from taproute.service.replay.config import ReplayConfig
+from taproute.service.replay.corpus import ClickHouseCorpus
 from taproute.service.replay.errors import (
     LayoutMismatch,
     MergeRequired,
@@ -55,102 +55,14 @@ from taproute.service.replay.lanes import (
     ParquetDir,
     describe_targets,
     open_lane,
-    parse_target,
 )
 from taproute.service.replay.ledger import RunLedger, config_hash
 from taproute.service.replay.progress import Progress
+from taproute.service.replay.report import ReplayReport
 from taproute.service.replay.units import WorkUnit
-from taproute.service.sinks.clickhouse.transport import ChdbTransport, Transport
+from taproute.service.sinks.clickhouse.transport import ChdbTransport
 
-StatefulOutput = Literal["auto", "units", "final"]
 State = tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]
-
-
-def _targets(value: Mapping[str, LaneTarget | str]) -> dict[str, LaneTarget]:
-    return {k: parse_target(v) if isinstance(v, str) else v for k, v in value.items()}
-
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
-        raise ReplayConfigError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-@attrs.frozen(kw_only=True)
-class ReplayConfig:
-    """One replay: what to read, which processor, where rows go, how to run.
-
-    - ``source``: a :class:`ClickHouseCorpus` or :class:`ParquetCorpus` (with its filters);
-    - ``processor``: a registered live (stateless/stateful) or batch processor;
-      ``modules`` are imported first (and in every worker) to register it;
-    - ``outputs``: lane -> :class:`ClickHouseTable` / :class:`ParquetDir`
-      (default: table ``replay_<layout>`` on ``clickhouse``);
-    - ``clickhouse``: where ClickHouse lanes write (default: the corpus's);
-    - ``on_bind``: listeners the replay's hook registry calls for every hook
-      it binds (as a live program subscribes them, e.g. to map hooks to layers);
-    - ``backend`` / ``workers`` / ``schedule``: ``inprocess`` (1 worker),
-      ``processes`` or ``ray``; ``static`` bags or a ``pull`` queue;
-    - ``stateful_output``: ``units`` writes the rows each unit returns (as live
-      does; one worker carrying the state), ``final`` writes ``finish``'s rows
-      of the final state once; ``auto`` is ``final`` when the processor
-      registered a ``finish``;
-    - checkpoints every ``checkpoint_units`` units or ``checkpoint_seconds``;
-      a failing unit is tried ``retries`` more times, then recorded failed.
-    """
-
-    source: Corpus
-    processor: str
-    schema: RecordSchema
-    outputs: Mapping[str, LaneTarget] = attrs.field(factory=dict, converter=_targets)
-    clickhouse: Transport | None = None
-    params: Mapping[str, Any] = attrs.field(factory=dict)
-    modules: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    on_bind: tuple[Callable[[str, int], None], ...] = attrs.field(default=(), converter=tuple)
-    backend: BackendName = "inprocess"
-    workers: int = attrs.field(default=1, validator=_positive)
-    schedule: Schedule = "static"
-    unit_rows: int = attrs.field(default=4096, validator=_positive)
-    checkpoint_units: int = attrs.field(default=16, validator=_positive)
-    checkpoint_seconds: float = attrs.field(default=30.0, validator=_positive)
-    retries: int = 2
-    runs_dir: Path | None = None
-    stateful_output: StatefulOutput = "auto"
-    progress: bool | None = None
-    #: Called with each unit id once its rows are written (tests, custom reporting).
-    on_unit: Callable[[str], None] | None = None
-
-
-@attrs.frozen(kw_only=True)
-class ReplayReport:
-    """What a run did (or, for a dry run, would do)."""
-
-    run_id: str | None
-    ledger: Path | None
-    plan: list[WorkUnit]
-    lanes: dict[str, str]
-    units_run: int = 0
-    units_skipped: int = 0
-    records: int = 0
-    rows_written: dict[str, int] = attrs.field(factory=dict)
-    failed: dict[str, str] = attrs.field(factory=dict)
-    seconds: float = 0.0
-    dry_run: bool = False
-
-    def describe(self) -> str:
-        """Human-readable summary (what the CLI prints)."""
-        rows = sum(u.rows for u in self.plan)
-        head = f"plan: {len(self.plan)} work unit(s), ~{rows:,} records; lanes: " + ", ".join(
-            f"{k} -> {v}" for k, v in self.lanes.items()
-        )
-        if self.dry_run:
-            return "\n".join(
-                [head, *(f"  {u.describe()}" for u in self.plan), "dry run: nothing written"]
-            )
-        written = ", ".join(f"{k}: {v:,}" for k, v in self.rows_written.items()) or "none"
-        return (
-            f"{head}\nrun {self.run_id}: {self.units_run} unit(s) run, {self.units_skipped} "
-            f"already done, {len(self.failed)} failed; {self.records:,} records in "
-            f"{self.seconds:.2f} s; rows written: {written}\nledger: {self.ledger}"
-        )
 
 
 class _Run:
