@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from taproute.routing.layout import Layout
 from taproute.service.replay.errors import NotExactlyOnce, ReplayConfigError
+from taproute.service.sinks.clickhouse.deduplication import NoDeduplication, check_deduplication
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     check_table,
@@ -112,14 +113,13 @@ class ClickHouseLane:
             raise
         except Exception as exc:
             raise type(exc)(f"lane {self.name!r}: {exc}") from None
-        ddl = self.transport.query(f"SHOW CREATE TABLE `{self.spec.name}`")
-        text = str(ddl.column(0)[0].as_py()) if ddl.num_rows else ""
-        if "Replicated" not in text and "non_replicated_deduplication_window" not in text:
+        try:
+            check_deduplication(self.transport, self.spec.name, waiver=None)
+        except NoDeduplication as exc:
             raise NotExactlyOnce(
                 f"lane {self.name!r}: output table {self.spec.name!r} has no deduplication "
-                "window, so a resumed replay could insert a unit twice; create it with "
-                "SETTINGS non_replicated_deduplication_window = 10000 (or let replay create it)"
-            )
+                f"window, so a resumed replay could insert a unit twice ({exc})"
+            ) from None
 
     def write(self, data: pa.Table, *, run_id: str, part: str) -> None:
         token = f"{run_id}-{part}-{self.name}"

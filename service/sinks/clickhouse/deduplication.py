@@ -86,16 +86,25 @@ def _window(transport: _Queries, engine_full: str, setting: str) -> int:
     return int(default[0]["value"]) if default else 0
 
 
-def _fix(table: str, setting: str) -> str:
+#: How a :class:`ClickHouseSink` caller accepts duplicates (what the messages offer).
+SINK_WAIVER = "pass require_deduplication=False to accept duplicates (at-least-once)"
+
+
+def _fix(table: str, setting: str, waiver: str | None) -> str:
     return (
         f"ALTER TABLE `{table}` MODIFY SETTING {setting} = {WINDOW}, or create it with "
-        f"SETTINGS {setting} = {WINDOW} (as create_tables=True does); or pass "
-        "require_deduplication=False to accept duplicates (at-least-once)"
-    )
+        f"SETTINGS {setting} = {WINDOW} (as create_tables=True does)"
+    ) + (f"; or {waiver}" if waiver else "")
 
 
-def check_deduplication(transport: _Queries, table: str) -> None:
-    """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts."""
+def check_deduplication(
+    transport: _Queries, table: str, *, waiver: str | None = SINK_WAIVER
+) -> None:
+    """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts.
+
+    ``waiver`` is how the caller's user can accept duplicates instead (offered
+    at the end of the messages); None where they cannot.
+    """
     found = _engine(transport, None, table)
     if found is None:
         raise NoDeduplication(f"table {table!r} is not in system.tables")
@@ -110,8 +119,8 @@ def check_deduplication(transport: _Queries, table: str) -> None:
                 f"{local or '?'}, which this server does not have, so whether retried inserts "
                 "are deduplicated cannot be checked from here: make the shards' local tables "
                 "ReplicatedMergeTree (they deduplicate by default) or give them "
-                f"non_replicated_deduplication_window = {WINDOW}, then pass "
-                "require_deduplication=False to vouch for them"
+                f"non_replicated_deduplication_window = {WINDOW}"
+                + (", then pass require_deduplication=False to vouch for them" if waiver else "")
             )
         engine, engine_full = behind
         label, fix_table = f"{table!r} (Distributed over {local!r})", local
@@ -121,12 +130,11 @@ def check_deduplication(transport: _Queries, table: str) -> None:
             f"table {label} has engine {engine}, which does not deduplicate retried inserts: "
             "a block whose reply was lost would be written twice. Use a MergeTree with "
             f"SETTINGS non_replicated_deduplication_window = {WINDOW} (as create_tables=True "
-            "creates) or a ReplicatedMergeTree; or pass require_deduplication=False to accept "
-            "duplicates (at-least-once)"
+            "creates) or a ReplicatedMergeTree" + (f"; or {waiver}" if waiver else "")
         )
     if _window(transport, engine_full, setting) <= 0:
         raise NoDeduplication(
             f"table {label} ({engine}) does not deduplicate retried inserts ({setting} "
             "is 0): a block whose reply was lost would be written twice. Run "
-            + _fix(fix_table, setting)
+            + _fix(fix_table, setting, waiver)
         )
