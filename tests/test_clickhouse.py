@@ -42,7 +42,7 @@ from taproute.service import (
     create_record_runtime,
 )
 from taproute.service.sinks.clickhouse import ServerTransport
-from taproute.service.sinks.clickhouse.columns import raw_table
+from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table
 from tests.clickhouse_backends import SERVER_URL, Backend, FaultyProxy, FlakyTransport
 
 #: Cases that need a server in front of which a proxy can inject faults:
@@ -360,6 +360,21 @@ def test_routed_and_direct_sinks_write_identical_tables(clickhouse):
     b = clickhouse.query(f"SELECT {columns} FROM {{p}}_raw_vec ORDER BY seq")
     assert a.num_rows == 320
     assert a.equals(b)
+
+
+def test_hook_dictionary_is_built_once_per_registry_version():
+    """Inserts reuse the hook column's dictionary until a hook is bound."""
+    hooks = HookRegistry()
+    hooks.bind("q")
+    dictionary = HookDictionary()
+    first = dictionary.of(hooks.names())
+    assert first.to_pylist() == ["q"]
+    assert dictionary.of(hooks.names()) is first
+    hooks.bind("k")
+    second = dictionary.of(hooks.names())
+    assert second is not first
+    assert second.to_pylist() == ["q", "k"]
+    assert dictionary.of(hooks.names()) is second
 
 
 # -- the server path: concurrency, failure classes, credentials -------------------

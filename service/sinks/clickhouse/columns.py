@@ -156,22 +156,49 @@ def _gather_tails(
     return batch.payload[index].view(element)
 
 
+class HookDictionary:
+    """The ``hook`` column's dictionary (hook names as an Arrow array), built
+    once per version of a registry's names.
+
+    ``HookRegistry.names()`` returns a new tuple only when a hook is bound, so
+    the tuple's identity is the version: an insert with the same names reuses
+    the array instead of converting every name again.  Safe across the sink's
+    insert threads: the (names, array) pair is replaced in one assignment.
+    """
+
+    def __init__(self) -> None:
+        self._cached: tuple[tuple[str, ...], pa.Array] = ((), pa.array([], pa.string()))
+
+    def of(self, names: tuple[str, ...]) -> pa.Array:
+        """``names`` as an Arrow string array (the cached one while they are unchanged)."""
+        cached = self._cached
+        if cached[0] is names:
+            return cached[1]
+        array = pa.array(names, pa.string())
+        self._cached = (names, array)
+        return array
+
+
 def raw_table(
     batch: RecordBatch,
     layout: Layout,
     spec: TableSpec,
-    hook_names: Sequence[str],
+    hook_names: Sequence[str] | pa.Array,
     token_shapes: TokenShapes | None = None,
 ) -> pa.Table:
     """Raw records of ``layout`` as an Arrow table with ``spec``'s columns.
 
+    ``hook_names`` is the ``hook`` column's dictionary (output_id -> name): the
+    names, or them already as an Arrow array (:class:`HookDictionary`).
     ``token_shapes`` gives a hook's per-position value shape, so a variable
     tail's ``<column>_shape`` is the record's real shape (``[tokens, hidden]``).
     """
     desc = batch.descriptors
+    if not isinstance(hook_names, pa.Array):
+        hook_names = pa.array(list(hook_names), pa.string())
     columns: dict[str, pa.Array] = {
         "hook": pa.DictionaryArray.from_arrays(
-            pa.array(desc["output_id"].astype(np.int32)), pa.array(list(hook_names), pa.string())
+            pa.array(desc["output_id"].astype(np.int32)), hook_names
         ),
         "output_id": _arrow(desc["output_id"]),
         "key": _arrow(desc["key"]),

@@ -29,7 +29,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
-from taproute.service.sinks.clickhouse.columns import raw_table, rows_table
+from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table, rows_table
 from taproute.service.sinks.clickhouse.deduplication import check_deduplication
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
@@ -142,6 +142,7 @@ class ClickHouseSink:
         self._limiters = {
             n: trio.CapacityLimiter(self.batching.inserts_in_flight) for n in self.tables
         }
+        self._hook_dictionary = HookDictionary()
         self._token_prefix = uuid.uuid4().hex
         self._block_seq = 0
         self._latch = FailureLatch()
@@ -350,6 +351,7 @@ class ClickHouseSink:
         parts: list[pa.Table] = []
         if spec.raw:
             names = self.hooks.names() if self.hooks is not None else ()  # a view, no copy
+            dictionary = self._hook_dictionary.of(names)
             for item in buffer.items:
                 assert isinstance(item, RecordBatch)
                 layout = self.schema.by_id(int(item.descriptors["layout_id"][0]))
@@ -359,7 +361,7 @@ class ClickHouseSink:
                         "HookRegistry the producer binds hooks in (hooks=...)"
                     )
                 shapes = self.hooks.token_shape_of if self.hooks is not None else None
-                parts.append(raw_table(item, layout, spec, names, shapes))
+                parts.append(raw_table(item, layout, spec, dictionary, shapes))
         else:
             for item in buffer.items:
                 assert isinstance(item, RowBatch)
