@@ -57,8 +57,6 @@ import sqlite3
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Literal
 
 import attrs
 from cattrs.errors import ClassValidationError
@@ -71,6 +69,7 @@ from taproute.routing.layout import Layout
 from taproute.routing.routes import Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
+from taproute.service.host.built_service import BuiltService
 from taproute.service.host.config_destinations import (
     DestinationConfig,
     destination_problems,
@@ -81,59 +80,19 @@ from taproute.service.host.config_destinations import (
 from taproute.service.host.config_rules import (
     ConfigFileError,
     Limit,
-    add_limits,
     omit,
     problems_of,
     structure,
 )
+from taproute.service.host.config_sections import (
+    DeadLetterOptions,
+    IngressOptions,
+    ProducerConfig,
+    ProducerHook,
+    RoutingOptions,
+)
 from taproute.service.host.http import HttpConfig
-from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
-
-
-@attrs.frozen(kw_only=True)
-class RoutingOptions:
-    """Where records no route takes go: a destination, or dropped (counted)."""
-
-    default_destination: str | None = None
-    unmatched: Literal["default", "drop"] = "default"
-
-
-@attrs.frozen(kw_only=True)
-class IngressOptions:
-    """Bounds of the runtime's ingress and what a full ingress does to producers."""
-
-    capacity_records: int = 65_536
-    capacity_bytes: int = 256 * 2**20
-    when_full: Literal["block", "reject"] = "block"
-
-
-@attrs.frozen(kw_only=True)
-class DeadLetterOptions:
-    """Where given-up records are kept (default: beside the first chDB destination)."""
-
-    path: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class ProducerHook:
-    """A hook `taproute run` feeds with random payloads of its layout."""
-
-    name: str
-    layout: str
-    batch: int = 64
-    elements: int = 256  # for a variable-length tail
-
-
-@attrs.frozen(kw_only=True)
-class ProducerConfig:
-    """What `taproute run` generates."""
-
-    hooks: tuple[ProducerHook, ...] = ()
-
-
-add_limits(IngressOptions, {"capacity_records": Limit(1, 2**32), "capacity_bytes": Limit(1, 2**44)})
-add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})
 
 
 @attrs.frozen(kw_only=True)
@@ -297,49 +256,6 @@ def _factory(
         return spooled(source, name, dest, open_destination(source, name, dest, schema, path))
 
     return make
-
-
-@attrs.frozen(kw_only=True)
-class BuiltService:
-    """What a config builds: the routing sink and how to host it.
-
-    Nothing runs until :meth:`start`.  A context manager: leaving it closes the
-    dead-letter store (after the service, if one was started, closed).  To host
-    it differently, ``attrs.evolve`` it (``attrs.evolve(built, http=None)``).
-    """
-
-    config: ServiceConfig
-    sink: RoutingSink
-    http: HttpConfig | None
-    dead_letters: DeadLetterStore | None
-
-    def start(self) -> RecordService:
-        """Start the service: ingress as configured, HTTP if configured."""
-        ingress = self.config.ingress
-        return create_record_runtime(
-            record_sink=self.sink,
-            capacity_records=ingress.capacity_records,
-            capacity_bytes=ingress.capacity_bytes,
-            when_full=ingress.when_full,
-            http=self.http,
-            dead_letters=self.dead_letters,
-        )
-
-    def close(self) -> None:
-        """Close the dead-letter store."""
-        if self.dead_letters is not None:
-            self.dead_letters.close()
-
-    def __enter__(self) -> BuiltService:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 omit(ServiceConfig, "source")

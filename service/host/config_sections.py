@@ -1,0 +1,56 @@
+"""The config file's small sections: ``[routing]``, ``[ingress]``,
+``[dead_letters]`` and ``[producer]``, each a frozen value class whose field
+names are the file's keys (bounds registered with the file's rules)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from taproute.service.host.config_rules import Limit, add_limits
+
+
+@attrs.frozen(kw_only=True)
+class RoutingOptions:
+    """Where records no route takes go: a destination, or dropped (counted)."""
+
+    default_destination: str | None = None
+    unmatched: Literal["default", "drop"] = "default"
+
+
+@attrs.frozen(kw_only=True)
+class IngressOptions:
+    """Bounds of the runtime's ingress and what a full ingress does to producers."""
+
+    capacity_records: int = 65_536
+    capacity_bytes: int = 256 * 2**20
+    when_full: Literal["block", "reject"] = "block"
+
+
+@attrs.frozen(kw_only=True)
+class DeadLetterOptions:
+    """Where given-up records are kept (default: beside the first chDB destination)."""
+
+    path: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ProducerHook:
+    """A hook `taproute run` feeds with random payloads of its layout."""
+
+    name: str
+    layout: str
+    batch: int = 64
+    elements: int = 256  # for a variable-length tail
+
+
+@attrs.frozen(kw_only=True)
+class ProducerConfig:
+    """What `taproute run` generates."""
+
+    hooks: tuple[ProducerHook, ...] = ()
+
+
+add_limits(IngressOptions, {"capacity_records": Limit(1, 2**32), "capacity_bytes": Limit(1, 2**44)})
+add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})
