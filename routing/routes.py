@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import validators as v
 
-from taproute.routing.checks import NAME, POSITIVE_INT, config_check
+from taproute.routing.checks import NAME, Limit, Validator, config_check
 from taproute.routing.errors import ConfigError, DuplicateRouteName
 from taproute.routing.failures import FailurePolicy
 from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS
@@ -43,7 +43,18 @@ def _route(route: Route) -> str:
     return f"route {name!r}" if isinstance(name, str) and name else "route"
 
 
-_positive = config_check(*POSITIVE_INT, must="a positive int", owner=_route)
+#: Bounds of a route's numbers: its own validators and config files use these.
+ROUTE_LIMITS: dict[str, Limit] = {
+    "capacity": Limit(1, 2**32),
+    "capacity_bytes": Limit(1, 2**44),
+    "workers": Limit(1, 1024),
+}
+
+
+def _bounded(field: str) -> Validator:
+    return ROUTE_LIMITS[field].check(int, _route)
+
+
 _name = config_check(*NAME, must="a non-empty string", owner=_route)
 _outputs = config_check(
     v.min_len(1), v.deep_iterable(v.and_(*NAME)), must="non-empty names", owner=_route
@@ -66,9 +77,11 @@ class Route:
     # runs is always spelled out.
     mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=RouteMode, kw_only=True)
     processor: str | None = attrs.field(default=None, kw_only=True)
-    capacity: int = attrs.field(default=QUEUE_RECORDS, validator=_positive, kw_only=True)
-    capacity_bytes: int = attrs.field(default=QUEUE_BYTES, validator=_positive, kw_only=True)
-    workers: int = attrs.field(default=1, validator=_positive, kw_only=True)
+    capacity: int = attrs.field(default=QUEUE_RECORDS, validator=_bounded("capacity"), kw_only=True)
+    capacity_bytes: int = attrs.field(
+        default=QUEUE_BYTES, validator=_bounded("capacity_bytes"), kw_only=True
+    )
+    workers: int = attrs.field(default=1, validator=_bounded("workers"), kw_only=True)
     failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy, kw_only=True)
     #: ``predicate(descriptors) -> bool array`` (True: the route takes the
     #: record), or ``(bool array, reason)`` naming why it declined the rest.

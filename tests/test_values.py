@@ -16,8 +16,11 @@ from taproute.routing import (
     Route,
     limits,
 )
-from taproute.service import Retry, create_record_runtime
+from taproute.routing.routes import ROUTE_LIMITS
+from taproute.service import Batching, Retry, create_record_runtime
+from taproute.service.host.config_rules import LIMITS
 from taproute.service.host.runtime import RecordRuntime
+from taproute.service.sinks.clickhouse.batching import BATCHING_LIMITS, RETRY_LIMITS
 from tests.conftest import vec_batch
 
 
@@ -43,8 +46,15 @@ def test_a_record_failure_is_built_by_keyword_only():
         ({"outputs": []}, "route 'r': outputs must be non-empty names, got ()"),
         ({"outputs": ["a", ""]}, "route 'r': outputs must be non-empty names"),
         ({"destination": 3}, "route 'r': destination must be a non-empty string, got 3"),
-        ({"workers": 0}, "route 'r': workers must be a positive int, got 0"),
-        ({"capacity": "many"}, "route 'r': capacity must be a positive int, got 'many'"),
+        ({"workers": 0}, "route 'r': workers must be a positive int <= 1024, got 0"),
+        (
+            {"workers": 10**9},
+            "route 'r': workers must be a positive int <= 1024, got 1000000000",
+        ),
+        (
+            {"capacity": "many"},
+            "route 'r': capacity must be a positive int <= 2**32, got 'many'",
+        ),
     ],
 )
 def test_route_fields_are_checked_into_config_errors(fields, message):
@@ -58,6 +68,41 @@ def test_route_fields_are_checked_into_config_errors(fields, message):
 def test_failure_policy_fields_are_checked_into_config_errors(value):
     with pytest.raises(ConfigError, match=r"failure policy: deadline must be >= 0"):
         FailurePolicy(deadline=value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: Batching(linger=float("nan")),
+            "Batching: linger must be a finite number in [0.001, 3600], got nan",
+        ),
+        (
+            lambda: Batching(linger=float("inf")),
+            "Batching: linger must be a finite number in [0.001, 3600], got inf",
+        ),
+        (
+            lambda: Batching(inserts_in_flight=10_000),
+            "Batching: inserts_in_flight must be a positive int <= 64, got 10000",
+        ),
+        (
+            lambda: Retry(multiplier=0.5),
+            "Retry: multiplier must be a finite number in [1, 10], got 0.5",
+        ),
+    ],
+)
+def test_sink_settings_refuse_non_finite_and_absurd_values(make, message):
+    """The classes themselves hold the bounds a config file states (a NaN
+    linger would spin the linger timer)."""
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert str(caught.value) == message
+
+
+def test_config_file_limits_are_the_classes_own():
+    assert LIMITS[Route] == ROUTE_LIMITS
+    assert LIMITS[Batching] == BATCHING_LIMITS
+    assert LIMITS[Retry] == RETRY_LIMITS
 
 
 def default(function, name: str):

@@ -62,6 +62,7 @@ import attrs
 from cattrs.errors import ClassValidationError
 
 from taproute.actors import RoutingSink
+from taproute.routing.checks import Limit
 from taproute.routing.errors import ConfigError, TaprouteError
 from taproute.routing.failures import log_failure
 from taproute.routing.hooks import HookRegistry
@@ -79,7 +80,6 @@ from taproute.service.host.config_destinations import (
 )
 from taproute.service.host.config_rules import (
     ConfigFileError,
-    Limit,
     omit,
     problems_of,
     structure,

@@ -35,12 +35,14 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 from cattrs.v import format_exception
 
+from taproute.routing.checks import Limit
 from taproute.routing.errors import ConfigError, TaprouteError
 from taproute.routing.failures import FailurePolicy
 from taproute.routing.layout import Column
-from taproute.routing.routes import Route
+from taproute.routing.routes import ROUTE_LIMITS, Route
 from taproute.service.host.http import HttpConfig
 from taproute.service.sinks.clickhouse import Batching, Retry
+from taproute.service.sinks.clickhouse.batching import BATCHING_LIMITS, RETRY_LIMITS
 
 
 class ConfigFileError(ConfigError):
@@ -57,37 +59,13 @@ class ValueProblem(ValueError):
     """One value of a file is wrong; the message says expected vs found."""
 
 
-@attrs.frozen
-class Limit:
-    """Inclusive bounds of a number (of every element, for a list of numbers)."""
-
-    low: float
-    high: float
-
-    def problem(self, value: float) -> str | None:
-        """Why ``value`` is outside the bounds, or None."""
-        if self.low <= value <= self.high:
-            return None
-        return f"must be in [{_num(self.low)}, {_num(self.high)}], found {_num(value)}"
-
-
-def _num(value: float) -> str:
-    if isinstance(value, int) and abs(value) >= 2**20 and value & (value - 1) == 0:
-        return f"2**{value.bit_length() - 1}"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 _DAY = 86_400.0
 
 #: Bounds of every number a config file may set, per value class and field.
 #: Wide enough for any real deployment, narrow enough that a typo can't take
 #: the process down (memory, a spinning core, an impossible socket).
 LIMITS: dict[type, dict[str, Limit]] = {
-    Route: {
-        "capacity": Limit(1, 2**32),
-        "capacity_bytes": Limit(1, 2**44),
-        "workers": Limit(1, 1024),
-    },
+    Route: dict(ROUTE_LIMITS),
     FailurePolicy: {
         "deadline": Limit(0, _DAY),
         "initial_backoff": Limit(0, _DAY),
@@ -98,19 +76,8 @@ LIMITS: dict[type, dict[str, Limit]] = {
         "max_parked_records": Limit(0, 2**32),
     },
     Column: {"shape": Limit(1, 2**31)},
-    Batching: {
-        "max_rows": Limit(1, 2**32),
-        "max_bytes": Limit(1, 2**40),
-        "linger": Limit(0.001, 3_600),
-        "inserts_in_flight": Limit(1, 64),
-        "max_buffered_bytes": Limit(1, 2**44),
-    },
-    Retry: {
-        "attempts": Limit(1, 1_000),
-        "initial_backoff": Limit(0.001, 3_600),
-        "max_backoff": Limit(0.001, _DAY),
-        "multiplier": Limit(1, 10),
-    },
+    Batching: dict(BATCHING_LIMITS),
+    Retry: dict(RETRY_LIMITS),
     HttpConfig: {"port": Limit(0, 65_535), "max_body_bytes": Limit(1, 2**30)},
 }
 

@@ -8,7 +8,8 @@ from typing import Literal
 
 import attrs
 
-from taproute.service.host.config_rules import Limit, add_limits
+from taproute.routing.checks import Limit
+from taproute.service.host.config_rules import add_limits
 
 
 @attrs.frozen(kw_only=True)

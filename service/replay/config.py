@@ -28,7 +28,7 @@ def _targets(value: Mapping[str, LaneTarget | str]) -> dict[str, LaneTarget]:
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # NaN fails this comparison too
         raise ReplayConfigError(f"{attribute.name} must be > 0, got {value!r}")
 
 

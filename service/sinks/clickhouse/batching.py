@@ -4,17 +4,37 @@ buffer becomes an insert, how many run at once, how much may wait) and
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from taproute.routing.errors import ConfigError
+from taproute.routing.checks import Limit, Validator
 from taproute.routing.limits import capped_backoff
 
+_DAY = 86_400.0
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+#: Bounds of :class:`Batching`'s and :class:`Retry`'s numbers: their own
+#: validators and config files use these.  A linger of NaN or 0 would spin the
+#: linger timer; a huge ``inserts_in_flight`` would start that many threads.
+BATCHING_LIMITS: dict[str, Limit] = {
+    "max_rows": Limit(1, 2**32),
+    "max_bytes": Limit(1, 2**40),
+    "linger": Limit(0.001, 3_600),
+    "inserts_in_flight": Limit(1, 64),
+    "max_buffered_bytes": Limit(1, 2**44),
+}
+RETRY_LIMITS: dict[str, Limit] = {
+    "attempts": Limit(1, 1_000),
+    "initial_backoff": Limit(0.001, 3_600),
+    "max_backoff": Limit(0.001, _DAY),
+    "multiplier": Limit(1, 10),
+}
+
+
+def _batching(field: str, kind: type[int] | type[float]) -> Validator:
+    return BATCHING_LIMITS[field].check(kind, owner=lambda _: "Batching")
+
+
+def _retry(field: str, kind: type[int] | type[float]) -> Validator:
+    return RETRY_LIMITS[field].check(kind, owner=lambda _: "Retry")
 
 
 @attrs.frozen
@@ -25,21 +45,23 @@ class Batching:
     ``inserts_in_flight`` inserts run per table; past ``max_buffered_bytes``
     buffered or in flight, ``submit`` waits."""
 
-    max_rows: int = attrs.field(default=1_000_000, validator=_positive)
-    max_bytes: int = attrs.field(default=10 * 2**20, validator=_positive)
-    linger: float = attrs.field(default=1.0, validator=_positive)
-    inserts_in_flight: int = attrs.field(default=2, validator=_positive)
-    max_buffered_bytes: int = attrs.field(default=256 * 2**20, validator=_positive)
+    max_rows: int = attrs.field(default=1_000_000, validator=_batching("max_rows", int))
+    max_bytes: int = attrs.field(default=10 * 2**20, validator=_batching("max_bytes", int))
+    linger: float = attrs.field(default=1.0, validator=_batching("linger", float))
+    inserts_in_flight: int = attrs.field(default=2, validator=_batching("inserts_in_flight", int))
+    max_buffered_bytes: int = attrs.field(
+        default=256 * 2**20, validator=_batching("max_buffered_bytes", int)
+    )
 
 
 @attrs.frozen
 class Retry:
     """Capped exponential backoff for transient insert errors."""
 
-    attempts: int = attrs.field(default=8, validator=_positive)
-    initial_backoff: float = attrs.field(default=0.2, validator=_positive)
-    max_backoff: float = attrs.field(default=30.0, validator=_positive)
-    multiplier: float = attrs.field(default=2.0, validator=_positive)
+    attempts: int = attrs.field(default=8, validator=_retry("attempts", int))
+    initial_backoff: float = attrs.field(default=0.2, validator=_retry("initial_backoff", float))
+    max_backoff: float = attrs.field(default=30.0, validator=_retry("max_backoff", float))
+    multiplier: float = attrs.field(default=2.0, validator=_retry("multiplier", float))
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure (1-based)."""
