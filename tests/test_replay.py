@@ -377,31 +377,29 @@ def test_output_table_with_another_schema(corpus, tmp_path):
         )
 
 
-def test_output_table_without_dedup_window_is_refused(corpus, tmp_path):
+@pytest.mark.parametrize(
+    ("settings_sql", "message"),
+    [
+        ("", "no deduplication window"),
+        # The setting named with a window of 0 deduplicates nothing: the check
+        # is the sink's (one home), which reads the value, not the name.
+        (
+            " SETTINGS non_replicated_deduplication_window = 0",
+            "non_replicated_deduplication_window is 0",
+        ),
+    ],
+    ids=["no-window", "zero-window"],
+)
+def test_output_table_without_dedup_window_is_refused(corpus, tmp_path, settings_sql, message):
     ch = corpus
     ch.transport.execute(
         f"CREATE TABLE {ch.prefix}_nodedup (key Int64, seq Int64, norm Float32) "
-        "ENGINE = MergeTree ORDER BY tuple()"
+        f"ENGINE = MergeTree ORDER BY tuple(){settings_sql}"
     )
-    with pytest.raises(NotExactlyOnce, match="no deduplication window"):
+    with pytest.raises(NotExactlyOnce, match=message):
         run_replay(
             **settings(ch, tmp_path, processor="test.norms"),
             outputs={"norm": ClickHouseTable(f"{ch.prefix}_nodedup")},
-        )
-
-
-def test_output_table_with_zero_dedup_window_is_refused(corpus, tmp_path):
-    # The setting named with a window of 0 deduplicates nothing: the check is
-    # the sink's (one home), which reads the value, not the name.
-    ch = corpus
-    ch.transport.execute(
-        f"CREATE TABLE {ch.prefix}_zerodedup (key Int64, seq Int64, norm Float32) "
-        "ENGINE = MergeTree ORDER BY tuple() SETTINGS non_replicated_deduplication_window = 0"
-    )
-    with pytest.raises(NotExactlyOnce, match="non_replicated_deduplication_window is 0"):
-        run_replay(
-            **settings(ch, tmp_path, processor="test.norms"),
-            outputs={"norm": ClickHouseTable(f"{ch.prefix}_zerodedup")},
         )
 
 
