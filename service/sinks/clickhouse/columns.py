@@ -12,9 +12,12 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from taproute.routing.batch import RecordBatch
+from taproute.routing.batch import Batch, RecordBatch, RowBatch
+from taproute.routing.errors import ConfigError
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Column, Layout
 from taproute.routing.records import Records
+from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.tables import TableSpec
 
 #: A hook's per-position value shape (``HookRegistry.token_shape_of``).
@@ -225,3 +228,34 @@ def rows_table(rows: npt.NDArray[np.void], layout: Layout, spec: TableSpec) -> p
         else:
             columns[column.name] = _scalar_array(values, column)
     return pa.table({name: columns[name] for name in spec.column_names})
+
+
+def block_table(
+    items: Sequence[Batch],
+    spec: TableSpec,
+    schema: RecordSchema,
+    hooks: HookRegistry | None,
+    dictionary: HookDictionary,
+) -> pa.Table:
+    """One insert's Arrow table: ``items`` (all raw records, or all rows, of
+    ``spec``'s table) converted and concatenated; raw records are named by
+    ``hooks`` (through ``dictionary``, the cached names)."""
+    parts: list[pa.Table] = []
+    if spec.raw:
+        names = hooks.names() if hooks is not None else ()  # a view, no copy
+        hook_names = dictionary.of(names)
+        shapes = hooks.token_shape_of if hooks is not None else None
+        for item in items:
+            assert isinstance(item, RecordBatch)
+            layout = schema.by_id(int(item.descriptors["layout_id"][0]))
+            if len(names) <= int(item.descriptors["output_id"].max()):
+                raise ConfigError(
+                    "ClickHouseSink has no hook names for these records: give it the "
+                    "HookRegistry the producer binds hooks in (hooks=...)"
+                )
+            parts.append(raw_table(item, layout, spec, hook_names, shapes))
+    else:
+        for item in items:
+            assert isinstance(item, RowBatch)
+            parts.append(rows_table(item.rows, schema.layout(item.layout_name), spec))
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)

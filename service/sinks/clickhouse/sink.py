@@ -8,6 +8,10 @@ deduplication window; a table without one is refused at construction unless
 ``require_deduplication=False`` accepts duplicates).  A block that still fails after the
 retry budget is not written: the failure is latched and raised by the next
 ``submit``/``flush``/``close``, never swallowed.
+
+Settings live in ``batching.py``, Arrow conversion in ``columns.py``; this
+module (a little over 400 lines) is the sink's one lifecycle: buffers, the
+linger timer, insert tasks and their counters share state a split would expose.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ import numpy as np
 import pyarrow as pa
 import trio
 
-from taproute.routing.batch import Batch, RecordBatch, Retained, RowBatch
+from taproute.routing.batch import Batch, Retained, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
-from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table, rows_table
+from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
 from taproute.service.sinks.clickhouse.deduplication import check_deduplication
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
@@ -250,6 +254,12 @@ class ClickHouseSink:
         while self._pending_bytes >= self.batching.max_buffered_bytes:
             await self._space.park()
             self._latch.raise_if_failed()
+        for table, part in self._by_table(batch):
+            self._add(table, part, None if isinstance(part, RowBatch) else part.retain())
+
+    def _by_table(self, batch: Batch) -> list[tuple[str, Batch]]:
+        """``batch`` split by destination table (raw records by layout), all
+        checked before any is taken: a layout this sink does not write is refused."""
         if isinstance(batch, RowBatch):
             spec = self._rows.get(batch.layout_name)
             if spec is None:
@@ -257,20 +267,20 @@ class ClickHouseSink:
                     f"ClickHouseSink got rows of layout {batch.layout_name!r} from route "
                     f"{batch.route!r}; it writes rows of {sorted(self._rows)}"
                 )
-            self._add(spec.name, batch, None)
-            return
-        layout_ids = batch.descriptors["layout_id"]
-        first = int(layout_ids[0]) if len(batch) else 0
+            return [(spec.name, batch)]
         if len(batch) == 0:
-            return
+            return []
+        layout_ids = batch.descriptors["layout_id"]
+        first = int(layout_ids[0])
         if bool(np.all(layout_ids == first)):
-            parts = [(first, batch)]
+            split: list[tuple[int, Batch]] = [(first, batch)]
         else:
-            parts = [
+            split = [
                 (int(lid), batch.select(np.flatnonzero(layout_ids == lid)))
                 for lid in np.unique(layout_ids)
             ]
-        for layout_id, part in parts:
+        parts = []
+        for layout_id, part in split:
             spec = self._raw.get(layout_id)
             if spec is None:
                 raise ConfigError(
@@ -278,7 +288,8 @@ class ClickHouseSink:
                     f"{self.schema.by_id(layout_id).name!r}; it writes raw "
                     f"{sorted(self.schema.by_id(i).name for i in self._raw)}"
                 )
-            self._add(spec.name, part, part.retain())
+            parts.append((spec.name, part))
+        return parts
 
     def _add(self, table: str, batch: Batch, hold: Retained | None) -> None:
         buffer = self._buffers[table]
@@ -347,26 +358,9 @@ class ClickHouseSink:
 
     def _insert_blocking(self, table: str, buffer: _Buffer, token: str) -> None:
         """Runs in a worker thread: build the Arrow table and insert it."""
-        spec = self.tables[table]
-        parts: list[pa.Table] = []
-        if spec.raw:
-            names = self.hooks.names() if self.hooks is not None else ()  # a view, no copy
-            dictionary = self._hook_dictionary.of(names)
-            for item in buffer.items:
-                assert isinstance(item, RecordBatch)
-                layout = self.schema.by_id(int(item.descriptors["layout_id"][0]))
-                if len(names) <= int(item.descriptors["output_id"].max()):
-                    raise ConfigError(
-                        "ClickHouseSink has no hook names for these records: give it the "
-                        "HookRegistry the producer binds hooks in (hooks=...)"
-                    )
-                shapes = self.hooks.token_shape_of if self.hooks is not None else None
-                parts.append(raw_table(item, layout, spec, dictionary, shapes))
-        else:
-            for item in buffer.items:
-                assert isinstance(item, RowBatch)
-                parts.append(rows_table(item.rows, self.schema.layout(item.layout_name), spec))
-        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        data = block_table(
+            buffer.items, self.tables[table], self.schema, self.hooks, self._hook_dictionary
+        )
         self.transport.insert(table, data, dedup_token=token)
 
     async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
@@ -379,23 +373,8 @@ class ClickHouseSink:
         """
         parts: dict[str, _Buffer] = {}
         for batch in batches:
-            if isinstance(batch, RowBatch):
-                spec = self._rows.get(batch.layout_name)
-                if spec is None:
-                    raise ConfigError(
-                        f"ClickHouseSink writes no rows of layout {batch.layout_name!r}"
-                    )
-                parts.setdefault(spec.name, _Buffer()).items.append(batch)
-                continue
-            layout_ids = batch.descriptors["layout_id"]
-            for layout_id in np.unique(layout_ids):
-                spec = self._raw.get(int(layout_id))
-                if spec is None:
-                    raise ConfigError(
-                        f"ClickHouseSink writes no raw records of layout id {layout_id}"
-                    )
-                part = batch.select(np.flatnonzero(layout_ids == layout_id))
-                parts.setdefault(spec.name, _Buffer()).items.append(part)
+            for table, part in self._by_table(batch):
+                parts.setdefault(table, _Buffer()).items.append(part)
         for table, buffer in parts.items():
             await trio.to_thread.run_sync(self._insert_blocking, table, buffer, f"{token}-{table}")
             counters = self.counters[table]
