@@ -15,6 +15,9 @@ outputs; build the feed plan; open or resume the ledger (and the stateful
 state); start the backend (``init`` runs per worker); feed units (read by the
 driver), collect each unit's rows and write them on their lanes; checkpoint on
 the cadence; write a stateful processor's final rows; close the ledger.
+
+What a run is lives in ``config.py``, what it did in ``report.py``; this module
+(a little over 400 lines) is the driver, whose checks and loop share its state.
 """
 
 from __future__ import annotations
