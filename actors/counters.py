@@ -108,6 +108,34 @@ class DestinationCounters:
     queue_depth: int = live(
         "taproute_destination_queue_depth_records", "Records waiting for the sink."
     )
+    #: With a spool (None without): 1 while the destination takes batches, 0
+    #: while it is unreachable and batches spool; since when and why.
+    healthy: int | None = live(
+        "taproute_destination_healthy",
+        "1 while the destination takes batches, 0 while it is unreachable (batches spool).",
+        None,
+    )
+    unhealthy_since: float | None = None
+    unhealthy_reason: str | None = None
+    spool_bytes: int | None = live(
+        "taproute_destination_spool_bytes", "Unacknowledged bytes in the spool.", None
+    )
+    spool_segments: int | None = live(
+        "taproute_destination_spool_segments", "Segment files of the spool.", None
+    )
+    spool_oldest_age_seconds: float | None = live(
+        "taproute_destination_spool_oldest_unacked_age_seconds",
+        "Age of the oldest batch in the spool.",
+        None,
+    )
+    spool_drained_records: int | None = attrs.field(
+        default=None,
+        metadata={
+            "kind": "count",
+            "metric": "taproute_destination_spool_drained_records",
+            "help": "Records delivered from the spool (its rate is the drain rate).",
+        },
+    )
 
 
 @attrs.frozen

@@ -19,7 +19,7 @@ from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground
+from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, Spools
 
 #: A destination given as a sink is leased; given as a factory, the routing
 #: sink creates it at start and closes it at close.
@@ -77,6 +77,7 @@ class DestinationActor:
         self.sink: RecordSink | None = None
         #: The sink's background task, when it has one and this actor owns it.
         self.background: RunsInBackground | None = None
+        self._spools: Spools | None = None
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -105,6 +106,7 @@ class DestinationActor:
                 )
         if isinstance(sink, NamesHooks):
             sink.use_hooks(hooks)
+        self._spools = sink if isinstance(sink, Spools) else None
         self.sink = sink
         return sink
 
@@ -196,4 +198,16 @@ class DestinationActor:
     def snapshot(self) -> DestinationCounters:
         """A detached copy of the counters."""
         self.counters.queue_depth = self.mailbox.records
+        if self._spools is not None:
+            spool = self._spools.spool_status()
+            return attrs.evolve(
+                self.counters,
+                healthy=int(spool.healthy),
+                unhealthy_since=spool.unhealthy_since,
+                unhealthy_reason=spool.reason,
+                spool_bytes=spool.bytes,
+                spool_segments=spool.segments,
+                spool_oldest_age_seconds=spool.oldest_unacked_age_s,
+                spool_drained_records=spool.drained_records,
+            )
         return attrs.evolve(self.counters)

@@ -14,12 +14,16 @@ keeps the typed reference, and never probes the sink again:
   records are checked and bound against (a routing sink: the runtime uses
   them as its defaults);
 - :class:`ReportsFailure`: the sink latches its first failure (``failure``);
-- :class:`Traceable`: the sink answers dry-run ``trace`` questions.
+- :class:`Traceable`: the sink answers dry-run ``trace`` questions;
+- :class:`Spools`: the sink keeps a disk spool and reports the
+  destination's health and what the spool holds (:class:`SpoolStatus`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+import attrs
 
 from taproute.routing.batch import Batch
 from taproute.routing.hooks import HookRegistry
@@ -101,7 +105,31 @@ class Traceable(Protocol):
     def trace(self, hook: str, **fields: Any) -> Any: ...
 
 
+@attrs.frozen(kw_only=True)
+class SpoolStatus:
+    """A spooling destination now: healthy or since when (epoch seconds) and
+    why not; unacknowledged bytes, segment files, the oldest unacknowledged
+    batch's age; records delivered from the spool so far."""
+
+    healthy: bool
+    unhealthy_since: float | None
+    reason: str | None
+    bytes: int
+    segments: int
+    oldest_unacked_age_s: float
+    drained_records: int
+
+
+@runtime_checkable
+class Spools(Protocol):
+    """A sink with a disk spool (see ``taproute.service.sinks.spool``)."""
+
+    def spool_status(self) -> SpoolStatus: ...
+
+
 __all__ = [
+    "SpoolStatus",
+    "Spools",
     "DescribesRecords",
     "NamesHooks",
     "RecordSink",

@@ -275,3 +275,13 @@ async def test_snapshot_reports_oldest_unacked_age(tmp_path, autojump_clock):
     await spool.ack(1)
     assert spool.snapshot().oldest_unacked_age_s == pytest.approx(0)
     await spool.aclose()
+
+
+async def test_a_spool_directory_has_one_writer_at_a_time(tmp_path):
+    from taproute.service.sinks.spool.log import SpoolLocked
+
+    first = Spool.open(SpoolConfig(directory=tmp_path))
+    with pytest.raises(SpoolLocked, match="in use by another sink or process"):
+        Spool.open(SpoolConfig(directory=tmp_path))
+    await first.aclose()
+    Spool.open(SpoolConfig(directory=tmp_path))  # free again once closed

@@ -69,7 +69,34 @@ def check(path: Path) -> int:
                 )
                 for (route, code), count in stale.items():
                     print(f"  route {route}, {code}: {count}")
+        for line in stale_spools(config, STALE_DEAD_LETTER_SECONDS):
+            print(line)
     return 0
+
+
+def stale_spools(config: ServiceConfig, older_than: float) -> list[str]:
+    """A warning per destination whose spool holds a batch older than ``older_than`` s."""
+    import time
+
+    from taproute.service.sinks.spool.log import inspect
+
+    lines = []
+    for name, dest in config.destinations.items():
+        directory = dest.spool_directory(config.source.parent, name)
+        if dest.spool == "off" or not directory.is_dir():
+            continue
+        held = inspect(directory)
+        if held.oldest_written_ns is None:
+            continue
+        age = time.time() - held.oldest_written_ns / 1e9
+        if age > older_than:
+            lines.append(
+                f"WARNING: destination {name!r}: spool {directory} holds {held.frames} "
+                f"undelivered batch group(s), {held.bytes} bytes, the oldest "
+                f"{age / 60:.0f} minutes old (older than {older_than / 60:g} minutes): "
+                "is the destination down?"
+            )
+    return lines
 
 
 def run(path: Path, rate: float, duration: float, call_timeout: float | None = None) -> int:

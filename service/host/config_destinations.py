@@ -166,6 +166,9 @@ def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseS
                 when_full=dest.spool_when_full,
             )
         )
+    except OSError as exc:  # unwritable, or held by another sink or process
+        inner.transport.close()
+        raise ConfigFileError(source, [f"{where}: cannot open spool {directory}: {exc}"]) from None
     except BaseException:
         inner.transport.close()
         raise

@@ -84,6 +84,14 @@ def build_app(
         snap = snapshot()
         if snap.failure is not None:
             return JSONResponse({"status": "failed", "failure": snap.failure}, status_code=503)
+        down = {
+            d.name: {"since": d.unhealthy_since, "reason": d.unhealthy_reason}
+            for d in snap.destinations.values()
+            if d.healthy == 0
+        }
+        if down:
+            # A destination is unreachable; its batches spool: degraded, not failed.
+            return JSONResponse({"status": "degraded", "unhealthy_destinations": down})
         ingress = snap.ingress
         if ingress.dropped or ingress.shed:
             # Capture lost records but the model keeps serving: degraded, not down.

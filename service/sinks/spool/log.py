@@ -24,6 +24,7 @@ decides when it runs and on which thread.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import uuid
@@ -92,6 +93,10 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class SpoolLocked(OSError):
+    """Another sink (in this process or another) has the spool directory open."""
+
+
 class SegmentLog:
     """Append, read and acknowledge frames in one spool directory (blocking IO)."""
 
@@ -99,6 +104,15 @@ class SegmentLog:
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One writer per directory: two would interleave frames and acks.
+        self._lock_fd: int | None = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SpoolLocked(
+                f"spool {self.directory} is in use by another sink or process"
+            ) from None
         id_file = self.directory / "spool.id"
         if not id_file.exists():
             tmp = id_file.with_suffix(".tmp")
@@ -295,6 +309,51 @@ class SegmentLog:
         for fd in self._readers.values():
             os.close(fd)
         self._readers.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
-__all__ = ["Damage", "Entry", "SegmentLog"]
+@attrs.frozen
+class Inspection:
+    """What a spool directory holds, read without changing it (for ``check``)."""
+
+    frames: int
+    bytes: int
+    oldest_written_ns: int | None
+
+
+def inspect(directory: Path) -> Inspection:
+    """Count the unacknowledged frames of a spool directory, read-only.
+
+    A damaged tail is not counted (opening the spool truncates it).
+    """
+    directory = Path(directory)
+    acked = 0
+    try:
+        raw = (directory / "ack").read_bytes()
+        if len(raw) == _ACK.size:
+            seq, crc = _ACK.unpack(raw)
+            if zlib.crc32(struct.pack("<Q", seq)) == crc:
+                acked = int(seq)
+    except FileNotFoundError:
+        pass
+    frames = size = 0
+    oldest: int | None = None
+    for path in sorted(directory.glob("*" + SUFFIX)):
+        data = path.read_bytes()
+        offset = 0
+        while len(data) - offset >= HEADER.size:
+            magic, crc, seq, written, length = HEADER.unpack_from(data, offset)
+            end = offset + HEADER.size + length
+            if magic != MAGIC or end > len(data):
+                break
+            if seq > acked:
+                frames += 1
+                size += end - offset
+                oldest = written if oldest is None else min(oldest, written)
+            offset = end
+    return Inspection(frames, size, oldest)
+
+
+__all__ = ["Damage", "Entry", "Inspection", "SegmentLog", "SpoolLocked", "inspect"]

@@ -47,7 +47,7 @@ from taproute.routing.errors import SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import capped_backoff
-from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground
+from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, SpoolStatus
 from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters
 
 Mode = Literal["outage", "always", "off"]
@@ -408,6 +408,20 @@ class SpoolingSink:
         if held.hold is not None:
             held.hold.release()
         self._left_memory()
+
+    def spool_status(self) -> SpoolStatus:
+        """Health and holdings, for the destination's counters (``/status``, ``/metrics``)."""
+        spool = self.spool.snapshot() if self.spool is not None else SpoolCounters()
+        health = self._health
+        return SpoolStatus(
+            healthy=health.healthy,
+            unhealthy_since=None if health.healthy else health.since,
+            reason=health.reason,
+            bytes=spool.bytes,
+            segments=spool.segments,
+            oldest_unacked_age_s=spool.oldest_unacked_age_s,
+            drained_records=spool.acked_records,
+        )
 
     def snapshot(self) -> SpoolingCounters:
         """A detached copy of the counters, with the spool's."""

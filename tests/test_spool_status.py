@@ -1,0 +1,120 @@
+"""A spooling destination's health and spool over /healthz, /status, /metrics,
+and `taproute check` warning about an old spool."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from taproute.actors import RoutingSink
+from taproute.routing import Route, RoutingConfig
+from taproute.service import HttpConfig, create_record_runtime
+from taproute.service.host.cli import main
+from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
+from tests.conftest import vec_batch
+from tests.processors import SCHEMA
+from tests.test_config_file import base, unique, write
+from tests.test_http import get
+
+
+class DownSink:
+    """Refuses every batch with a connection error while ``down``; else keeps them."""
+
+    def __init__(self, expect: int) -> None:
+        self.down = True
+        self.records = 0
+        self.expect = expect
+        self.all_in = threading.Event()
+
+    async def submit(self, batch) -> None:
+        if self.down:
+            raise ConnectionRefusedError("destination unreachable (injected)")
+        self.records += len(batch)
+        if self.records >= self.expect:
+            self.all_in.set()
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def metric_samples(body: str) -> dict:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+def test_an_unreachable_destination_is_degraded_with_since_and_why_then_recovers(tmp_path):
+    inner = DownSink(expect=10)
+    spooling = SpoolingSink(
+        "cap",
+        inner,
+        Spool.open(SpoolConfig(directory=tmp_path / "spool")),
+        backoff=Backoff(initial=0.01, maximum=0.05),
+    )
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "layers.*", "cap")]),
+        SCHEMA,
+        {"cap": lambda: spooling},
+        unmatched="drop",
+    )
+    before = time.time()
+    with create_record_runtime(record_sink=sink, http=HttpConfig(port=0)) as runtime:
+        (url,) = runtime.http_urls
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        for i in range(10):
+            runtime.submit(q, np.full(4, i, np.float32))
+        runtime.flush()  # returns while it is down: the records are durable in the spool
+
+        status, body = get(f"{url}/healthz")
+        health = json.loads(body)
+        assert status == 200 and health["status"] == "degraded"
+        cap = health["unhealthy_destinations"]["cap"]
+        assert "unreachable" in cap["reason"] and before <= cap["since"] <= time.time()
+        destination = json.loads(get(f"{url}/status")[1])["destinations"]["cap"]
+        assert destination["healthy"] == 0 and destination["spool_bytes"] > 0
+        samples = metric_samples(get(f"{url}/metrics")[1])
+        label = (("destination", "cap"),)
+        assert samples[("taproute_destination_healthy", label)] == 0
+        assert samples[("taproute_destination_spool_bytes", label)] > 0
+        assert samples[("taproute_destination_spool_segments", label)] == 1
+
+        inner.down = False
+        assert inner.all_in.wait(timeout=30)
+        runtime.flush()
+        assert get(f"{url}/healthz") == (200, '{"status":"ok"}')
+        samples = metric_samples(get(f"{url}/metrics")[1])
+        assert samples[("taproute_destination_healthy", label)] == 1
+        assert samples[("taproute_destination_spool_drained_records_total", label)] == 10
+        assert samples[("taproute_destination_spool_bytes", label)] == 0
+    assert inner.records == 10
+
+
+def test_check_warns_about_a_spool_older_than_ten_minutes(tmp_path, chdb_transport, capsys):
+    import trio
+
+    spool_dir = tmp_path / "spool"
+    text = base(chdb_transport, unique("dr")).replace(
+        'raw = ["vec"]\n', f'raw = ["vec"]\nspool_dir = "{spool_dir}"\n', 1
+    )
+    path = write(tmp_path, text)
+
+    async def leave_an_old_batch() -> None:
+        spool = Spool.open(SpoolConfig(directory=spool_dir), clock=lambda: time.time() - 1200)
+        await spool.append(vec_batch(0, 3))
+        await spool.aclose()
+
+    trio.run(leave_an_old_batch)
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: destination 'ch': spool" in out
+    assert "1 undelivered batch group(s)" in out and "20 minutes old" in out
