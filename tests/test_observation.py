@@ -20,7 +20,13 @@ from tests.sinks import NullSink
 def test_every_counters_class_declares_counts_apart_from_live_state():
     live = {d.field for d in declared(RouteCounters, "live")}
     assert live == {"queue_depth", "backlog", "valid_slots", "parked", "abandoned_calls"}
-    assert {d.field for d in declared(DestinationCounters, "live")} == {"queue_depth"}
+    assert {d.field for d in declared(DestinationCounters, "live")} == {
+        "queue_depth",
+        "healthy",  # these four only for a destination with a spool
+        "spool_bytes",
+        "spool_segments",
+        "spool_oldest_age_seconds",
+    }
     assert {d.field for d in declared(IngressCounters, "live")} == {"queued", "blocked_producers"}
     names = [
         d.metric
