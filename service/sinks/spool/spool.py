@@ -98,6 +98,7 @@ class Spool:
         self._changed = trio.Event()  # set on every append and ack
         self._lock = trio.Lock()  # one writer at a time
         self._last_sync = clock()
+        self._unsynced = True  # the first sync also makes the directory's files durable
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
@@ -187,6 +188,7 @@ class Spool:
             else:
                 entry = await trio.to_thread.run_sync(self._log.append, buffers, written_ns)
             self._records[entry.seq] = (records, len(batches))
+            self._unsynced = True
             self.counters.appended_batches += len(batches)
             self.counters.appended_records += records
             policy_sync = self.config.fsync
@@ -240,6 +242,7 @@ class Spool:
         """``seq`` and everything before it left the spool (delivered or given up on)."""
         async with self._lock:
             done = self._log.ack(seq)
+            self._unsynced = True
         for entry in done:
             records, batches = self._records.pop(entry.seq, (0, 0))
             self.counters.acked_batches += batches
@@ -248,6 +251,9 @@ class Spool:
         self._changed_now()
 
     async def _sync_locked(self) -> None:
+        if not self._unsynced:
+            return  # nothing appended or acknowledged since the last sync: no thread trip
+        self._unsynced = False
         await trio.to_thread.run_sync(self._log.sync)
         self._last_sync = self._clock()
 

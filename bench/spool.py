@@ -1,0 +1,270 @@
+"""Spool: append vs a plain file write, drain vs a direct insert, forward-path cost.
+
+- append: ``Spool.append`` of whole batches then one fsync (``flush()``), vs
+  a plain sequential ``os.write`` of the same payload bytes then one fsync,
+  same disk, same run (the limit: the spool adds framing and a checksum);
+- drain: a spool of batches delivered into chDB by a ``SpoolingSink``
+  (``spool="always"``, one insert per batch, clock stopped when the spool is
+  empty) vs ``ClickHouseSink.insert_now`` of the same batches straight from
+  memory (the same inserts, no disk);
+- forward: submit + ``flush()`` of the same batches through ``SpoolingSink``
+  in modes ``off`` / ``outage`` / ``always`` over a healthy destination that
+  copies each batch's payload (records/s).
+
+Targets (issue #12): append >= 0.8x the plain write; ``outage`` costs
+nothing measurable while healthy (>= 0.9x ``off``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import trio
+from harness import arguments, comparison, fmt, interleave, target, timed_rate, write_result
+
+from taproute.native import make_descriptors
+from taproute.routing import HookRegistry, Layout, RecordBatch, RecordSchema
+from taproute.service.sinks.clickhouse import ChdbTransport, ClickHouseSink
+from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.spooling import SpoolingSink
+
+FLOATS = 256  # 1 KiB payload per record
+SCHEMA = RecordSchema([Layout("act", [("values", "Array(Float32)", (FLOATS,))])])
+
+
+def make_batches(count: int, per_batch: int) -> list[RecordBatch]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(count):
+        payload = rng.standard_normal((per_batch, FLOATS), dtype=np.float32)
+        desc = make_descriptors(
+            0,
+            FLOATS * 4,
+            count=per_batch,
+            layout_ids=SCHEMA.layout_id("act"),
+            keys=np.arange(per_batch),
+            seqs=np.arange(i * per_batch, (i + 1) * per_batch),
+        )
+        out.append(RecordBatch.from_buffer(desc, payload))
+    return out
+
+
+def fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def append_rate(root: Path, batches: Sequence[RecordBatch]) -> float:
+    nbytes = sum(b.nbytes for b in batches)
+    directory = fresh(root / "append")
+
+    async def body() -> float:
+        spool = Spool.open(SpoolConfig(directory=directory))  # opened before the clock starts
+        started = time.perf_counter()
+        for b in batches:
+            await spool.append(b)
+        await spool.sync()
+        elapsed = time.perf_counter() - started
+        await spool.aclose()
+        return elapsed
+
+    return nbytes / trio.run(body)
+
+
+def plain_write_rate(root: Path, batches: Sequence[RecordBatch]) -> float:
+    nbytes = sum(b.nbytes for b in batches)
+    directory = fresh(root / "plain")
+
+    def body() -> None:
+        fd = os.open(directory / "data", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            for b in batches:
+                view = memoryview(b.payload)
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return timed_rate(nbytes, body)
+
+
+class CopySink:
+    """A healthy destination that touches every payload byte (a copy)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    async def submit(self, batch: RecordBatch) -> None:  # type: ignore[override]
+        np.copy(batch.payload)
+        self.records += len(batch)
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def forward_rate(root: Path, mode: str, batches: Sequence[RecordBatch]) -> float:
+    records = sum(len(b) for b in batches)
+    directory = fresh(root / f"fwd-{mode}")
+
+    async def body() -> float:
+        inner = CopySink()
+        spool = None if mode == "off" else Spool.open(SpoolConfig(directory=directory))
+        sink = SpoolingSink("bench", inner, spool, mode=mode)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            started = time.perf_counter()  # from the first submit to all delivered
+            for b in batches:
+                await sink.submit(b)
+            await sink.flush()
+            if mode != "off":
+                await sink.wait_delivered()
+            elapsed = time.perf_counter() - started
+            await sink.close()
+        assert inner.records == records
+        return elapsed
+
+    return records / trio.run(body)
+
+
+def main() -> None:
+    args = arguments(__doc__, batches=(64, 16), per_batch=(1024, 256))
+    root = Path(tempfile.mkdtemp(prefix="taproute-bench-spool-"))
+    try:
+        batches = make_batches(args.batches, args.per_batch)
+        records = args.batches * args.per_batch
+        transport = ChdbTransport(root / "chdb")
+        hooks = HookRegistry()
+        hooks.bind("h", layout="act")
+        rounds = {"n": 0}
+
+        def sink() -> ClickHouseSink:
+            rounds["n"] += 1
+            return ClickHouseSink(
+                transport,
+                SCHEMA,
+                raw=["act"],
+                create_tables=True,
+                raw_table=f"r{rounds['n']}_{{layout}}",
+                hooks=hooks,
+                owns_transport=False,
+            )
+
+        def drain() -> float:
+            directory = fresh(root / "drain")
+
+            async def fill() -> None:
+                spool = Spool.open(SpoolConfig(directory=directory))
+                for b in batches:
+                    await spool.append(b)
+                await spool.aclose()
+
+            trio.run(fill)
+            inner = sink()
+
+            async def body() -> float:
+                spooling = SpoolingSink(
+                    "bench", inner, Spool.open(SpoolConfig(directory=directory)), mode="always"
+                )
+                async with trio.open_nursery() as nursery:
+                    started = time.perf_counter()  # recovery starts draining at run()
+                    await nursery.start(spooling.run)
+                    await spooling.wait_delivered()
+                    elapsed = time.perf_counter() - started
+                    await spooling.close()
+                return elapsed
+
+            rate = records / trio.run(body)
+            assert inner.counters[inner.tables and next(iter(inner.tables))].records == records
+            return rate
+
+        def direct() -> float:
+            inner = sink()
+
+            async def body() -> None:
+                for i, b in enumerate(batches):
+                    await inner.insert_now([b], f"direct-{rounds['n']}-{i}")
+
+            return timed_rate(records, lambda: trio.run(body))
+
+        figures = interleave(
+            {
+                "append": lambda: append_rate(root, batches),
+                "plain_write": lambda: plain_write_rate(root, batches),
+                "drain": drain,
+                "direct_insert": direct,
+                "forward_off": lambda: forward_rate(root, "off", batches),
+                "forward_outage": lambda: forward_rate(root, "outage", batches),
+                "forward_always": lambda: forward_rate(root, "always", batches),
+            },
+            repeat=args.repeat,
+        )
+        transport.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    append = comparison(
+        "spool append vs plain sequential write (+ fsync)",
+        figures["append"],
+        figures["plain_write"],
+        taproute_label="Spool.append",
+        peer_label="os.write",
+        unit="bytes/s",
+    )
+    drain_cmp = comparison(
+        "drain from spool into chDB vs direct insert",
+        figures["drain"],
+        figures["direct_insert"],
+        taproute_label="SpoolingSink drain",
+        peer_label="insert_now from memory",
+        unit="records/s",
+    )
+    outage = comparison(
+        'forward path: spool="outage" (healthy) vs "off"',
+        figures["forward_outage"],
+        figures["forward_off"],
+        taproute_label="outage",
+        peer_label="off",
+        unit="records/s",
+    )
+    always = comparison(
+        'forward path: spool="always" vs "off"',
+        figures["forward_always"],
+        figures["forward_off"],
+        taproute_label="always",
+        peer_label="off",
+        unit="records/s",
+    )
+    a, o = append["ratio"]["median"], outage["ratio"]["median"]
+    write_result(
+        "spool",
+        title="Spool: append, drain, forward-path cost",
+        description=__doc__.split("\n\n")[0],
+        params={
+            "batches": args.batches,
+            "records_per_batch": args.per_batch,
+            "payload_bytes_per_record": FLOATS * 4,
+            "repeat": args.repeat,
+            "fsync": "once per run (flush)",
+        },
+        quick=args.quick,
+        comparisons=[append, drain_cmp, outage, always],
+        targets=[
+            target("append >= 0.8x plain write", a >= 0.8, f"{fmt(a)}x"),
+            target('"outage" >= 0.9x "off" while healthy', o >= 0.9, f"{fmt(o)}x"),
+        ],
+        raw={name: summary["samples"] for name, summary in figures.items()},
+    )
+
+
+if __name__ == "__main__":
+    main()
