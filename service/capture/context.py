@@ -52,6 +52,9 @@ class CaptureContext:
     counts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
     runs: bool = True
     mask: torch.Tensor | None = attrs.field(default=None, eq=False)
+    #: Record plans (offsets, lengths, a descriptor template) by output shape,
+    #: computed by the first hook that sees a shape and shared by the others.
+    plans: dict[Any, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @functools.cached_property
     def key_array(self) -> npt.NDArray[np.int64]:

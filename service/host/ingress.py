@@ -3,7 +3,15 @@
 Producers append batches (or single records, which are coalesced into one
 batch) under a lock; the first append after the loop last looked schedules
 one wake-up with ``TrioToken.run_sync_soon``; the record worker takes
-everything queued at once.  Capacity is counted in records and bytes until
+everything queued at once.
+
+Capture hooks (``defer_wake``) do not wake the loop themselves: a wake-up
+costs the model thread a socket write and, worse, hands the GIL to the loop
+thread in the middle of the forward pass.  Their batches wait until a later
+append finds the oldest one ``wake_delay`` old (or ingress half full), a
+producer is about to block, a flush or close arrives, or the record worker's
+own poll (every ``wake_delay``) finds them: one wake-up for several hook
+calls, and the GIL handed over outside the hooks.  Capacity is counted in records and bytes until
 the record worker has handed a batch on, so a blocked record worker fills
 ingress, and full ingress blocks (or refuses) the producer.
 """
@@ -26,6 +34,9 @@ from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.host.counters import IngressCounters
 
 WhenFull = Literal["block", "reject"]
+
+#: How long a deferred (capture hook) batch may wait before the loop takes it.
+WAKE_DELAY_S = 0.02
 
 
 class Control:
@@ -51,6 +62,7 @@ class Ingress:
         capacity_bytes: int,
         when_full: WhenFull,
         coalesce_records: int,
+        wake_delay: float = WAKE_DELAY_S,
     ) -> None:
         if when_full not in ("block", "reject"):
             raise ValueError(f"when_full must be 'block' or 'reject', got {when_full!r}")
@@ -60,6 +72,7 @@ class Ingress:
         self.capacity_bytes = capacity_bytes
         self.when_full = when_full
         self.coalesce_records = coalesce_records
+        self.wake_delay = wake_delay
         self.counters = IngressCounters()
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[Item] = deque()
@@ -69,6 +82,8 @@ class Ingress:
         self._pending_payloads: list[bytes] = []
         self._wake: Callable[[], None] | None = None
         self._wake_pending = False
+        #: When the oldest batch queued without a wake-up was queued (None: none is).
+        self._deferred_since: float | None = None
         self._closed = False
         self._failed: BaseException | None = None
         self._loop_gone = False
@@ -92,6 +107,7 @@ class Ingress:
                 f"ingress full ({self._records}/{self.capacity_records} records, "
                 f"{self._bytes}/{self.capacity_bytes} bytes queued); {records} record(s) refused"
             )
+        self._schedule_wake()  # what waits deferred must drain for room to come
         started = time.perf_counter()
         deadline = None if timeout is None else started + timeout
         self.counters.blocked_producers += 1
@@ -124,10 +140,30 @@ class Ingress:
         if self._closed:
             raise SinkClosed("runtime is closed; submit refused")
 
+    @property
+    def deferred(self) -> bool:
+        """True while batches wait without a wake-up (read by the record worker's poll)."""
+        return self._deferred_since is not None
+
     def _schedule_wake(self) -> None:
         if not self._wake_pending and self._wake is not None:
             self._wake_pending = True
+            self._deferred_since = None
             self._wake()
+
+    def _schedule_deferred_wake(self) -> None:
+        """With the lock held: wake only when what waits is old or ingress fills."""
+        if self._wake_pending:
+            return
+        now = time.monotonic()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        if (
+            now - self._deferred_since >= self.wake_delay
+            or 2 * self._records >= self.capacity_records
+            or 2 * self._bytes >= self.capacity_bytes
+        ):
+            self._schedule_wake()
 
     def try_put_batch(self, batch: RecordBatch) -> bool:
         """Queue ``batch`` if it fits now; False (nothing queued) when it would wait."""
@@ -138,21 +174,23 @@ class Ingress:
             self._put_locked(batch)
             return True
 
-    def put_batch(self, batch: RecordBatch) -> None:
+    def put_batch(self, batch: RecordBatch, *, defer_wake: bool = False) -> None:
         """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
         with self._cond:
-            self._put_locked(batch)
+            self._put_locked(batch, defer_wake=defer_wake)
 
-    def offer_batch(self, batch: RecordBatch, timeout: float) -> bool:
+    def offer_batch(self, batch: RecordBatch, timeout: float, *, defer_wake: bool = False) -> bool:
         """Queue ``batch``, waiting at most ``timeout`` seconds for room.
 
         Returns False (nothing queued; the records counted as shed) when the
         wait ran out: the bound a producer that must not stall sets.
         """
         with self._cond:
-            return self._put_locked(batch, timeout)
+            return self._put_locked(batch, timeout, defer_wake=defer_wake)
 
-    def _put_locked(self, batch: RecordBatch, timeout: float | None = None) -> bool:
+    def _put_locked(
+        self, batch: RecordBatch, timeout: float | None = None, *, defer_wake: bool = False
+    ) -> bool:
         """With the lock held: wait for space (or refuse), then queue ``batch``."""
         records, nbytes = len(batch), batch.payload.nbytes
         self._check_open()
@@ -163,7 +201,7 @@ class Ingress:
         self._seal_pending()
         self._queue.append(batch)
         self.counters.batches += 1
-        self._account(records, nbytes)
+        self._account(records, nbytes, defer_wake=defer_wake)
         return True
 
     def put_record(self, row: tuple[int, ...], payload: bytes) -> None:
@@ -181,12 +219,15 @@ class Ingress:
             if len(self._pending_rows) >= self.coalesce_records:
                 self._seal_pending()
 
-    def _account(self, records: int, nbytes: int) -> None:
+    def _account(self, records: int, nbytes: int, *, defer_wake: bool = False) -> None:
         self._records += records
         self._bytes += nbytes
         self.counters.submitted += records
         self.counters.queued = self._records
-        self._schedule_wake()
+        if defer_wake:
+            self._schedule_deferred_wake()
+        else:
+            self._schedule_wake()
 
     def put_control(self, kind: Literal["flush", "close"]) -> Future[None]:
         """Queue a flush or close after everything queued so far.
@@ -240,6 +281,7 @@ class Ingress:
         """Everything queued now, in order (the coalesced records sealed first)."""
         with self._cond:
             self._wake_pending = False
+            self._deferred_since = None
             self._seal_pending()
             items = list(self._queue)
             self._queue.clear()

@@ -168,8 +168,14 @@ class RecordRuntime:
     async def _record_worker(self) -> None:
         sink = self.record_sink
         while True:
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
+            # Capture hooks defer their wake-ups (see ingress): a poll every
+            # wake_delay takes what they queued when no later call woke us.
+            with trio.move_on_after(self._ingress.wake_delay):
+                await self._wakeup.wait()
+            if self._wakeup.is_set():
+                self._wakeup = trio.Event()
+            elif not self._ingress.deferred:
+                continue
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
             records = nbytes = 0
@@ -290,13 +296,14 @@ class RecordRuntime:
         called; the buffer is still the caller's) and the records are counted
         as shed.  Without a ``max_block`` it waits as long as ``submit_batch``.
         The bound a model's capture hooks use, so telemetry never stalls the
-        forward pass longer than the user configured.
+        forward pass longer than the user configured.  It does not wake the
+        loop itself: the batch waits at most the ingress ``wake_delay``.
         """
         batch = self._checked_batch(descriptors, payload, release)
         if self.max_block is None:
-            self._ingress.put_batch(batch)
+            self._ingress.put_batch(batch, defer_wake=True)
             return True
-        return self._ingress.offer_batch(batch, self.max_block)
+        return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
 
     def count_dropped(self, hook: str, reason: str, records: int) -> None:
         """Count ``records`` of ``hook`` a producer dropped before submitting (``reason``)."""
