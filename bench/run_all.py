@@ -35,6 +35,7 @@ SCRIPTS = [
     "scaling",
     "overload_soak",
     "inference_cost",
+    "hook_wakeup",
     "serve_load",
 ]
 NOT_SCRIPTS = {"harness", "run_all", "__main__", "inference_server"}
