@@ -79,3 +79,15 @@ def test_deferred_hook_batches_arrive_without_a_flush():
         eventually(lambda: runtime.counters().destinations["cap"].records == 8)
     assert sink.records == 8
     assert np.all(np.asarray(sink.seen_payloads[0]).view(np.float32) == vec_payload(8).ravel())
+
+
+def test_without_a_wake_delay_hook_batches_wake_the_loop_and_arrive():
+    sink = NullSink()
+    with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:
+        ingress = runtime.offer_batch.__self__._ingress
+        ingress.wake_delay = 0.0  # the behaviour before deferral: a wake-up per call
+        q = runtime.bind_hook(Q, layout="vec")
+        desc = make_descriptors(q, 16, count=8, layout_ids=SCHEMA.layout_id("vec"))
+        assert runtime.offer_batch(desc, vec_payload(8))
+        eventually(lambda: runtime.counters().destinations["cap"].records == 8)
+    assert sink.records == 8

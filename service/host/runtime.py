@@ -14,6 +14,7 @@ record.  ``submit_batch`` never copies the payload; ``submit`` copies its
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -170,7 +171,7 @@ class RecordRuntime:
         while True:
             # Capture hooks defer their wake-ups (see ingress): a poll every
             # wake_delay takes what they queued when no later call woke us.
-            with trio.move_on_after(self._ingress.wake_delay):
+            with trio.move_on_after(self._ingress.wake_delay or math.inf):
                 await self._wakeup.wait()
             if self._wakeup.is_set():
                 self._wakeup = trio.Event()
