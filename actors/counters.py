@@ -63,6 +63,12 @@ class RouteCounters:
     processor calls given up at their deadline whose thread still runs (each
     holds its batch's buffer until it returns); ``valid_slots`` stateful
     routes' slots holding state (else None).
+
+    Key lifecycle (stateful routes): ``completed_keys``/``cancelled_keys``
+    ended; ``cancelled_records`` discarded by a cancel; ``terminal_records``
+    arrived for an ended key; ``finalize_rows`` emitted at completion;
+    live ``open_keys`` and ``oldest_open_key_age_s`` (a leaked key shows as
+    an ever-growing age).
     """
 
     name: str
@@ -90,6 +96,25 @@ class RouteCounters:
     declined: int = count(
         "taproute_route_declined_records", "Records the route's predicate declined."
     )
+    completed_keys: int = count(
+        "taproute_route_completed_keys", "Keys completed (finalized, slot cleared)."
+    )
+    cancelled_keys: int = count("taproute_route_cancelled_keys", "Keys cancelled (slot cleared).")
+    cancelled_records: int = count(
+        "taproute_route_cancelled_records", "Queued records of cancelled keys, discarded."
+    )
+    terminal_records: int = count(
+        "taproute_route_terminal_records", "Records for completed or cancelled keys, not applied."
+    )
+    finalize_rows: int = count("taproute_route_finalize_rows", "Rows emitted by finalize.")
+    finalize_failures: int = count(
+        "taproute_route_finalize_failures", "Finalize calls that raised (slot cleared anyway)."
+    )
+    open_keys: int | None = live(
+        "taproute_route_open_keys", "Keys open on a stateful route (first record, not ended).", None
+    )
+    #: Seconds, read at the snapshot: left out of equality (it moves with the clock).
+    oldest_open_key_age_s: float | None = attrs.field(default=None, eq=False)
     last_decline: str | None = None
     failures_by_code: dict[str, int] = attrs.Factory(dict)
 

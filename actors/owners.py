@@ -16,15 +16,18 @@ import trio
 
 from taproute.actors.attempt import Attempt, Keys, Outcome
 from taproute.actors.counters import RouteCounters
+from taproute.actors.keys import FINALIZE, FinalizeMark, KeyAction, KeyControl, KeyState, KeyStates
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.route_actor import RouteActor
-from taproute.native import StateRegion, owner_of, partition_keys
-from taproute.routing.batch import RecordBatch
-from taproute.routing.errors import KeyOutOfRange
-from taproute.routing.failures import FailureCode
+from taproute.native import DESCRIPTOR_DTYPE, StateRegion, owner_of, partition_keys
+from taproute.routing.batch import RecordBatch, RowBatch
+from taproute.routing.errors import KeyOutOfRange, KeyTerminal
+from taproute.routing.failures import FailureCode, logger
+from taproute.routing.validation import check_rows
 
-#: Per owner: key -> attempts waiting for it (the head is the failing one).
-Held = dict[int, deque[Attempt]]
+#: Per owner: key -> attempts waiting for it (the head is the failing one), and
+#: possibly a :data:`FINALIZE` mark where the key's completion was asked.
+Held = dict[int, deque[Any]]
 
 
 @attrs.frozen
@@ -56,11 +59,20 @@ class StatefulRoute(RouteActor):
         ]
         self.mailboxes = list(self.owner_mailboxes)
         self.held: list[Held] = [{} for _ in range(route.workers)]
+        self.keys = KeyStates(spec.key_range)
         self.counters.valid_slots = 0
+        self.counters.open_keys = 0
 
     def snapshot(self) -> RouteCounters:
         # Counted here, not per batch: a scan of the K valid flags.
         self.counters.valid_slots = self.state.valid_slots
+        self.counters.open_keys = self.keys.open_keys()
+        try:
+            now = trio.current_time()
+        except RuntimeError:  # read outside the loop (after it stopped): no clock
+            self.counters.oldest_open_key_age_s = None
+        else:
+            self.counters.oldest_open_key_age_s = self.keys.oldest_open_age(now)
         return super().snapshot()
 
     def _owner_of(self, key: int) -> int:
@@ -92,6 +104,42 @@ class StatefulRoute(RouteActor):
             part = batch if len(selection) == len(batch) else batch.select(selection)
             await self._enqueue(self.owner_mailboxes[owner], (part, keys[selection]), part)
 
+    async def key_control(self, action: KeyAction, request_keys: Keys) -> None:
+        """Send ``action`` for ``request_keys`` to their owners, behind the records
+        queued so far (called under the sink's submit lock, so ordered with them).
+
+        Request keys go through the route's key function (as the ``key`` field of
+        a descriptor whose other fields are 0); keys outside the route's range
+        are no key of this route and are ignored.
+        """
+        keys = self._route_keys(request_keys)
+        if not len(keys):
+            return
+        if action is KeyAction.CANCEL:
+            # Records already queued for these keys are discarded from now on.
+            self.keys.cancelling[keys] += 1
+        per_owner, _ = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
+        for owner, selection in enumerate(per_owner):
+            if selection is None:
+                continue
+            self._in_flight.add()
+            try:
+                await self.owner_mailboxes[owner].send(
+                    KeyControl(action, keys[selection]), records=0, nbytes=0
+                )
+            except BaseException:
+                self._in_flight.done()
+                if action is KeyAction.CANCEL:
+                    self.keys.cancelling[keys[selection]] -= 1
+                raise
+
+    def _route_keys(self, request_keys: Keys) -> Keys:
+        assert self.key_function is not None
+        descriptors = np.zeros(len(request_keys), dtype=DESCRIPTOR_DTYPE)
+        descriptors["key"] = request_keys
+        keys = np.asarray(self.key_function(descriptors), dtype=np.int64).reshape(-1)
+        return np.unique(keys[(keys >= 0) & (keys < self.key_range)])
+
     def _keys(self, batch: RecordBatch) -> Keys:
         assert self.key_function is not None
         keys = np.ascontiguousarray(self.key_function(batch.descriptors), dtype=np.int64)
@@ -116,9 +164,12 @@ class StatefulRoute(RouteActor):
                 message = await mailbox.receive()
             except trio.EndOfChannel:
                 break
-            if isinstance(message, _RetryKey):
+            if isinstance(message, (_RetryKey, KeyControl)):
                 try:
-                    await self._retry_key(held, message.key)
+                    if isinstance(message, KeyControl):
+                        await self._key_control(held, message)
+                    else:
+                        await self._retry_key(held, message.key)
                 except Exception as exc:
                     self._latch.latch(exc, route=self.name, where="stateful owner")
                 finally:
@@ -132,9 +183,12 @@ class StatefulRoute(RouteActor):
             finally:
                 self._settle(batch)
         # Closing: what still waits behind a failing key is given up, in order.
-        for queue in held.values():
+        for key, queue in held.items():
             while queue:
                 attempt = queue.popleft()
+                if isinstance(attempt, FinalizeMark):
+                    await self._finalize(key)  # what it waited for is given up
+                    continue
                 if attempt.code is None:
                     attempt.failed(
                         FailureCode.POLICY_INVALID,
@@ -160,8 +214,23 @@ class StatefulRoute(RouteActor):
             held.clear()
 
     async def _admit(self, held: Held, attempt: Attempt) -> None:
-        """Queue records of held keys behind them; process the rest."""
+        """Screen out records of cancelled and ended keys; queue records of held
+        keys behind them; process the rest."""
         assert attempt.keys is not None
+        cancelling, terminal = self.keys.screen(attempt.keys)
+        ended = cancelling | terminal
+        if ended.any():
+            # Terminal first: a record after the key ended is terminal even while
+            # another cancel of it is in transit.
+            self.counters.cancelled_records += int(np.count_nonzero(cancelling & ~terminal))
+            if terminal.any():
+                await self._terminal(attempt.part(np.flatnonzero(terminal)))
+            kept = np.flatnonzero(~ended)
+            if not len(kept):
+                return
+            attempt = attempt.part(kept)
+        assert attempt.keys is not None
+        self.keys.opened(attempt.keys, trio.current_time())
         if held:
             waiting = np.isin(attempt.keys, np.fromiter(held, dtype=np.int64))
             if waiting.any():
@@ -237,9 +306,83 @@ class StatefulRoute(RouteActor):
         queue = held.get(key)
         while queue:
             head = queue.popleft()
+            if isinstance(head, FinalizeMark):
+                await self._finalize(key)
+                continue
             head.scheduled = False
             self.parked.release(head)
             await self._process(head)
             if queue and queue[0].scheduled:
                 return  # failed again: parked at the front with a new backoff
         held.pop(key, None)
+
+    # -- key lifecycle (see keys.py) ---------------------------------------------
+
+    async def _key_control(self, held: Held, control: KeyControl) -> None:
+        """Apply a complete/cancel/reopen at its place in the owner's order."""
+        for key in control.keys.tolist():
+            if control.action is KeyAction.REOPEN:
+                self.keys.state[key] = KeyState.OPEN
+            elif control.action is KeyAction.CANCEL:
+                self.keys.cancelling[key] -= 1
+                if self.keys.state[key] == KeyState.CANCELLED and key not in held:
+                    continue  # cancelled twice is once
+                for attempt in held.pop(key, ()):
+                    if isinstance(attempt, Attempt):
+                        self.counters.cancelled_records += len(attempt.batch)
+                        self.parked.release(attempt)
+                self.keys.clear(key, self.state, KeyState.CANCELLED)
+                self.counters.cancelled_keys += 1
+            elif self.keys.state[key] == KeyState.OPEN:  # complete; twice is once
+                self.keys.state[key] = KeyState.COMPLETED
+                queue = held.get(key)
+                if queue:
+                    queue.append(FINALIZE)  # after the records it must not overtake
+                else:
+                    await self._finalize(key)
+
+    async def _finalize(self, key: int) -> None:
+        """Emit the key's final rows (if the processor has ``finalize`` and the key
+        holds state), then clear its slot.  A failing finalize is counted and
+        logged; the slot is cleared anyway (the key is over)."""
+        spec = self.planned.processor
+        layout = self.planned.output_layout
+        if self.state.valid[key] and spec is not None and spec.finalize is not None:
+            assert layout is not None
+            try:
+                async with self.limiter:
+                    result = await trio.to_thread.run_sync(spec.finalize, self.state, key)
+                rows = None
+                if result is not None:
+                    rows = check_rows(result, layout, route=self.name, processor=spec.name)
+            except Exception as exc:
+                self.counters.finalize_failures += 1
+                logger.warning("route %r: finalize of key %d failed: %r", self.name, key, exc)
+            else:
+                if rows is not None and len(rows):
+                    self.counters.finalize_rows += len(rows)
+                    self.counters.emitted += len(rows)
+                    await self.destination.deliver(
+                        self.name, RowBatch(self.name, layout.name, rows)
+                    )
+        if self.keys.state[key] == KeyState.OPEN:  # reopened meanwhile: stays open
+            self.state.slots[key] = 0
+            self.state.valid[key] = False
+            self.keys.opened_at[key] = np.nan
+        else:
+            self.keys.clear(key, self.state, KeyState.COMPLETED)
+        self.counters.completed_keys += 1
+
+    async def _terminal(self, attempt: Attempt) -> None:
+        """Records for an ended key: counted, then dropped or dead-lettered by policy."""
+        self.counters.terminal_records += len(attempt.batch)
+        if self.policy.terminal_records == "dead_letter":
+            assert attempt.keys is not None
+            await self._reject(
+                attempt,
+                FailureCode.KEY_TERMINAL,
+                KeyTerminal(
+                    f"route {self.name!r}: key {int(attempt.keys[0])} was completed or "
+                    f"cancelled; reopen(key) to reuse it"
+                ),
+            )

@@ -25,12 +25,14 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import trio
 
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
+from taproute.actors.keys import KeyAction
 from taproute.actors.owners import StatefulRoute
 from taproute.actors.pool import StatelessRoute
 from taproute.actors.route_actor import RouteActor
@@ -408,6 +410,37 @@ class RoutingSink:
         bound = self.hooks.id_of(hook)
         return trace(self.plan, hook, output_id=bound or 0, **fields)
 
+    # -- key lifecycle -------------------------------------------------------
+
+    async def complete(self, *keys: int) -> None:
+        """End ``keys`` on every stateful route, after the records of theirs
+        submitted before: then each processor's ``finalize`` emits the key's
+        final rows and its slot is cleared.  Later records of those keys are
+        ``terminal`` until :meth:`reopen`.
+
+        Returns once the completion is queued in order; :meth:`flush` waits for
+        it (and its rows) to be done.
+        """
+        await self._key_control(KeyAction.COMPLETE, keys)
+
+    async def cancel(self, *keys: int) -> None:
+        """End ``keys`` on every stateful route now: their records still queued are
+        discarded (counted ``cancelled_records``), their slots cleared without
+        ``finalize``.  Later records of those keys are ``terminal``."""
+        await self._key_control(KeyAction.CANCEL, keys)
+
+    async def reopen(self, *keys: int) -> None:
+        """Let completed or cancelled ``keys`` take records again (a reused id)."""
+        await self._key_control(KeyAction.REOPEN, keys)
+
+    async def _key_control(self, action: KeyAction, keys: tuple[int, ...]) -> None:
+        self._check_open()
+        request = np.array([_key_int(k) for k in keys], dtype=np.int64)
+        async with self._lock:
+            for route in self._routes:
+                if isinstance(route, StatefulRoute):
+                    await route.key_control(action, request)
+
     async def _unmatched(self, batch: RecordBatch) -> None:
         if self._default is None:
             self._unmatched_dropped += len(batch)
@@ -480,6 +513,14 @@ class RoutingSink:
     def counters(self) -> RouterSnapshot:
         """Same as :meth:`snapshot` (the name the runtime also answers to)."""
         return self.snapshot()
+
+
+def _key_int(key: object) -> int:
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+        raise TypeError(f"a key is an int, got {type(key).__name__} {key!r}")
+    if not -(2**63) <= int(key) < 2**63:
+        raise ValueError(f"key {key} does not fit the descriptor's int64 key field")
+    return int(key)
 
 
 @asynccontextmanager

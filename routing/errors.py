@@ -106,6 +106,10 @@ class KeyOutOfRange(RecordError):
     """A stateful route's key function gave a key outside ``[0, key_range)``."""
 
 
+class KeyTerminal(RecordError):
+    """A record for a key that was completed or cancelled (``reopen`` it to reuse the id)."""
+
+
 class OutputLayoutMismatch(RecordError):
     """A processor returned rows that do not match its registered output layout."""
 

@@ -43,6 +43,9 @@ class FailureCode(enum.StrEnum):
     HANDLER_TIMEOUT = "handler_timeout"
     #: The processor raised one of the :data:`PANIC_TYPES` (a bug in its code).
     HANDLER_PANIC = "handler_panic"
+    #: The record's key was completed or cancelled (dead-lettered only when the
+    #: policy's ``terminal_records`` is ``"dead_letter"``).
+    KEY_TERMINAL = "key_terminal"
 
     @property
     def retryable(self) -> bool:
@@ -119,6 +122,9 @@ class FailurePolicy:
     a retry (or behind a failing key) on a route, the route takes no new
     records until room frees up (backpressure); records already in its
     mailboxes still join, so the bound is that plus the route's ``capacity``.
+    A record for a completed or cancelled key (stateful routes) is counted
+    as ``terminal`` and dropped (``terminal_records="drop"``) or dead-lettered
+    with code ``key_terminal`` (``"dead_letter"``).
     """
 
     deadline: float = attrs.field(default=5.0, validator=_non_negative)
@@ -128,6 +134,9 @@ class FailurePolicy:
     max_failures: int = attrs.field(default=5, validator=_non_negative)
     failure_window: float = attrs.field(default=900.0, validator=_non_negative)
     max_parked_records: int = attrs.field(default=100_000, validator=_non_negative)
+    terminal_records: str = attrs.field(
+        default="drop", validator=attrs.validators.in_(("drop", "dead_letter"))
+    )
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure (1-based)."""

@@ -85,6 +85,10 @@ class ProcessorSpec:
     #: state of ``keys`` into rows of the output layout.
     merge: Callable[[Any, Any], Any] | None = None
     finish: Callable[[Any, Any], Any] | None = None
+    #: Stateful only: ``finalize(state, key) -> rows | None`` emits a key's
+    #: final rows (``state`` is the route's :class:`StateRegion`; read
+    #: ``state.slots[key]``) when the key is completed, before its slot is cleared.
+    finalize: Callable[[Any, int], Any] | None = None
 
 
 class ProcessorRegistry:
@@ -156,6 +160,7 @@ def stateful_processor(
     key: KeyFunction = request_key,
     merge: Callable[[Any, Any], Any] | None = None,
     finish: Callable[[Any, Any], Any] | None = None,
+    finalize: Callable[[Any, int], Any] | None = None,
     registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records, keys, state) -> rows | None`` as stateful processor ``name``.
@@ -164,6 +169,8 @@ def stateful_processor(
     route keeps one ``slot``-shaped state per key.  ``merge`` and ``finish``
     (optional) let a replay combine partial states from several workers and
     write the final state as rows (see ``taproute.service.replay``).
+    ``finalize(state, key) -> rows | None`` (optional) emits a key's final rows
+    when the key is completed (see ``RoutingSink.complete``).
     """
     if not isinstance(key_range, int) or key_range <= 0:
         raise ConfigError(
@@ -173,7 +180,17 @@ def stateful_processor(
     def decorate(fn: F) -> F:
         registry.register(
             ProcessorSpec(
-                name, fn, ProcessorKind.STATEFUL, input, output, key, key_range, slot, merge, finish
+                name,
+                fn,
+                ProcessorKind.STATEFUL,
+                input,
+                output,
+                key,
+                key_range,
+                slot,
+                merge,
+                finish,
+                finalize,
             )
         )
         return fn

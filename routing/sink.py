@@ -16,7 +16,8 @@ keeps the typed reference, and never probes the sink again:
 - :class:`ReportsFailure`: the sink latches its first failure (``failure``);
 - :class:`Traceable`: the sink answers dry-run ``trace`` questions;
 - :class:`Spools`: the sink keeps a disk spool and reports the
-  destination's health and what the spool holds (:class:`SpoolStatus`).
+  destination's health and what the spool holds (:class:`SpoolStatus`);
+- :class:`EndsKeys`: the sink can complete, cancel and reopen keys.
 """
 
 from __future__ import annotations
@@ -96,6 +97,17 @@ class ReportsFailure(Protocol):
 
     @property
     def failure(self) -> BaseException | None: ...
+
+
+@runtime_checkable
+class EndsKeys(Protocol):
+    """The sink keeps per-key state and can end keys (a routing sink with stateful routes)."""
+
+    async def complete(self, *keys: int) -> None: ...
+
+    async def cancel(self, *keys: int) -> None: ...
+
+    async def reopen(self, *keys: int) -> None: ...
 
 
 @runtime_checkable

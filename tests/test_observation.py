@@ -19,7 +19,14 @@ from tests.sinks import NullSink
 
 def test_every_counters_class_declares_counts_apart_from_live_state():
     live = {d.field for d in declared(RouteCounters, "live")}
-    assert live == {"queue_depth", "backlog", "valid_slots", "parked", "abandoned_calls"}
+    assert live == {
+        "queue_depth",
+        "backlog",
+        "valid_slots",
+        "parked",
+        "abandoned_calls",
+        "open_keys",
+    }
     assert {d.field for d in declared(DestinationCounters, "live")} == {
         "queue_depth",
         "healthy",  # these four only for a destination with a spool
@@ -67,7 +74,7 @@ def test_runtime_and_sink_answer_snapshot_with_live_state_drained_and_counts_kep
         live = {d.field: getattr(route, d.field) for d in declared(RouteCounters, "live")}
         assert counts["processed"] == 12
         # After a flush nothing waits anywhere; what stays is what was done.
-        assert {k: v for k, v in live.items() if k != "valid_slots"} == {
+        assert {k: v for k, v in live.items() if k not in ("valid_slots", "open_keys")} == {
             "queue_depth": 0,
             "backlog": 0,
             "parked": 0,
@@ -75,6 +82,7 @@ def test_runtime_and_sink_answer_snapshot_with_live_state_drained_and_counts_kep
         }
     assert snap.routes["sums"].valid_slots == 1  # every record had key 0
     assert snap.routes["raw"].valid_slots is None
+    assert snap.routes["sums"].open_keys == 1 and snap.routes["raw"].open_keys is None
 
 
 def test_metric_types_follow_the_declarations():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -134,6 +134,14 @@ _CONTEXT: contextvars.ContextVar[CaptureContext | None] = contextvars.ContextVar
 )
 
 
+class EndsKeys(Protocol):
+    """What :func:`capture_context` ends its keys with (a runtime or service)."""
+
+    def complete(self, *keys: int) -> object: ...
+
+    def cancel(self, *keys: int) -> object: ...
+
+
 def current_context() -> CaptureContext | None:
     """The capture context in effect here, or None."""
     return _CONTEXT.get()
@@ -146,6 +154,7 @@ def capture_context(
     lengths: Sequence[int] | None = None,
     attention_mask: Any = None,
     step: int = 0,
+    end_keys: EndsKeys | None = None,
 ) -> Iterator[CaptureContext]:
     """Set the request ids (and real positions, decode step) of the forward pass inside.
 
@@ -154,13 +163,27 @@ def capture_context(
     ``(rows, positions)`` tensor or array, non-zero where a token is real (left
     or right padding, or holes).  Give one of the two, or neither when every
     position is real.  Checked here: one length per key, a mask row per key.
+
+    ``end_keys`` (a runtime or service): the keys end with the block, when it
+    is the request's last forward pass (or wraps the whole request): on
+    normal exit they are completed (``end_keys.complete``: each stateful
+    route's ``finalize`` emits the key's final rows after every record
+    captured inside), on exit by an exception cancelled (``end_keys.cancel``).
+    Neither waits for the router.
     """
     context = build_context(keys, lengths=lengths, attention_mask=attention_mask, step=step)
     token = _CONTEXT.set(context)
     try:
         yield context
+    except BaseException:
+        if end_keys is not None and context.keys:
+            with suppress(Exception):  # the caller's exception is the one to see
+                end_keys.cancel(*context.keys)
+        raise
     finally:
         _CONTEXT.reset(token)
+    if end_keys is not None and context.keys:
+        end_keys.complete(*context.keys)
 
 
 def carry_context(fn: Callable[P, R]) -> Callable[P, R]:

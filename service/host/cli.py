@@ -29,6 +29,9 @@ from taproute.service.ops.dead_letters import DeadLetterStore, DeadLetterStoreEr
 #: Dead letters older than this are reported by ``taproute check``.
 STALE_DEAD_LETTER_SECONDS = 600.0
 
+#: Keys open longer than this on a running service are reported by ``taproute check --url``.
+OPEN_KEY_SECONDS = 600.0
+
 #: Exit code of bad input (argparse's own).
 BAD_INPUT = 2
 
@@ -50,8 +53,9 @@ def demo(sentences: int, data: Path, serve: bool, port: int) -> int:
     return 0
 
 
-def check(path: Path) -> int:
-    """Validate a config file and every destination's tables; warn about old dead letters."""
+def check(path: Path, url: str | None = None, open_key_age: float = OPEN_KEY_SECONDS) -> int:
+    """Validate a config file and every destination's tables; warn about old dead
+    letters and, with ``url`` (a running service), keys open past ``open_key_age``."""
     config = load_config(path)
     with config.build() as built:
         lines = config.check_destinations()
@@ -71,6 +75,8 @@ def check(path: Path) -> int:
                     print(f"  route {route}, {code}: {count}")
         for line in stale_spools(config, STALE_DEAD_LETTER_SECONDS):
             print(line)
+    if url is not None:
+        _warn_open_keys(url, open_key_age)
     return 0
 
 
@@ -97,6 +103,23 @@ def stale_spools(config: ServiceConfig, older_than: float) -> list[str]:
                 "is the destination down?"
             )
     return lines
+
+
+def _warn_open_keys(url: str, threshold: float) -> None:
+    """Warn about stateful routes of a running service whose oldest open key is
+    older than ``threshold`` seconds (requests that were never completed)."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=30) as response:
+            status = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise CommandError(f"{url}/status: cannot read the service's status: {exc}") from None
+    for name, route in sorted(status.get("routes", {}).items()):
+        age = route.get("oldest_open_key_age_s")
+        if age is not None and age > threshold:
+            print(
+                f"WARNING: route {name}: {route.get('open_keys')} key(s) open, the oldest for "
+                f"{age:,.0f} s (over {threshold:g} s): complete(key) or cancel(key) them"
+            )
 
 
 def run(path: Path, rate: float, duration: float, call_timeout: float | None = None) -> int:
@@ -307,6 +330,15 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="validate a config, its destinations, and report old dead letters"
     )
     check_parser.add_argument("--config", type=Path, required=True)
+    check_parser.add_argument(
+        "--url", help="a running service: also warn about keys open past --open-key-age"
+    )
+    check_parser.add_argument(
+        "--open-key-age",
+        type=_seconds,
+        default=OPEN_KEY_SECONDS,
+        help=f"seconds a key may stay open before --url warns (default {OPEN_KEY_SECONDS:g})",
+    )
 
     run_parser = commands.add_parser(
         "run", help="drive a configured router with synthetic records, serving HTTP"
@@ -398,7 +430,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return demo(args.sentences, args.data, args.serve, args.port)
     if args.command == "check":
-        return check(args.config)
+        return check(args.config, args.url, args.open_key_age)
     if args.command == "run":
         return run(args.config, args.rate, args.duration, args.call_timeout)
     if args.command == "trace":

@@ -55,8 +55,12 @@ class HttpConfig:
 
 
 def snapshot_as_json(snapshot: ServiceSnapshot) -> dict[str, Any]:
-    """The snapshot as plain JSON-able data."""
-    return attrs.asdict(snapshot)
+    """The snapshot as plain JSON-able data, with the age of the oldest open key
+    over all stateful routes (None: none open) on top, where a leak shows first."""
+    data = attrs.asdict(snapshot)
+    ages = [r.oldest_open_key_age_s for r in snapshot.routes.values()]
+    data["oldest_open_key_age_s"] = max((a for a in ages if a is not None), default=None)
+    return data
 
 
 def build_app(

@@ -39,13 +39,18 @@ WhenFull = Literal["block", "reject"]
 WAKE_DELAY_S = 0.02
 
 
+ControlKind = Literal["flush", "close", "complete", "cancel", "reopen"]
+
+
 class Control:
-    """A flush or close request, ordered with the batches around it."""
+    """A flush, close or key-lifecycle request (``keys``), ordered with the
+    batches around it."""
 
-    __slots__ = ("future", "kind")
+    __slots__ = ("future", "keys", "kind")
 
-    def __init__(self, kind: Literal["flush", "close"]) -> None:
+    def __init__(self, kind: ControlKind, keys: tuple[int, ...] = ()) -> None:
         self.kind = kind
+        self.keys = keys
         self.future: Future[None] = Future()
 
 
@@ -229,17 +234,17 @@ class Ingress:
         else:
             self._schedule_wake()
 
-    def put_control(self, kind: Literal["flush", "close"]) -> Future[None]:
-        """Queue a flush or close after everything queued so far.
+    def put_control(self, kind: ControlKind, keys: tuple[int, ...] = ()) -> Future[None]:
+        """Queue a flush, close or key-lifecycle control after everything queued so far.
 
-        A flush after a failure or close fails at once; a second close is a
-        no-op; a close after a failure still stops the loop.
+        A flush (or key control) after a failure or close fails at once; a
+        second close is a no-op; a close after a failure still stops the loop.
         """
-        control = Control(kind)
+        control = Control(kind, keys)
         with self._cond:
-            if kind == "flush" and (self._failed is not None or self._closed):
+            if kind != "close" and (self._failed is not None or self._closed):
                 control.future.set_exception(
-                    self._failed or SinkClosed("runtime is closed; flush refused")
+                    self._failed or SinkClosed(f"runtime is closed; {kind} refused")
                 )
                 return control.future
             if self._loop_gone:

@@ -18,9 +18,10 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from contextlib import suppress
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -34,6 +35,7 @@ from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     DescribesRecords,
+    EndsKeys,
     NamesHooks,
     RecordSink,
     ReportsFailure,
@@ -82,6 +84,7 @@ class RecordRuntime:
         self._background = record_sink if isinstance(record_sink, RunsInBackground) else None
         self._observable = record_sink if isinstance(record_sink, Observable) else None
         self._reports_failure = record_sink if isinstance(record_sink, ReportsFailure) else None
+        self._keys = record_sink if isinstance(record_sink, EndsKeys) else None
         self.schema: RecordSchema | None = (
             schema if schema is not None else None if described is None else described.schema
         )
@@ -204,6 +207,9 @@ class RecordRuntime:
             self._latch.raise_if_failed()
             if control.kind == "flush":
                 await self.record_sink.flush()
+            elif control.kind != "close":
+                assert self._keys is not None
+                await getattr(self._keys, control.kind)(*control.keys)
             else:
                 await self.record_sink.close()
         except Exception as exc:
@@ -407,6 +413,35 @@ class RecordRuntime:
         if self._thread is None:
             raise SinkClosed("runtime not started")
         self._ingress.put_control("flush").result(timeout)
+
+    # -- key lifecycle (thread-safe; ordered with the records submitted before) --
+
+    def complete(self, *keys: int) -> Future[None]:
+        """Complete ``keys`` after every record of theirs submitted before (see
+        :meth:`RoutingSink.complete`).  Never waits: returns a future done once
+        the completion is queued in order; :meth:`flush` waits for its rows."""
+        return self._key_control("complete", keys)
+
+    def cancel(self, *keys: int) -> Future[None]:
+        """Cancel ``keys``: their queued records discarded, slots cleared, no finalize."""
+        return self._key_control("cancel", keys)
+
+    def reopen(self, *keys: int) -> Future[None]:
+        """Let completed or cancelled ``keys`` take records again."""
+        return self._key_control("reopen", keys)
+
+    def _key_control(
+        self, kind: Literal["complete", "cancel", "reopen"], keys: tuple[int, ...]
+    ) -> Future[None]:
+        if self._keys is None:
+            raise TypeError(
+                f"{kind}: the record sink {type(self.record_sink).__name__} keeps no keys "
+                "(a RoutingSink does)"
+            )
+        checked = tuple(check_int64("key", k) for k in keys)
+        if self._thread is None:
+            raise SinkClosed("runtime not started")
+        return self._ingress.put_control(kind, checked)
 
     # -- observation -------------------------------------------------------
 

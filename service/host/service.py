@@ -41,7 +41,8 @@ class RecordService:
     """A running :class:`RecordRuntime` with its HTTP endpoint and operator controls.
 
     Everything a producer calls (``bind_hook``, ``submit``, ``submit_batch``,
-    ``try_submit_batch``, ``asubmit_batch``, ``flush``) is the runtime's own
+    ``try_submit_batch``, ``asubmit_batch``, ``flush``, ``complete``, ``cancel``,
+    ``reopen``) is the runtime's own
     method; closing the service closes the runtime (and with it the HTTP
     endpoint, a task on its loop).  Create with :func:`create_record_runtime`.
     """
@@ -79,6 +80,9 @@ class RecordService:
         self.count_skipped = runtime.count_skipped
         self.bind_hook = runtime.bind_hook
         self.flush = runtime.flush
+        self.complete = runtime.complete
+        self.cancel = runtime.cancel
+        self.reopen = runtime.reopen
         self.snapshot = runtime.snapshot
         self.counters = runtime.counters
 

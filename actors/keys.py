@@ -1,0 +1,99 @@
+"""Key lifecycle of a stateful route: open, completed, cancelled.
+
+A key (a request, a sequence) opens with its first processed record.
+``complete`` ends it after every record of it accepted before: the
+processor's ``finalize`` emits its final rows, then its slot is cleared.
+``cancel`` ends it at once: its records still queued are discarded, its slot
+cleared without ``finalize``.  Either way the key is *terminal*: later
+records for it are not applied until ``reopen``.
+
+The per-key flags are arrays over the route's key range, so screening a
+batch is a few vectorised lookups, never a Python loop per record.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from taproute.native import StateRegion
+
+Keys = npt.NDArray[np.int64]
+
+
+class KeyAction(enum.StrEnum):
+    """What a lifecycle message asks of a key."""
+
+    COMPLETE = "complete"
+    CANCEL = "cancel"
+    REOPEN = "reopen"
+
+
+class KeyState(enum.IntEnum):
+    """Where a key stands (the value kept per key)."""
+
+    OPEN = 0
+    COMPLETED = 1
+    CANCELLED = 2
+
+
+@attrs.frozen
+class KeyControl:
+    """A lifecycle message for an owner: ``action`` for ``keys`` (route keys, unique).
+
+    It travels through the owner's mailbox, so it takes effect after every
+    record of those keys that was queued before it.
+    """
+
+    action: KeyAction
+    keys: Keys
+
+
+class FinalizeMark:
+    """Queued behind a held key's waiting records: finalize the key once they are done."""
+
+    scheduled = False
+
+
+FINALIZE = FinalizeMark()
+
+
+class KeyStates:
+    """Per key of one route: terminal state, cancels in transit, when it opened."""
+
+    def __init__(self, key_range: int) -> None:
+        self.state = np.zeros(key_range, dtype=np.int8)
+        #: Cancels accepted but not yet reached by the key's owner: records of
+        #: such a key still queued ahead of the cancel are discarded.
+        self.cancelling = np.zeros(key_range, dtype=np.int32)
+        #: Trio time of the key's first record since it (re)opened; NaN: not open.
+        self.opened_at = np.full(key_range, np.nan)
+
+    def screen(self, keys: Keys) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        """Which of ``keys`` are being cancelled, and which are terminal."""
+        return self.cancelling[keys] > 0, self.state[keys] != KeyState.OPEN
+
+    def opened(self, keys: Keys, now: float) -> None:
+        """Note ``now`` as the opening time of those ``keys`` not open yet."""
+        fresh = keys[np.isnan(self.opened_at[keys])]
+        self.opened_at[fresh] = now
+
+    def clear(self, key: int, state: StateRegion, to: KeyState) -> None:
+        """End ``key``: zero its slot, mark it invalid and ``to``."""
+        state.slots[key] = 0
+        state.valid[key] = False
+        self.opened_at[key] = np.nan
+        self.state[key] = to
+
+    def open_keys(self) -> int:
+        """How many keys are open (had a record and were not ended since)."""
+        return int(np.count_nonzero(~np.isnan(self.opened_at)))
+
+    def oldest_open_age(self, now: float) -> float | None:
+        """Seconds since the oldest open key opened, or None when none is open."""
+        if not self.open_keys():
+            return None
+        return float(now - np.nanmin(self.opened_at))
