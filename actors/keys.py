@@ -50,15 +50,9 @@ class KeyControl:
 
     action: KeyAction
     keys: Keys
-
-
-class FinalizeMark:
-    """Queued behind a held key's waiting records: finalize the key once they are done."""
-
-    scheduled = False
-
-
-FINALIZE = FinalizeMark()
+    #: Per key, for a cancel: it counted in ``KeyStates.cancelling`` (its queued
+    #: records are discarded); False where a complete was in transit.
+    discarding: npt.NDArray[np.bool_]
 
 
 class KeyStates:
@@ -69,6 +63,8 @@ class KeyStates:
         #: Cancels accepted but not yet reached by the key's owner: records of
         #: such a key still queued ahead of the cancel are discarded.
         self.cancelling = np.zeros(key_range, dtype=np.int32)
+        #: Completes accepted and not yet done (finalized or found moot).
+        self.completing = np.zeros(key_range, dtype=np.int32)
         #: Trio time of the key's first record since it (re)opened; NaN: not open.
         self.opened_at = np.full(key_range, np.nan)
 

@@ -16,7 +16,7 @@ import trio
 
 from taproute.actors.attempt import Attempt, Keys, Outcome
 from taproute.actors.counters import RouteCounters
-from taproute.actors.keys import FINALIZE, FinalizeMark, KeyAction, KeyControl, KeyState, KeyStates
+from taproute.actors.keys import KeyAction, KeyControl, KeyState, KeyStates
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.route_actor import RouteActor
 from taproute.native import DESCRIPTOR_DTYPE, StateRegion, owner_of, partition_keys
@@ -26,7 +26,7 @@ from taproute.routing.failures import FailureCode, logger
 from taproute.routing.validation import check_rows
 
 #: Per owner: key -> attempts waiting for it (the head is the failing one), and
-#: possibly a :data:`FINALIZE` mark where the key's completion was asked.
+#: the key controls (complete, cancel, reopen) that came after them, in order.
 Held = dict[int, deque[Any]]
 
 
@@ -115,23 +115,22 @@ class StatefulRoute(RouteActor):
         keys = self._route_keys(request_keys)
         if not len(keys):
             return
+        # A cancel discards the keys' queued records, except those a complete
+        # still in transit must finalize first (they belong to the ended key).
+        discarding = np.zeros(len(keys), dtype=bool)
         if action is KeyAction.CANCEL:
-            # Records already queued for these keys are discarded from now on.
-            self.keys.cancelling[keys] += 1
+            discarding = self.keys.completing[keys] == 0
+            self.keys.cancelling[keys[discarding]] += 1
+        elif action is KeyAction.COMPLETE:
+            self.keys.completing[keys] += 1
         per_owner, _ = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
         for owner, selection in enumerate(per_owner):
             if selection is None:
                 continue
             self._in_flight.add()
-            try:
-                await self.owner_mailboxes[owner].send(
-                    KeyControl(action, keys[selection]), records=0, nbytes=0
-                )
-            except BaseException:
-                self._in_flight.done()
-                if action is KeyAction.CANCEL:
-                    self.keys.cancelling[keys[selection]] -= 1
-                raise
+            await self.owner_mailboxes[owner].send(
+                KeyControl(action, keys[selection], discarding[selection]), records=0, nbytes=0
+            )
 
     def _route_keys(self, request_keys: Keys) -> Keys:
         assert self.key_function is not None
@@ -186,8 +185,8 @@ class StatefulRoute(RouteActor):
         for key, queue in held.items():
             while queue:
                 attempt = queue.popleft()
-                if isinstance(attempt, FinalizeMark):
-                    await self._finalize(key)  # what it waited for is given up
+                if isinstance(attempt, KeyControl):  # what it waited for is given up
+                    await self._apply(held, attempt, key, 0, queued=True)
                     continue
                 if attempt.code is None:
                     attempt.failed(
@@ -210,12 +209,34 @@ class StatefulRoute(RouteActor):
         for held in self.held:
             for queue in held.values():
                 for attempt in queue:
-                    self.parked.release(attempt)
+                    if isinstance(attempt, Attempt):
+                        self.parked.release(attempt)
             held.clear()
 
     async def _admit(self, held: Held, attempt: Attempt) -> None:
         """Screen out records of cancelled and ended keys; queue records of held
         keys behind them; process the rest."""
+        assert attempt.keys is not None
+        if held:
+            # Held keys' records queue unscreened: what is ahead of them in the
+            # queue (a complete, a reopen) decides, when they come up.
+            waiting = np.isin(attempt.keys, np.fromiter(held, dtype=np.int64))
+            if waiting.any():
+                for key in np.unique(attempt.keys[waiting]).tolist():
+                    part = attempt.part(np.flatnonzero(attempt.keys == key))
+                    self.parked.hold(part)
+                    held[key].append(part)
+                free = np.flatnonzero(~waiting)
+                if not len(free):
+                    return
+                attempt = attempt.part(free)
+        screened = await self._screen(attempt)
+        if screened is not None:
+            await self._process(screened)
+
+    async def _screen(self, attempt: Attempt) -> Attempt | None:
+        """Drop records of keys being cancelled (counted) and of ended keys
+        (``_terminal``); note the rest's keys as open."""
         assert attempt.keys is not None
         cancelling, terminal = self.keys.screen(attempt.keys)
         ended = cancelling | terminal
@@ -227,22 +248,11 @@ class StatefulRoute(RouteActor):
                 await self._terminal(attempt.part(np.flatnonzero(terminal)))
             kept = np.flatnonzero(~ended)
             if not len(kept):
-                return
+                return None
             attempt = attempt.part(kept)
         assert attempt.keys is not None
         self.keys.opened(attempt.keys, trio.current_time())
-        if held:
-            waiting = np.isin(attempt.keys, np.fromiter(held, dtype=np.int64))
-            if waiting.any():
-                for key in np.unique(attempt.keys[waiting]).tolist():
-                    part = attempt.part(np.flatnonzero(attempt.keys == key))
-                    self.parked.hold(part)
-                    held[key].append(part)
-                free = np.flatnonzero(~waiting)
-                if not len(free):
-                    return
-                attempt = attempt.part(free)
-        await self._process(attempt)
+        return attempt
 
     # -- the failure path's stateful parts (the path itself is RouteActor's) -------
 
@@ -306,40 +316,72 @@ class StatefulRoute(RouteActor):
         queue = held.get(key)
         while queue:
             head = queue.popleft()
-            if isinstance(head, FinalizeMark):
-                await self._finalize(key)
+            if isinstance(head, KeyControl):
+                await self._apply(held, head, key, 0, queued=True)
                 continue
             head.scheduled = False
             self.parked.release(head)
-            await self._process(head)
-            if queue and queue[0].scheduled:
+            # Screened again: a complete, cancel or reopen ahead of it in the
+            # queue may have changed its key's state since it arrived.
+            screened = await self._screen(head)
+            if screened is not None:
+                await self._process(screened)
+            if queue and isinstance(queue[0], Attempt) and queue[0].scheduled:
                 return  # failed again: parked at the front with a new backoff
         held.pop(key, None)
 
     # -- key lifecycle (see keys.py) ---------------------------------------------
 
     async def _key_control(self, held: Held, control: KeyControl) -> None:
-        """Apply a complete/cancel/reopen at its place in the owner's order."""
-        for key in control.keys.tolist():
-            if control.action is KeyAction.REOPEN:
-                self.keys.state[key] = KeyState.OPEN
-            elif control.action is KeyAction.CANCEL:
+        """Apply a complete/cancel/reopen at its place in the owner's order: at
+        once, or, for a key whose queue holds a pending complete, queued behind it."""
+        for index, key in enumerate(control.keys.tolist()):
+            queue = held.get(key)
+            if queue and any(isinstance(x, KeyControl) for x in queue):
+                queue.append(
+                    KeyControl(
+                        control.action,
+                        control.keys[index : index + 1],
+                        control.discarding[index : index + 1],
+                    )
+                )
+                continue
+            await self._apply(held, control, key, index, queued=False)
+
+    async def _apply(
+        self, held: Held, control: KeyControl, key: int, index: int, *, queued: bool
+    ) -> None:
+        """One key's control.  ``queued``: it came up in the key's held queue, so
+        what is still queued behind it came after it."""
+        state = self.keys.state
+        if control.action is KeyAction.REOPEN:
+            state[key] = KeyState.OPEN
+        elif control.action is KeyAction.CANCEL:
+            if control.discarding[index]:
                 self.keys.cancelling[key] -= 1
-                if self.keys.state[key] == KeyState.CANCELLED and key not in held:
-                    continue  # cancelled twice is once
+            if state[key] != KeyState.OPEN:
+                return  # ended already: nothing to cancel
+            if not queued:
                 for attempt in held.pop(key, ()):
                     if isinstance(attempt, Attempt):
                         self.counters.cancelled_records += len(attempt.batch)
                         self.parked.release(attempt)
-                self.keys.clear(key, self.state, KeyState.CANCELLED)
-                self.counters.cancelled_keys += 1
-            elif self.keys.state[key] == KeyState.OPEN:  # complete; twice is once
-                self.keys.state[key] = KeyState.COMPLETED
-                queue = held.get(key)
-                if queue:
-                    queue.append(FINALIZE)  # after the records it must not overtake
-                else:
-                    await self._finalize(key)
+            self.keys.clear(key, self.state, KeyState.CANCELLED)
+            self.counters.cancelled_keys += 1
+        elif state[key] != KeyState.OPEN:  # complete of an ended key: nothing to do
+            self.keys.completing[key] -= 1
+        elif held.get(key) and not queued:
+            # After the key's waiting records, which it must not overtake.
+            held[key].append(
+                KeyControl(
+                    control.action,
+                    control.keys[index : index + 1],
+                    control.discarding[index : index + 1],
+                )
+            )
+        else:
+            state[key] = KeyState.COMPLETED
+            await self._finalize(key)
 
     async def _finalize(self, key: int) -> None:
         """Emit the key's final rows (if the processor has ``finalize`` and the key
@@ -365,12 +407,8 @@ class StatefulRoute(RouteActor):
                     await self.destination.deliver(
                         self.name, RowBatch(self.name, layout.name, rows)
                     )
-        if self.keys.state[key] == KeyState.OPEN:  # reopened meanwhile: stays open
-            self.state.slots[key] = 0
-            self.state.valid[key] = False
-            self.keys.opened_at[key] = np.nan
-        else:
-            self.keys.clear(key, self.state, KeyState.COMPLETED)
+        self.keys.clear(key, self.state, KeyState.COMPLETED)
+        self.keys.completing[key] -= 1
         self.counters.completed_keys += 1
 
     async def _terminal(self, attempt: Attempt) -> None:
