@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -91,31 +91,49 @@ class ProcessorSpec:
     finalize: Callable[[Any, int], Any] | None = None
 
 
-class ProcessorRegistry:
-    """Processors by name.  Re-registering the same function (a module reload) replaces it."""
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fn(self) -> Callable[..., Any]: ...
+
+
+S = TypeVar("S", bound=_Named)
+
+
+class NamedRegistry(Generic[S]):
+    """Specs by name, thread-safe; re-registering the same function (a module
+    reload) replaces it, a different function under a taken name is an error.
+
+    ``kind`` names what is registered in messages (``"processor"``,
+    ``"batch processor"``).
+    """
+
+    kind = "processor"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._specs: dict[str, ProcessorSpec] = {}
+        self._specs: dict[str, S] = {}
 
-    def register(self, spec: ProcessorSpec) -> None:
+    def register(self, spec: S) -> None:
         """Add ``spec``; a different function under a taken name is an error."""
         with self._lock:
             old = self._specs.get(spec.name)
             if old is not None and _qualname(old.fn) != _qualname(spec.fn):
                 raise DuplicateProcessor(
-                    f"processor name {spec.name!r} is already registered by "
+                    f"{self.kind} name {spec.name!r} is already registered by "
                     f"{_qualname(old.fn)}; cannot register {_qualname(spec.fn)}"
                 )
             self._specs[spec.name] = spec
 
-    def get(self, name: str) -> ProcessorSpec:
-        """The processor called ``name``."""
+    def get(self, name: str) -> S:
+        """The spec called ``name``."""
         try:
             return self._specs[name]
         except KeyError:
             raise UnknownProcessor(
-                f"unknown processor {name!r}; registered: {sorted(self._specs) or 'none'}"
+                f"unknown {self.kind} {name!r}; registered: {sorted(self._specs) or 'none'}"
             ) from None
 
     def names(self) -> list[str]:
@@ -124,6 +142,10 @@ class ProcessorRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs
+
+
+class ProcessorRegistry(NamedRegistry[ProcessorSpec]):
+    """Live processors by name (stateless and stateful)."""
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

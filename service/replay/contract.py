@@ -25,7 +25,6 @@ run cannot replay.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -34,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from taproute.routing.errors import DuplicateProcessor, UnknownProcessor
+from taproute.routing.processors import NamedRegistry
 from taproute.routing.records import Records
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -87,38 +86,10 @@ class BatchProcessorSpec:
     init: Callable[..., dict[str, Any]] | None = None
 
 
-class BatchProcessorRegistry:
+class BatchProcessorRegistry(NamedRegistry[BatchProcessorSpec]):
     """Batch processors by name (a separate namespace from live processors)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._specs: dict[str, BatchProcessorSpec] = {}
-
-    def register(self, spec: BatchProcessorSpec) -> None:
-        with self._lock:
-            old = self._specs.get(spec.name)
-            if old is not None and _qualname(old.fn) != _qualname(spec.fn):
-                raise DuplicateProcessor(
-                    f"batch processor name {spec.name!r} is already registered by "
-                    f"{_qualname(old.fn)}"
-                )
-            self._specs[spec.name] = spec
-
-    def get(self, name: str) -> BatchProcessorSpec:
-        try:
-            return self._specs[name]
-        except KeyError:
-            raise UnknownProcessor(f"unknown batch processor {name!r}") from None
-
-    def names(self) -> list[str]:
-        return sorted(self._specs)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._specs
-
-
-def _qualname(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    kind = "batch processor"
 
 
 #: Where :func:`batch_processor` registers.
