@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from contextlib import suppress
-from types import TracebackType
 from typing import Any, Literal
 
 import trio
@@ -42,6 +41,7 @@ from taproute.routing.sink import (
     RunsInBackground,
 )
 from taproute.routing.validation import check_batch
+from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import Control, Ingress, WhenFull
 
@@ -50,7 +50,7 @@ from taproute.service.host.ingress import Control, Ingress, WhenFull
 LoopTask = Callable[..., Awaitable[object]]
 
 
-class RecordRuntime:
+class RecordRuntime(ClosesOnExit):
     """Hosts a record sink on a Trio loop in a dedicated thread.
 
     Thread-safe: ``submit``/``submit_batch``/``bind_hook``/``flush`` may be
@@ -240,21 +240,6 @@ class RecordRuntime:
         finally:
             self._thread.join(timeout)
         self._latch.raise_if_failed()
-
-    def __enter__(self) -> RecordRuntime:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            with suppress(Exception):  # already failing; the first error stands
-                self.close()
 
     # -- producer API ------------------------------------------------------
 

@@ -19,8 +19,6 @@
 
 from __future__ import annotations
 
-from contextlib import suppress
-from types import TracebackType
 from typing import Any
 
 import trio
@@ -30,6 +28,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
+from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.http import HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import WhenFull
 from taproute.service.host.runtime import RecordRuntime
@@ -37,7 +36,7 @@ from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
 
 
-class RecordService:
+class RecordService(ClosesOnExit):
     """A running :class:`RecordRuntime` with its HTTP endpoint and operator controls.
 
     Everything a producer calls (``bind_hook``, ``submit``, ``submit_batch``,
@@ -152,21 +151,6 @@ class RecordService:
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close`."""
         self.close(timeout)
-
-    def __enter__(self) -> RecordService:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            with suppress(Exception):  # already failing; the first error stands
-                self.close()
 
 
 def create_record_runtime(
