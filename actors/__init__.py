@@ -13,7 +13,8 @@ from taproute.actors.counters import (
 )
 from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.mailbox import Mailbox
-from taproute.actors.routing_sink import RoutingSink, open_routing_sink
+from taproute.actors.open_sink import open_routing_sink
+from taproute.actors.routing_sink import RoutingSink
 
 __all__ = [
     "DestinationActor",

@@ -1,8 +1,8 @@
 """RoutingSink: a RecordSink that routes each batch to per-route pipelines.
 
 Build, then run.  Construction builds and checks everything (the plan, every
-route actor and destination actor, inert); :meth:`RoutingSink.run` only runs
-them, in three nested nurseries::
+route actor and destination actor, inert: ``topology.py``);
+:meth:`RoutingSink.run` only runs them, in three nested nurseries::
 
     sinks       background tasks of the destination sinks it created
       destinations  one actor per destination, mailbox each
@@ -16,57 +16,48 @@ the sinks it created.
 ``submit`` is the record worker's step: one native pass groups the batch by
 route; forward routes hand it to their destination actor inline, the others
 queue it in their mailboxes.  A full mailbox makes ``submit`` wait.
+
+Dead letters' copies take their own path (``reroute.py``); a Trio program
+runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import Future
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
 from taproute.actors.counters import RouterSnapshot
-from taproute.actors.destination import DestinationActor, DestinationSpec
+from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
-from taproute.actors.keys import KeyAction
+from taproute.actors.keys import KeyAction, request_key
 from taproute.actors.owners import StatefulRoute
-from taproute.actors.pool import StatelessRoute
-from taproute.actors.route_actor import RouteActor
+from taproute.actors.reroute import Rerouter
+from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
-from taproute.native import UNMATCHED, BufferLease, RouteTable
-from taproute.routing.batch import Batch, RecordBatch, readonly_bytes, readonly_descriptors
+from taproute.native import UNMATCHED, RouteTable
+from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.errors import (
-    ConfigError,
-    PlanErrors,
-    RerouteRefused,
     RoutingFailure,
     SinkClosed,
-    at,
-    raise_collected,
 )
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
-from taproute.routing.plan import RoutePlan, Unmatched
+from taproute.routing.plan import Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
-from taproute.routing.routes import RouteMode, RoutingConfig
+from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.validation import check_batch
 
 if TYPE_CHECKING:
     from taproute.routing.trace import TraceResult
-
-_ROUTE_KINDS: dict[RouteMode, type[RouteActor]] = {
-    RouteMode.FORWARD: ForwardRoute,
-    RouteMode.STATELESS: StatelessRoute,
-    RouteMode.STATEFUL: StatefulRoute,
-}
 
 
 class RoutingSink:
@@ -111,64 +102,37 @@ class RoutingSink:
         self.give_up_log = GiveUpLog()
         self._latch = FailureLatch()
         self._in_flight = InFlight()
-        errors: list[ConfigError] = []
-        self._destinations: dict[str, DestinationActor] = {}
-        for name, spec in destinations.items():
-            try:
-                self._destinations[name] = DestinationActor(
-                    name,
-                    spec,
-                    latch=self._latch,
-                    in_flight=self._in_flight,
-                    capacity_records=destination_capacity,
-                    capacity_bytes=destination_capacity_bytes,
-                    undeliverable=self._undeliverable,
-                    taken=self._taken,
-                )
-            except ConfigError as exc:
-                errors.append(at(exc, f"destinations.{name}"))
-        try:
-            self.plan = RoutePlan(
-                config,
-                schema,
-                destinations=destinations,
-                default_destination=default_destination,
-                unmatched=unmatched,
-                registry=registry,
-                bound_names=self.hooks.names(),
-            )
-        except PlanErrors as exc:
-            errors[:0] = exc.errors
-        except ConfigError as exc:
-            errors.insert(0, exc)
-        raise_collected(errors)
-        # Only the destinations something routes to are run.
-        used = self.plan.destinations_used
-        self._destinations = {name: self._destinations[name] for name in used}
-        self._routes: list[RouteActor] = [
-            _ROUTE_KINDS[planned.route.mode](
-                planned,
-                self._destinations[planned.route.destination],
-                latch=self._latch,
-                in_flight=self._in_flight,
-                on_failure=on_failure,
-                hook_name=self.hooks.name_of,
-                give_up_log=self.give_up_log,
-                copy_of=self._copy_of,
-            )
-            for planned in self.plan.routes
-        ]
-        self._by_name = {route.name: route for route in self._routes}
-        default = self.plan.default_destination
-        self._default = None if default is None else self._destinations[default]
+        self._lock = Turnstile()
+        self._rerouter = Rerouter(lock=self._lock, check_open=self._check_open, check=self._check)
+        topology = build_topology(
+            config,
+            schema,
+            destinations,
+            default_destination,
+            unmatched=unmatched,
+            hooks=self.hooks,
+            registry=registry,
+            on_failure=on_failure,
+            destination_capacity=destination_capacity,
+            destination_capacity_bytes=destination_capacity_bytes,
+            latch=self._latch,
+            in_flight=self._in_flight,
+            give_up_log=self.give_up_log,
+            undeliverable=self._undeliverable,
+            taken=self._taken,
+            copy_of=self._rerouter.copy_of,
+        )
+        self.plan = topology.plan
+        self._destinations = topology.destinations
+        self._routes = topology.routes
+        self._by_name = topology.by_name
+        self._rerouter.routes = topology.by_name
+        self._default = topology.default
         self._table = RouteTable(len(self.plan.routes))
         self._unsubscribe = self.hooks.subscribe(self._on_bind)
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
-        self._lock = Turnstile()
         self._has_predicates = any(p.route.predicate is not None for p in self.plan.routes)
-        #: id(lease) of a rerouted letter's copy -> the letter's id, while it is held.
-        self._copies: dict[int, int] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._started = False
@@ -279,13 +243,7 @@ class RoutingSink:
             raise TypeError(f"RoutingSink routes RecordBatch objects, got {type(batch).__name__}")
         # The runtime's check, the same native pass: a batch that cannot be
         # routed is refused whole, before any record of it is accepted.
-        check_batch(
-            batch.descriptors,
-            len(batch.payload),
-            bound_ids=len(self.hooks),
-            schema=self.schema,
-            hook_name=self.hooks.name_of,
-        )
+        self._check(batch)
         async with self._lock:
             groups = self._table.group(batch.descriptors)
             if self._has_predicates:
@@ -297,6 +255,16 @@ class RoutingSink:
                     await self._unmatched(part)
                 else:
                     await routes[index].dispatch(part)
+
+    def _check(self, batch: RecordBatch) -> int:
+        """Refuse a batch that cannot be routed (see :func:`check_batch`)."""
+        return check_batch(
+            batch.descriptors,
+            len(batch.payload),
+            bound_ids=len(self.hooks),
+            schema=self.schema,
+            hook_name=self.hooks.name_of,
+        )
 
     async def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
         """Each route's predicate on its group, under the route's deadline; a
@@ -313,14 +281,7 @@ class RoutingSink:
 
     def reroute_targets(self, hook: str, route: str) -> None:
         """Raise :class:`RerouteRefused` unless ``route`` exists and takes ``hook``."""
-        actor = self._by_name.get(route)
-        if actor is None:
-            raise RerouteRefused(
-                f"route {route!r} is not in the running configuration (routes: "
-                f"{', '.join(self._by_name) or 'none'}); nothing would take the record"
-            )
-        if not actor.planned.matches(hook):
-            raise RerouteRefused(f"route {route!r} does not take hook {hook!r}")
+        self._rerouter.check_target(hook, route)
 
     def reroute_from_thread(
         self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
@@ -331,66 +292,7 @@ class RoutingSink:
         token, nursery = self._token, self._nursery
         if token is None or nursery is None or not self.running:
             raise SinkClosed("the routing sink is not running; reroute refused")
-        try:
-            on_loop = trio.lowlevel.current_trio_token() is token
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            raise RuntimeError("reroute from the routing sink's own loop would wait for itself")
-        done: Future[None] = Future()
-
-        async def send() -> None:
-            try:
-                await self._reroute(descriptors, payload, routes, letter_id)
-            except BaseException as exc:
-                done.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                done.set_result(None)
-
-        def start() -> None:  # a run_sync_soon callback: must not raise
-            try:
-                nursery.start_soon(send)
-            except BaseException as exc:  # the nursery is closed: the sink stopped
-                done.set_exception(SinkClosed(f"the routing sink stopped; reroute refused ({exc})"))
-
-        try:
-            token.run_sync_soon(start)
-        except trio.RunFinishedError:
-            raise SinkClosed("the routing sink is not running; reroute refused") from None
-        done.result()
-
-    async def _reroute(
-        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], letter_id: int
-    ) -> None:
-        self._check_open()
-        copies = self._copies
-        key = 0
-
-        def forget() -> None:  # the copy is let go: forget its link
-            copies.pop(key, None)
-
-        lease = BufferLease(forget)
-        key = id(lease)
-        copies[key] = letter_id
-        batch = RecordBatch(readonly_descriptors(descriptors), readonly_bytes(payload), lease)
-        try:
-            check_batch(
-                batch.descriptors,
-                len(batch.payload),
-                bound_ids=len(self.hooks),
-                schema=self.schema,
-                hook_name=self.hooks.name_of,
-            )
-            async with self._lock:
-                for route in routes:
-                    await self._by_name[route].dispatch(batch)
-        finally:
-            batch.lease.release()  # this call's own hold
-
-    def _copy_of(self, batch: RecordBatch) -> int | None:
-        return self._copies.get(id(batch.lease)) if self._copies else None
+        self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id)
 
     def _declined(self, index: int, count: int, reason: str) -> None:
         counters = self._routes[index].counters
@@ -435,7 +337,7 @@ class RoutingSink:
 
     async def _key_control(self, action: KeyAction, keys: tuple[int, ...]) -> None:
         self._check_open()
-        request = np.array([_key_int(k) for k in keys], dtype=np.int64)
+        request = np.array([request_key(k) for k in keys], dtype=np.int64)
         async with self._lock:
             for route in self._routes:
                 if isinstance(route, StatefulRoute):
@@ -513,51 +415,3 @@ class RoutingSink:
     def counters(self) -> RouterSnapshot:
         """Same as :meth:`snapshot` (the name the runtime also answers to)."""
         return self.snapshot()
-
-
-def _key_int(key: object) -> int:
-    if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-        raise TypeError(f"a key is an int, got {type(key).__name__} {key!r}")
-    if not -(2**63) <= int(key) < 2**63:
-        raise ValueError(f"key {key} does not fit the descriptor's int64 key field")
-    return int(key)
-
-
-@asynccontextmanager
-async def open_routing_sink(
-    config: RoutingConfig,
-    schema: RecordSchema,
-    destinations: Mapping[str, DestinationSpec],
-    default_destination: str | None = None,
-    **kwargs: Any,
-) -> AsyncIterator[RoutingSink]:
-    """Run a :class:`RoutingSink` inside the calling Trio program (no thread).
-
-    ::
-
-        async with open_routing_sink(config, schema, {"capture": capture},
-                                     default_destination="capture") as sink:
-            await sink.submit(batch)
-            await sink.flush()
-
-    On normal exit the sink is closed (drained, flushed); the latched failure,
-    if any, is raised.
-    """
-    sink = RoutingSink(config, schema, destinations, default_destination, **kwargs)
-    error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        try:
-            yield sink
-        except BaseException as exc:
-            # Raised below, after the nursery, so the caller sees its own
-            # exception rather than an ExceptionGroup around it.
-            error = exc
-            nursery.cancel_scope.cancel()
-        else:
-            try:
-                await sink.close()
-            except RoutingFailure as exc:
-                error = exc
-    if error is not None:
-        raise error

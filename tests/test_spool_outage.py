@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from taproute.actors.routing_sink import open_routing_sink
+from taproute.actors import open_routing_sink
 from taproute.routing import HookRegistry, RoutingConfig
 from taproute.routing.routes import Route
 from taproute.service.sinks.spool import Spool, SpoolConfig

@@ -13,10 +13,8 @@ record.  ``submit_batch`` never copies the payload; ``submit`` copies its
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from contextlib import suppress
@@ -25,10 +23,9 @@ from typing import Any, Literal
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
-from taproute.native import BufferLease, check_int64
-from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
-from taproute.routing.errors import SinkClosed, UnboundOutputId
+from taproute.routing.errors import SinkClosed
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.intake import Intake
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
@@ -40,7 +37,6 @@ from taproute.routing.sink import (
     ReportsFailure,
     RunsInBackground,
 )
-from taproute.routing.validation import check_batch
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import Control, Ingress, WhenFull
@@ -103,9 +99,9 @@ class RecordRuntime(ClosesOnExit):
             when_full=when_full,
             coalesce_records=coalesce_records,
         )
+        #: The producer-side checks: every batch, record and key is checked there once.
+        self.intake = Intake(hooks, self.schema)
         self._latch = FailureLatch()
-        self._seq = itertools.count()
-        self._record_rules: dict[int, tuple[int, int, int, int]] = {}
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup = trio.Event()
@@ -245,9 +241,7 @@ class RecordRuntime(ClosesOnExit):
 
     def bind_hook(self, name: str, *, layout: str | None = None) -> int:
         """The output_id for hook ``name`` (routes are matched by name)."""
-        if layout is not None and self.schema is not None:
-            self.schema.layout_id(layout)  # unknown layout: raise now
-        return self.hooks.bind(name, layout=layout)
+        return self.intake.bind_hook(name, layout=layout)
 
     def submit_batch(
         self,
@@ -262,7 +256,7 @@ class RecordRuntime(ClosesOnExit):
         is refused whole (and ``release`` is not called: the buffer is still
         the caller's); blocks while ingress is full.
         """
-        self._ingress.put_batch(self._checked_batch(descriptors, payload, release))
+        self._ingress.put_batch(self.intake.batch(descriptors, payload, release))
 
     def try_submit_batch(
         self,
@@ -274,7 +268,7 @@ class RecordRuntime(ClosesOnExit):
 
         Safe on the loop thread itself, where waiting for room would deadlock.
         """
-        return self._ingress.try_put_batch(self._checked_batch(descriptors, payload, release))
+        return self._ingress.try_put_batch(self.intake.batch(descriptors, payload, release))
 
     def offer_batch(
         self,
@@ -291,7 +285,7 @@ class RecordRuntime(ClosesOnExit):
         forward pass longer than the user configured.  It does not wake the
         loop itself: the batch waits at most the ingress ``wake_delay``.
         """
-        batch = self._checked_batch(descriptors, payload, release)
+        batch = self.intake.batch(descriptors, payload, release)
         if self.max_block is None:
             self._ingress.put_batch(batch, defer_wake=True)
             return True
@@ -318,23 +312,9 @@ class RecordRuntime(ClosesOnExit):
         """
         import asyncio
 
-        batch = self._checked_batch(descriptors, payload, release)
+        batch = self.intake.batch(descriptors, payload, release)
         if not self._ingress.try_put_batch(batch):
             await asyncio.get_running_loop().run_in_executor(None, self._ingress.put_batch, batch)
-
-    def _checked_batch(
-        self, descriptors: Any, payload: Any, release: Callable[[], object] | None
-    ) -> RecordBatch:
-        desc = readonly_descriptors(descriptors)
-        data = readonly_bytes(payload)
-        nbytes = check_batch(
-            desc,
-            len(data),
-            bound_ids=len(self.hooks),
-            schema=self.schema,
-            hook_name=self.hooks.name_of,
-        )
-        return RecordBatch(desc, data, BufferLease(release), nbytes)
 
     def submit(
         self,
@@ -350,45 +330,10 @@ class RecordRuntime(ClosesOnExit):
 
         The layout is the one its hook was bound with (layout 0 otherwise).
         """
-        layout_id, fixed, prefix, element = self._rule(output_id)
-        data = payload if isinstance(payload, bytes) else readonly_bytes(payload).tobytes()
-        size = len(data)
-        # RecordSchema.size_rule's check, inlined on cached ints: this runs per record.
-        if (fixed and size != fixed) or (element and (size < prefix or (size - prefix) % element)):
-            assert self.schema is not None
-            raise self.schema.size_rule(layout_id).mismatch(
-                size, hook=self.hooks.name_of(output_id)
-            )
-        # Checked here, at the call: a field the descriptor can't hold must not
-        # reach the coalesced batch, where it would take the others down with it.
-        row = (
-            output_id,
-            layout_id,
-            0,
-            check_int64("key", key),
-            check_int64("step", step),
-            next(self._seq) if seq is None else check_int64("seq", seq),
-            time.time_ns() if timestamp_ns is None else check_int64("timestamp_ns", timestamp_ns),
+        row, data = self.intake.record(
+            output_id, payload, key=key, step=step, seq=seq, timestamp_ns=timestamp_ns
         )
         self._ingress.put_record(row, data)
-
-    def _rule(self, output_id: int) -> tuple[int, int, int, int]:
-        """The hook's :meth:`RecordSchema.size_rule` as plain ints, cached per output_id."""
-        rule = self._record_rules.get(output_id)
-        if rule is not None:
-            return rule
-        if not 0 <= output_id < len(self.hooks):
-            raise UnboundOutputId(
-                f"output_id {output_id} was never bound with bind_hook ({len(self.hooks)} bound)"
-            )
-        layout_name = self.hooks.layout_of(output_id)
-        if self.schema is None:
-            rule = (0, 0, 0, 0)
-        else:
-            layout_id = 0 if layout_name is None else self.schema.layout_id(layout_name)
-            rule = self.schema.size_rule(layout_id).parts
-        self._record_rules[output_id] = rule
-        return rule
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once everything submitted before is in the destinations.
@@ -423,7 +368,7 @@ class RecordRuntime(ClosesOnExit):
                 f"{kind}: the record sink {type(self.record_sink).__name__} keeps no keys "
                 "(a RoutingSink does)"
             )
-        checked = tuple(check_int64("key", k) for k in keys)
+        checked = self.intake.keys(keys)
         if self._thread is None:
             raise SinkClosed("runtime not started")
         return self._ingress.put_control(kind, checked)

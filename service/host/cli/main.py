@@ -1,0 +1,130 @@
+"""The ``taproute`` command: demo, check, run, trace, dead-letters, replay.
+
+Exit codes: 0 done; 1 the work failed (a latched failure, a refused
+control); 2 bad input (arguments, a config file, a missing or unreadable
+dead-letter store).  Every error is printed as one line per problem on
+stderr, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from taproute.routing.errors import TaprouteError
+from taproute.service.host.cli import arguments, check, dead_letters, errors, run, trace
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = arguments.Parser(prog="taproute", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo_parser = commands.add_parser(
+        "demo", help="capture a real transformer's activations, route them into chDB, query"
+    )
+    demo_parser.add_argument("--sentences", type=int, default=320)
+    demo_parser.add_argument("--data", type=Path, default=Path("taproute-data"))
+    demo_parser.add_argument("--serve", action="store_true", help="keep /metrics up after")
+    demo_parser.add_argument("--port", type=int, default=9464)
+
+    check_parser = commands.add_parser(
+        "check", help="validate a config, its destinations, and report old dead letters"
+    )
+    check_parser.add_argument("--config", type=Path, required=True)
+    check_parser.add_argument(
+        "--url", help="a running service: also warn about keys open past --open-key-age"
+    )
+    check_parser.add_argument(
+        "--open-key-age",
+        type=arguments.seconds,
+        default=check.OPEN_KEY_SECONDS,
+        help=f"seconds a key may stay open before --url warns (default {check.OPEN_KEY_SECONDS:g})",
+    )
+
+    run_parser = commands.add_parser(
+        "run", help="drive a configured router with synthetic records, serving HTTP"
+    )
+    run_parser.add_argument("--config", type=Path, required=True)
+    run_parser.add_argument("--rate", type=float, default=10_000.0, help="records per second")
+    run_parser.add_argument("--duration", type=float, default=10.0, help="seconds")
+    run_parser.add_argument(
+        "--call-timeout",
+        type=arguments.seconds,
+        help="every route's processor deadline, in seconds (overrides the file's)",
+    )
+
+    trace_parser = commands.add_parser("trace", help="where would a record go, and why (dry run)")
+    trace_parser.add_argument("--config", type=Path, required=True)
+    trace_parser.add_argument("--hook", required=True)
+    for field in ("key", "step", "seq", "timestamp_ns"):
+        trace_parser.add_argument(f"--{field.replace('_', '-')}", dest=field, type=arguments.int64)
+
+    letters = commands.add_parser("dead-letters", help="list, show, skip or reroute dead letters")
+    letters.add_argument("action", choices=["list", "show", "skip", "reroute"])
+    letters.add_argument("id", type=arguments.letter_id, nargs="?")
+    letters.add_argument("--config", type=Path)
+    letters.add_argument("--store", type=Path, help="a dead-letter store file (list/show/skip)")
+    letters.add_argument("--url", help="a running service (skip/reroute through its HTTP)")
+    letters.add_argument(
+        "--token", type=arguments.token, help="the service's bearer token (with --url)"
+    )
+    letters.add_argument("--route")
+    letters.add_argument("--code")
+    letters.add_argument("--older-than", type=float, help="seconds since the last failure")
+    letters.add_argument("--state", default="dead", choices=["dead", "skipped", "rerouted", "all"])
+
+    from taproute.service.replay import cli as replay_cli
+
+    replay_cli.add_parser(commands)
+    from taproute.service.signals import cli as signals_cli
+
+    signals_cli.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``taproute`` command."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "dead-letters":
+        if args.action != "list" and args.id is None:
+            parser.error(f"dead-letters {args.action} needs a dead letter id")
+        if args.url is None and args.config is None and args.store is None:
+            parser.error("dead-letters needs --config or --store (or --url for skip/reroute)")
+        if args.action == "reroute" and args.url is None and args.config is None:
+            parser.error("dead-letters reroute needs --config (or --url)")
+    try:
+        return _dispatch(args)
+    except ExceptionGroup as group:  # raised from a task of the service's loop
+        found = errors.taproute_error(group)
+        if found is None:
+            raise
+        return errors.report(found)
+    except TaprouteError as exc:
+        return errors.report(exc)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command ``args`` name."""
+    if args.command == "demo":
+        return run.demo(args.sentences, args.data, args.serve, args.port)
+    if args.command == "check":
+        return check.check(args.config, args.url, args.open_key_age)
+    if args.command == "run":
+        return run.run(args.config, args.rate, args.duration, args.call_timeout)
+    if args.command == "trace":
+        fields = {
+            name: getattr(args, name)
+            for name in ("key", "step", "seq", "timestamp_ns")
+            if getattr(args, name) is not None
+        }
+        return trace.trace(args.config, args.hook, fields)
+    if args.command == "replay":
+        from taproute.service.replay import cli as replay_cli
+
+        return replay_cli.main(args)
+    if args.command == "report":
+        from taproute.service.signals import cli as signals_cli
+
+        return signals_cli.main(args)
+    return dead_letters.dead_letters(args)

@@ -1,0 +1,52 @@
+"""``taproute demo`` and ``taproute run``: drive a model or a configured router."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from taproute.service.host.config import ConfigFileError, ServiceConfig, load_config
+from taproute.service.host.http import HttpConfig
+
+
+def demo(sentences: int, data: Path, serve: bool, port: int) -> int:
+    """Run all-MiniLM-L6-v2 with its captures routed into chDB (see taproute.service.demo)."""
+    from taproute.service.demo import run as minilm_demo
+
+    http = HttpConfig(port=port) if serve else None
+    minilm_demo.run(data=data, count=sentences, http=http, serve_forever=serve)
+    return 0
+
+
+def run(path: Path, rate: float, duration: float, call_timeout: float | None = None) -> int:
+    """Drive the configured router from a synthetic producer while serving HTTP."""
+    from taproute.service.host.loadgen import run_load
+
+    config = load_config(path)
+    if call_timeout is not None:
+        config = config.with_call_timeout(call_timeout)
+    http = config.http if config.http is not None else HttpConfig()
+    _check_listen(config, http)
+    counters = run_load(config, rate=rate, duration=duration)
+    for route in counters.routes.values():
+        print(
+            f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
+            f"failed {route.failed:,}"
+        )
+    return 0 if counters.failure is None else 1
+
+
+def _check_listen(config: ServiceConfig, http: HttpConfig) -> None:
+    """Refuse an HTTP address that can't be listened on before anything starts."""
+    if http.port == 0:
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in http.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((http.host, http.port))
+    except OSError as exc:
+        where = "http.port" if config.http is not None else "http.port (default)"
+        raise ConfigFileError(
+            config.source,
+            [f"{where}: cannot listen on {http.host}:{http.port}: {exc.strerror or exc}"],
+        ) from None
