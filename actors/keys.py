@@ -20,16 +20,11 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import StateRegion
+from taproute.routing.keys import KeyAction
 
 Keys = npt.NDArray[np.int64]
 
-
-class KeyAction(enum.StrEnum):
-    """What a lifecycle message asks of a key."""
-
-    COMPLETE = "complete"
-    CANCEL = "cancel"
-    REOPEN = "reopen"
+__all__ = ["KeyAction", "KeyControl", "KeyState", "KeyStates", "Keys"]
 
 
 class KeyState(enum.IntEnum):
@@ -93,12 +88,3 @@ class KeyStates:
         if not self.open_keys():
             return None
         return float(now - np.nanmin(self.opened_at))
-
-
-def request_key(key: object) -> int:
-    """``key`` as a request key (an int the descriptor's int64 key field holds), or raise."""
-    if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-        raise TypeError(f"a key is an int, got {type(key).__name__} {key!r}")
-    if not -(2**63) <= int(key) < 2**63:
-        raise ValueError(f"key {key} does not fit the descriptor's int64 key field")
-    return int(key)

@@ -34,7 +34,6 @@ from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
-from taproute.actors.keys import KeyAction, request_key
 from taproute.actors.owners import StatefulRoute
 from taproute.actors.reroute import Rerouter
 from taproute.actors.topology import build_topology
@@ -47,20 +46,21 @@ from taproute.routing.errors import (
 )
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
-from taproute.routing.latch import FailureLatch
+from taproute.routing.intake import Intake
+from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
+from taproute.routing.producer import Producer
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
-from taproute.routing.validation import check_batch
 
 if TYPE_CHECKING:
     from taproute.routing.trace import TraceResult
 
 
-class RoutingSink:
+class RoutingSink(Producer[RouterSnapshot]):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
     Construction checks everything (unknown processor, destination or layout,
@@ -94,16 +94,17 @@ class RoutingSink:
         destination_capacity: int = DESTINATION_QUEUE_RECORDS,
         destination_capacity_bytes: int = DESTINATION_QUEUE_BYTES,
     ) -> None:
-        self.hooks = hooks if hooks is not None else HookRegistry()
+        super().__init__(Intake(hooks if hooks is not None else HookRegistry(), schema))
         self.schema = schema
         self.config = config
         self._on_failure = on_failure
         #: Every give-up of every route is logged here (rate-limited per route).
         self.give_up_log = GiveUpLog()
-        self._latch = FailureLatch()
         self._in_flight = InFlight()
         self._lock = Turnstile()
-        self._rerouter = Rerouter(lock=self._lock, check_open=self._check_open, check=self._check)
+        self._rerouter = Rerouter(
+            lock=self._lock, check_open=self._check_open, check=self.intake.check
+        )
         topology = build_topology(
             config,
             schema,
@@ -145,10 +146,6 @@ class RoutingSink:
     def _on_bind(self, name: str, output_id: int) -> None:
         """Resolve a (possibly late) hook binding into the native table."""
         self._table.assign(output_id, self.plan.routes_for(name))
-
-    def bind_hook(self, name: str, *, layout: str | None = None) -> int:
-        """Bind ``name`` in this sink's hook registry; returns its output_id."""
-        return self.hooks.bind(name, layout=layout)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -236,14 +233,21 @@ class RoutingSink:
         that cannot be routed (an unbound output_id, a record range outside
         the buffer, an unknown layout_id, a payload length its layout does
         not allow) is refused whole, as the runtime's ``submit_batch`` does
-        (:func:`~taproute.routing.validation.check_batch`).
+        (:meth:`Intake.check <taproute.routing.intake.Intake.check>`).
         """
         self._check_open()
         if not isinstance(batch, RecordBatch):
             raise TypeError(f"RoutingSink routes RecordBatch objects, got {type(batch).__name__}")
         # The runtime's check, the same native pass: a batch that cannot be
         # routed is refused whole, before any record of it is accepted.
-        self._check(batch)
+        self.intake.check(batch)
+        await self.submit_checked(batch)
+
+    async def submit_checked(self, batch: RecordBatch) -> None:
+        """Route a batch :attr:`intake` already checked (a runtime hosting this
+        sink checked it where the producer handed it in): :meth:`submit` without
+        the check, which a batch passes once."""
+        self._check_open()
         async with self._lock:
             groups = self._table.group(batch.descriptors)
             if self._has_predicates:
@@ -255,16 +259,6 @@ class RoutingSink:
                     await self._unmatched(part)
                 else:
                     await routes[index].dispatch(part)
-
-    def _check(self, batch: RecordBatch) -> int:
-        """Refuse a batch that cannot be routed (see :func:`check_batch`)."""
-        return check_batch(
-            batch.descriptors,
-            len(batch.payload),
-            bound_ids=len(self.hooks),
-            schema=self.schema,
-            hook_name=self.hooks.name_of,
-        )
 
     async def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
         """Each route's predicate on its group, under the route's deadline; a
@@ -337,7 +331,7 @@ class RoutingSink:
 
     async def _key_control(self, action: KeyAction, keys: tuple[int, ...]) -> None:
         self._check_open()
-        request = np.array([request_key(k) for k in keys], dtype=np.int64)
+        request = np.array(request_keys(keys), dtype=np.int64)
         async with self._lock:
             for route in self._routes:
                 if isinstance(route, StatefulRoute):
@@ -396,11 +390,6 @@ class RoutingSink:
 
     # -- observation -------------------------------------------------------
 
-    @property
-    def failure(self) -> BaseException | None:
-        """The latched failure, or None."""
-        return self._latch.failure
-
     def snapshot(self) -> RouterSnapshot:
         """Every route's and destination's counters and live state, at one moment."""
         failure = self._latch.failure
@@ -411,7 +400,3 @@ class RoutingSink:
             unmatched_dropped=self._unmatched_dropped,
             failure=None if failure is None else str(failure),
         )
-
-    def counters(self) -> RouterSnapshot:
-        """Same as :meth:`snapshot` (the name the runtime also answers to)."""
-        return self.snapshot()

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from taproute.native import BufferLease, check_int64
-from taproute.routing.batch import RecordBatch, readonly_bytes, readonly_descriptors
+from taproute.routing.batch import Descriptors, RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
@@ -49,14 +49,22 @@ class Intake:
         called when it is refused."""
         desc = readonly_descriptors(descriptors)
         data = readonly_bytes(payload)
-        nbytes = check_batch(
+        nbytes = self._check(desc, len(data))
+        return RecordBatch(desc, data, BufferLease(release), nbytes)
+
+    def check(self, batch: RecordBatch) -> int:
+        """Refuse ``batch`` whole unless every record of it can be routed; return
+        its payload bytes (for a batch built elsewhere than :meth:`batch`)."""
+        return self._check(batch.descriptors, len(batch.payload))
+
+    def _check(self, desc: Descriptors, payload_size: int) -> int:
+        return check_batch(
             desc,
-            len(data),
+            payload_size,
             bound_ids=len(self.hooks),
             schema=self.schema,
             hook_name=self.hooks.name_of,
         )
-        return RecordBatch(desc, data, BufferLease(release), nbytes)
 
     def record(
         self,
@@ -111,8 +119,3 @@ class Intake:
             rule = self.schema.size_rule(layout_id).parts
         self._record_rules[output_id] = rule
         return rule
-
-    @staticmethod
-    def keys(keys: Iterable[int]) -> tuple[int, ...]:
-        """Request keys as ints the descriptor's int64 key field holds, or raise."""
-        return tuple(check_int64("key", k) for k in keys)

@@ -17,7 +17,11 @@ keeps the typed reference, and never probes the sink again:
 - :class:`Traceable`: the sink answers dry-run ``trace`` questions;
 - :class:`Spools`: the sink keeps a disk spool and reports the
   destination's health and what the spool holds (:class:`SpoolStatus`);
-- :class:`EndsKeys`: the sink can complete, cancel and reopen keys.
+- :class:`EndsKeys`: the sink can complete, cancel and reopen keys;
+- :class:`TakesCheckedBatches`: the sink checks what it is given with an
+  :class:`~taproute.routing.intake.Intake`, and takes batches that intake
+  already checked without checking them again (a runtime sharing it checks
+  each batch once, where the producer hands it in).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from taproute.routing.batch import Batch
+from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.intake import Intake
 from taproute.routing.schema import RecordSchema
 
 
@@ -111,6 +116,17 @@ class EndsKeys(Protocol):
 
 
 @runtime_checkable
+class TakesCheckedBatches(Protocol):
+    """A sink whose ``intake`` checks what it is submitted; ``submit_checked``
+    takes a batch that intake already checked (and checks nothing)."""
+
+    @property
+    def intake(self) -> Intake: ...
+
+    async def submit_checked(self, batch: RecordBatch) -> None: ...
+
+
+@runtime_checkable
 class Traceable(Protocol):
     """A sink that can say where a record would go, without sending it."""
 
@@ -143,9 +159,11 @@ __all__ = [
     "SpoolStatus",
     "Spools",
     "DescribesRecords",
+    "EndsKeys",
     "NamesHooks",
     "RecordSink",
     "ReportsFailure",
     "RunsInBackground",
+    "TakesCheckedBatches",
     "Traceable",
 ]

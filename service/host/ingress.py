@@ -31,6 +31,7 @@ import numpy as np
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
+from taproute.routing.keys import KeyAction
 from taproute.service.host.counters import IngressCounters
 
 WhenFull = Literal["block", "reject"]
@@ -39,7 +40,8 @@ WhenFull = Literal["block", "reject"]
 WAKE_DELAY_S = 0.02
 
 
-ControlKind = Literal["flush", "close", "complete", "cancel", "reopen"]
+#: A flush, a close, or a key-lifecycle request (with its keys).
+ControlKind = Literal["flush", "close"] | KeyAction
 
 
 class Control:

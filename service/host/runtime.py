@@ -18,16 +18,18 @@ import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from contextlib import suppress
-from typing import Any, Literal
+from typing import Any, Self
 
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
+from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
-from taproute.routing.latch import FailureLatch
+from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
+from taproute.routing.producer import Producer
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     DescribesRecords,
@@ -36,6 +38,7 @@ from taproute.routing.sink import (
     RecordSink,
     ReportsFailure,
     RunsInBackground,
+    TakesCheckedBatches,
 )
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
@@ -46,8 +49,9 @@ from taproute.service.host.ingress import Control, Ingress, WhenFull
 LoopTask = Callable[..., Awaitable[object]]
 
 
-class RecordRuntime(ClosesOnExit):
-    """Hosts a record sink on a Trio loop in a dedicated thread.
+class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
+    """Hosts a record sink on a Trio loop in a dedicated thread: the sync shell
+    of the producer surface (:mod:`taproute.routing.producer`).
 
     Thread-safe: ``submit``/``submit_batch``/``bind_hook``/``flush`` may be
     called from any thread.  :meth:`host` adds tasks to run on the same loop
@@ -80,7 +84,15 @@ class RecordRuntime(ClosesOnExit):
         self._background = record_sink if isinstance(record_sink, RunsInBackground) else None
         self._observable = record_sink if isinstance(record_sink, Observable) else None
         self._reports_failure = record_sink if isinstance(record_sink, ReportsFailure) else None
-        self._keys = record_sink if isinstance(record_sink, EndsKeys) else None
+        self._keys = (
+            {
+                KeyAction.COMPLETE: record_sink.complete,
+                KeyAction.CANCEL: record_sink.cancel,
+                KeyAction.REOPEN: record_sink.reopen,
+            }
+            if isinstance(record_sink, EndsKeys)
+            else None
+        )
         self.schema: RecordSchema | None = (
             schema if schema is not None else None if described is None else described.schema
         )
@@ -89,7 +101,19 @@ class RecordRuntime(ClosesOnExit):
             raise ValueError("hooks given twice: the record sink already has a HookRegistry")
         if hooks is None:
             hooks = sink_hooks if sink_hooks is not None else HookRegistry()
-        self.hooks: HookRegistry = hooks
+        # A sink that checks with this registry and schema shares its intake: a
+        # batch is checked once, here in the producer's call, and handed on as checked.
+        self._submit: Callable[[RecordBatch], Awaitable[None]] = record_sink.submit
+        checked = record_sink if isinstance(record_sink, TakesCheckedBatches) else None
+        if (
+            checked is not None
+            and checked.intake.hooks is hooks
+            and checked.intake.schema is self.schema
+        ):
+            super().__init__(checked.intake)
+            self._submit = checked.submit_checked
+        else:
+            super().__init__(Intake(hooks, self.schema))
         if isinstance(record_sink, NamesHooks):
             record_sink.use_hooks(hooks)
         self.name = name
@@ -99,9 +123,6 @@ class RecordRuntime(ClosesOnExit):
             when_full=when_full,
             coalesce_records=coalesce_records,
         )
-        #: The producer-side checks: every batch, record and key is checked there once.
-        self.intake = Intake(hooks, self.schema)
-        self._latch = FailureLatch()
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup = trio.Event()
@@ -117,8 +138,9 @@ class RecordRuntime(ClosesOnExit):
             raise RuntimeError("loop tasks are added before the runtime starts")
         self._loop_tasks.append(task)
 
-    def start(self) -> RecordRuntime:
-        """Start the loop thread and the sink; returns once both are running."""
+    def start(self) -> Self:
+        """Start the loop thread and the sink (and the loop tasks); returns once
+        all are running."""
         if self._thread is not None:
             raise RuntimeError("runtime already started")
         self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
@@ -166,7 +188,7 @@ class RecordRuntime(ClosesOnExit):
         self._wakeup.set()
 
     async def _record_worker(self) -> None:
-        sink = self.record_sink
+        submit = self._submit
         while True:
             # Capture hooks defer their wake-ups (see ingress): a poll every
             # wake_delay takes what they queued when no later call woke us.
@@ -187,7 +209,7 @@ class RecordRuntime(ClosesOnExit):
                         continue
                     try:
                         if self._latch.failure is None:
-                            await sink.submit(item)
+                            await submit(item)
                     except Exception as exc:
                         self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
                     finally:
@@ -203,9 +225,9 @@ class RecordRuntime(ClosesOnExit):
             self._latch.raise_if_failed()
             if control.kind == "flush":
                 await self.record_sink.flush()
-            elif control.kind != "close":
+            elif isinstance(control.kind, KeyAction):
                 assert self._keys is not None
-                await getattr(self._keys, control.kind)(*control.keys)
+                await self._keys[control.kind](*control.keys)
             else:
                 await self.record_sink.close()
         except Exception as exc:
@@ -238,10 +260,6 @@ class RecordRuntime(ClosesOnExit):
         self._latch.raise_if_failed()
 
     # -- producer API ------------------------------------------------------
-
-    def bind_hook(self, name: str, *, layout: str | None = None) -> int:
-        """The output_id for hook ``name`` (routes are matched by name)."""
-        return self.intake.bind_hook(name, layout=layout)
 
     def submit_batch(
         self,
@@ -350,35 +368,28 @@ class RecordRuntime(ClosesOnExit):
         """Complete ``keys`` after every record of theirs submitted before (see
         :meth:`RoutingSink.complete`).  Never waits: returns a future done once
         the completion is queued in order; :meth:`flush` waits for its rows."""
-        return self._key_control("complete", keys)
+        return self._key_control(KeyAction.COMPLETE, keys)
 
     def cancel(self, *keys: int) -> Future[None]:
         """Cancel ``keys``: their queued records discarded, slots cleared, no finalize."""
-        return self._key_control("cancel", keys)
+        return self._key_control(KeyAction.CANCEL, keys)
 
     def reopen(self, *keys: int) -> Future[None]:
         """Let completed or cancelled ``keys`` take records again."""
-        return self._key_control("reopen", keys)
+        return self._key_control(KeyAction.REOPEN, keys)
 
-    def _key_control(
-        self, kind: Literal["complete", "cancel", "reopen"], keys: tuple[int, ...]
-    ) -> Future[None]:
+    def _key_control(self, kind: KeyAction, keys: tuple[int, ...]) -> Future[None]:
         if self._keys is None:
             raise TypeError(
                 f"{kind}: the record sink {type(self.record_sink).__name__} keeps no keys "
                 "(a RoutingSink does)"
             )
-        checked = self.intake.keys(keys)
+        checked = request_keys(keys)
         if self._thread is None:
             raise SinkClosed("runtime not started")
         return self._ingress.put_control(kind, checked)
 
     # -- observation -------------------------------------------------------
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The latched failure, or None."""
-        return self._latch.failure
 
     def snapshot(self) -> ServiceSnapshot:
         """Ingress counters plus the record sink's (when it keeps any); any thread."""
@@ -389,10 +400,6 @@ class RecordRuntime(ClosesOnExit):
             return trio.from_thread.run_sync(self._snapshot_in_loop, trio_token=self._token)
         except trio.RunFinishedError:
             return self._snapshot_in_loop()
-
-    def counters(self) -> ServiceSnapshot:
-        """Same as :meth:`snapshot` (the name the README's examples use)."""
-        return self.snapshot()
 
     def _snapshot_in_loop(self) -> ServiceSnapshot:
         observable = self._observable

@@ -1,9 +1,9 @@
 """The service object: a runtime plus what serves around it on the same loop.
 
-:class:`RecordService` composes three independent pieces:
+:class:`RecordService` is a :class:`~taproute.service.host.runtime.RecordRuntime`
+(thread + ingress + record worker; the producer API is the runtime's,
+inherited, never restated) with two independent pieces composed around it:
 
-- a :class:`~taproute.service.host.runtime.RecordRuntime` (thread + ingress
-  + record worker; the producer API is its own, passed through unchanged);
 - optionally :class:`~taproute.service.ops.controls.DeadLetterControls`
   over a dead-letter store, fed back into that runtime;
 - optionally the HTTP endpoint (``/metrics``, ``/status``, ``/healthz``,
@@ -28,7 +28,6 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
-from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.http import HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import WhenFull
 from taproute.service.host.runtime import RecordRuntime
@@ -36,61 +35,46 @@ from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
 
 
-class RecordService(ClosesOnExit):
-    """A running :class:`RecordRuntime` with its HTTP endpoint and operator controls.
+class RecordService(RecordRuntime):
+    """A :class:`RecordRuntime` serving its HTTP endpoint and operator controls.
 
     Everything a producer calls (``bind_hook``, ``submit``, ``submit_batch``,
-    ``try_submit_batch``, ``asubmit_batch``, ``flush``, ``complete``, ``cancel``,
-    ``reopen``) is the runtime's own
-    method; closing the service closes the runtime (and with it the HTTP
-    endpoint, a task on its loop).  Create with :func:`create_record_runtime`.
+    ``try_submit_batch``, ``offer_batch``, ``asubmit_batch``, ``flush``,
+    ``complete``, ``cancel``, ``reopen``, ``snapshot``) is the runtime's own
+    method, inherited, not restated; closing the service closes the runtime
+    (and with it the HTTP endpoint, a task on its loop).  Create with
+    :func:`create_record_runtime`; ``options`` are :class:`RecordRuntime`'s.
     """
 
     def __init__(
         self,
-        runtime: RecordRuntime,
+        record_sink: RecordSink,
         *,
         http: HttpConfig | None = None,
         dead_letters: DeadLetterStore | None = None,
+        **options: Any,
     ) -> None:
-        self.runtime = runtime
+        super().__init__(record_sink, **options)
         self.http = http
         #: The URLs the HTTP endpoint listens on, once started (empty without one).
         self.http_urls: list[str] = []
         #: Where the routing sink's given-up records are kept (for the controls).
         self.dead_letters = dead_letters
-        sink = runtime.record_sink
         # Checked once: a sink that can trace gets the /trace endpoint.
-        self._trace = sink.trace if isinstance(sink, Traceable) else None
+        self._trace = record_sink.trace if isinstance(record_sink, Traceable) else None
         if http is not None:
-            runtime.host(self._serve_http)
+            self.host(self._serve_http)
         self.controls: DeadLetterControls | None = (
             None
             if dead_letters is None
-            else DeadLetterControls(dead_letters, runtime, None if http is None else http.token)
+            else DeadLetterControls(dead_letters, self, None if http is None else http.token)
         )
-        # The producer API is the runtime's, bound once: no extra call per record.
-        self.submit = runtime.submit
-        self.submit_batch = runtime.submit_batch
-        self.try_submit_batch = runtime.try_submit_batch
-        self.asubmit_batch = runtime.asubmit_batch
-        self.offer_batch = runtime.offer_batch
-        self.count_dropped = runtime.count_dropped
-        self.count_skipped = runtime.count_skipped
-        self.bind_hook = runtime.bind_hook
-        self.flush = runtime.flush
-        self.complete = runtime.complete
-        self.cancel = runtime.cancel
-        self.reopen = runtime.reopen
-        self.snapshot = runtime.snapshot
-        self.counters = runtime.counters
 
     async def _serve_http(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """A loop task: serve the endpoint until the runtime stops its loop."""
         assert self.http is not None
-        runtime = self.runtime
         app = build_app(
-            runtime.snapshot,  # on the loop thread: read directly, no crossing
+            self.snapshot,  # on the loop thread: read directly, no crossing
             controls=self.controls,
             trace=self._trace,
             max_body_bytes=self.http.max_body_bytes,
@@ -98,33 +82,6 @@ class RecordService(ClosesOnExit):
         async with trio.open_nursery() as nursery:
             self.http_urls = await nursery.start(serve_http, app, self.http)
             task_status.started()
-
-    # -- what the runtime holds -------------------------------------------
-
-    @property
-    def record_sink(self) -> RecordSink:
-        """The sink the runtime feeds."""
-        return self.runtime.record_sink
-
-    @property
-    def schema(self) -> RecordSchema | None:
-        """The layouts records are checked against (the sink's, by default)."""
-        return self.runtime.schema
-
-    @property
-    def hooks(self) -> HookRegistry:
-        """The hook registry producers bind in."""
-        return self.runtime.hooks
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The latched failure, or None."""
-        return self.runtime.failure
-
-    @property
-    def max_block(self) -> float | None:
-        """How long ``offer_batch`` (a capture hook) may block its caller."""
-        return self.runtime.max_block
 
     # -- operator controls ---------------------------------------------------
 
@@ -135,22 +92,6 @@ class RecordService(ClosesOnExit):
         if self.controls is None:
             raise ConfigError("this runtime has no dead-letter store (dead_letters=...)")
         return self.controls.reroute(letter_id, route)
-
-    # -- lifecycle -------------------------------------------------------------
-
-    def start(self) -> RecordService:
-        """Start the runtime (and the endpoint on its loop); returns once running."""
-        self.runtime.start()
-        return self
-
-    def close(self, timeout: float | None = None) -> None:
-        """Drain, flush and close the sink, stop the loop (and the endpoint), join
-        the thread.  Idempotent; raises the latched failure, if any."""
-        self.runtime.close(timeout)
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Same as :meth:`close`."""
-        self.close(timeout)
 
 
 def create_record_runtime(
@@ -180,8 +121,10 @@ def create_record_runtime(
     block the model waiting for ingress room; past it, records are shed and
     counted (``offer_batch``).
     """
-    runtime = RecordRuntime(
+    return RecordService(
         record_sink,
+        http=http,
+        dead_letters=dead_letters,
         schema=schema,
         hooks=hooks,
         capacity_records=capacity_records,
@@ -190,8 +133,7 @@ def create_record_runtime(
         coalesce_records=coalesce_records,
         name=name,
         max_block=max_block,
-    )
-    return RecordService(runtime, http=http, dead_letters=dead_letters).start()
+    ).start()
 
 
 __all__ = ["RecordService", "create_record_runtime"]

@@ -1,0 +1,143 @@
+"""One producer surface, two shells: the routing sink (awaited on the Trio loop)
+and the runtime (any thread) share one intake, so a batch is checked once and
+both refuse bad input with the same errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taproute.actors import RoutingSink, open_routing_sink
+from taproute.native import DescriptorFieldError, make_descriptors
+from taproute.routing import (
+    HookRegistry,
+    Route,
+    RoutingConfig,
+    UnboundOutputId,
+    UnknownLayout,
+    validation,
+)
+from taproute.service import RecordRuntime, create_record_runtime
+from tests.conftest import vec_batch
+from tests.processors import SCHEMA
+from tests.sinks import NullSink
+
+Q = "layers.0.attn.q"
+
+
+def _sink(destination: NullSink, **kwargs) -> RoutingSink:
+    routes = [
+        Route("raw", "layers.*", "out"),
+        Route("sums", "layers.*", "out", mode="stateful", processor="test.running_sum"),
+    ]
+    return RoutingSink(
+        RoutingConfig(routes), SCHEMA, {"out": destination}, default_destination="out", **kwargs
+    )
+
+
+@pytest.fixture
+def native_checks(monkeypatch) -> list[int]:
+    """Count the native batch checks (each entry: the records of one checked batch)."""
+    seen: list[int] = []
+    check = validation.check_descriptors
+
+    def counting(desc, *args):
+        seen.append(len(desc))
+        return check(desc, *args)
+
+    monkeypatch.setattr(validation, "check_descriptors", counting)
+    return seen
+
+
+def test_a_batch_through_the_runtime_is_checked_once(native_checks):
+    out = NullSink()
+    with create_record_runtime(record_sink=_sink(out)) as runtime:
+        assert runtime.intake is runtime.record_sink.intake  # one intake, shared
+        q = runtime.bind_hook(Q, layout="vec")
+        for n in (3, 5, 7):
+            runtime.submit_batch(
+                make_descriptors(q, 16, count=n, layout_ids=SCHEMA.layout_id("vec")),
+                np.zeros((n, 4), np.float32),
+            )
+        runtime.submit(q, np.ones(4, np.float32).tobytes(), key=1)  # checked per record
+        runtime.flush(timeout=10)
+        routed = runtime.counters().routes["raw"].processed
+    assert native_checks == [3, 5, 7]  # the sink checked none of them again
+    assert routed == 16
+
+
+def test_a_runtime_with_its_own_schema_does_not_share_the_sinks_intake(native_checks):
+    out = NullSink()
+    other = type(SCHEMA)(list(SCHEMA.layouts))  # equal, not the sink's: checked by both
+    with create_record_runtime(record_sink=_sink(out), schema=other) as runtime:
+        assert runtime.intake is not runtime.record_sink.intake
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit_batch(
+            make_descriptors(q, 16, count=4, layout_ids=SCHEMA.layout_id("vec")),
+            np.zeros((4, 4), np.float32),
+        )
+        runtime.flush(timeout=10)
+        routed = runtime.counters().routes["raw"].processed
+    assert native_checks == [4, 4]
+    assert routed == 4
+
+
+async def test_a_batch_given_to_the_sink_directly_is_still_checked():
+    hooks = HookRegistry()
+    q = hooks.bind(Q, layout="vec")
+    out = NullSink()
+    async with open_routing_sink(
+        RoutingConfig([Route("raw", "layers.*", "out")]), SCHEMA, {"out": out}, "out", hooks=hooks
+    ) as sink:
+        bad = vec_batch(q, 2, output_ids=np.array([q, 9]))
+        with pytest.raises(UnboundOutputId, match="record 1 of the batch: output_id 9"):
+            await sink.submit(bad)
+        await sink.submit(vec_batch(q, 3))
+        await sink.flush()
+    assert out.records == 3  # nothing of the refused batch was routed
+
+
+async def test_both_shells_refuse_a_bad_key_with_the_same_error():
+    async with open_routing_sink(
+        RoutingConfig(
+            [Route("sums", "layers.*", "out", mode="stateful", processor="test.running_sum")]
+        ),
+        SCHEMA,
+        {"out": NullSink()},
+        "out",
+    ) as sink:
+        with pytest.raises(DescriptorFieldError) as on_loop:
+            await sink.complete(1, "7")
+        with pytest.raises(DescriptorFieldError) as huge_on_loop:
+            await sink.cancel(2**63)
+    with create_record_runtime(record_sink=_sink(NullSink())) as runtime:
+        with pytest.raises(DescriptorFieldError) as on_thread:
+            runtime.complete(1, "7")
+        with pytest.raises(DescriptorFieldError) as huge_on_thread:
+            runtime.cancel(2**63)
+    assert str(on_loop.value) == str(on_thread.value) == "key must be an integer, got str ('7')"
+    assert str(huge_on_loop.value) == str(huge_on_thread.value)
+    assert "key=9223372036854775808 is outside its range" in str(huge_on_thread.value)
+
+
+async def test_both_shells_refuse_an_unknown_layout_when_binding():
+    async with open_routing_sink(
+        RoutingConfig([Route("raw", "layers.*", "out")]), SCHEMA, {"out": NullSink()}, "out"
+    ) as sink:
+        with pytest.raises(UnknownLayout) as on_loop:
+            sink.bind_hook(Q, layout="nrom")
+    with (
+        create_record_runtime(record_sink=_sink(NullSink())) as runtime,
+        pytest.raises(UnknownLayout) as on_thread,
+    ):
+        runtime.bind_hook(Q, layout="nrom")
+    assert str(on_loop.value) == str(on_thread.value)
+    assert "nrom" in str(on_thread.value)
+
+
+def test_the_service_object_is_the_runtime_not_a_copy_of_its_methods():
+    with create_record_runtime(record_sink=_sink(NullSink())) as service:
+        assert isinstance(service, RecordRuntime)
+        for name in ("submit", "submit_batch", "offer_batch", "flush", "complete", "snapshot"):
+            assert getattr(type(service), name) is getattr(RecordRuntime, name), name
+        assert service.counters().routes.keys() == {"raw", "sums"}
