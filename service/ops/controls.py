@@ -88,10 +88,10 @@ class DeadLetterControls:
             raise
         return self.store.get(letter_id)
 
-    def reroute_now(self, letter_id: int) -> DeadLetter:
+    def reroute_now(self, letter_id: int, route: str | None = None) -> DeadLetter:
         """:meth:`reroute` for the HTTP endpoint (the copy goes straight to its
         route's mailbox, not through ingress, so there is no ingress to be full)."""
-        return self.reroute(letter_id)
+        return self.reroute(letter_id, route)
 
     def _records(self, letter: DeadLetter) -> tuple[Any, bytes]:
         assert letter.payload is not None

@@ -34,6 +34,10 @@ def json_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+class RouteNotTaken(ValueError):
+    """A ``route=`` where the endpoint takes none."""
+
+
 class BodyTooLarge(Exception):
     """A request body past the configured limit."""
 
@@ -121,7 +125,12 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         body["payload_bytes"] = len(letter.payload or b"")
         return JSONResponse(body)
 
-    def mutation(action: Callable[[int], DeadLetter]) -> Callable[[Request], Any]:
+    def skip(ident: int, route: str | None) -> DeadLetter:
+        if route is not None:
+            raise RouteNotTaken("route= applies to reroute, not skip")
+        return controls.skip(ident)
+
+    def mutation(action: Callable[[int, str | None], DeadLetter]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> JSONResponse:
             refused = authorized(request)
             if refused is not None:
@@ -129,14 +138,17 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             ident = letter_id(request)
             if isinstance(ident, JSONResponse):
                 return ident
+            route = request.query_params.get("route")
             try:
-                letter = await trio.to_thread.run_sync(action, ident)
+                letter = await trio.to_thread.run_sync(action, ident, route)
             except DeadLetterNotFound as exc:
                 return json_error(404, str(exc))
             except IngressFull as exc:
                 return json_error(503, str(exc))
             except RerouteRefused as exc:  # already rerouted / skipped / no route takes it
                 return json_error(409, str(exc))
+            except RouteNotTaken as exc:
+                return json_error(400, str(exc))
             return JSONResponse(letter.summary())
 
         return endpoint
@@ -144,8 +156,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
     return [
         Route("/dead-letters", list_letters),
         Route("/dead-letters/{letter_id}", show),
-        Route("/dead-letters/{letter_id}/skip", mutation(controls.skip), methods=["POST"]),
-        # An HTTP request never waits for ingress room: a full ingress answers 503.
+        Route("/dead-letters/{letter_id}/skip", mutation(skip), methods=["POST"]),
+        # An HTTP request never waits for ingress room: a full ingress answers 503;
+        # ``?route=NAME`` sends the copy to that route instead of the one that failed it.
         Route(
             "/dead-letters/{letter_id}/reroute", mutation(controls.reroute_now), methods=["POST"]
         ),

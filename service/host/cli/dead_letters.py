@@ -7,7 +7,9 @@ import argparse
 import json
 import sqlite3
 import urllib.error
+import urllib.parse
 import urllib.request
+from typing import Any
 
 import attrs
 
@@ -35,9 +37,9 @@ def _existing_store(args: argparse.Namespace) -> DeadLetterStore:
 def dead_letters(args: argparse.Namespace) -> int:
     """List, show, skip or reroute dead letters."""
     if args.url is not None:
-        return _remote_control(args.url, args.token, args.action, args.id)
+        return _remote_control(args.url, args.token, args.action, args.id, args.route)
     if args.action == "reroute":
-        return _reroute_offline(load_config(args.config), args.id)
+        return _reroute_offline(load_config(args.config), args.id, args.route)
     store = _existing_store(args)
     try:
         if args.action == "list":
@@ -65,7 +67,7 @@ def dead_letters(args: argparse.Namespace) -> int:
                 print(letter.traceback)
         else:  # skip
             letter = store.skip(args.id)
-            print(f"dead letter {letter.id} skipped")
+            print(outcome(letter.summary()))
     except sqlite3.Error as exc:  # a damaged file: say so, change nothing
         raise CommandError(f"{store.path}: unreadable store: {exc}", BAD_INPUT) from None
     finally:
@@ -73,8 +75,20 @@ def dead_letters(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reroute_offline(config: ServiceConfig, letter_id: int) -> int:
-    """Reroute through a router built from the config (the service must not be running)."""
+def outcome(letter: dict[str, Any]) -> str:
+    """What a skip or reroute did, in one line (a reroute names the route and
+    the copy's id, as the API's ``reroute_id`` and ``rerouted_to``)."""
+    if letter["state"] == "rerouted":
+        return (
+            f"dead letter {letter['id']} rerouted to route {letter['rerouted_to']} "
+            f"as copy {letter['reroute_id']}"
+        )
+    return f"dead letter {letter['id']} {letter['state']}"
+
+
+def _reroute_offline(config: ServiceConfig, letter_id: int, route: str | None) -> int:
+    """Reroute through a router built from the config (the service must not be
+    running), to ``route`` or, without one, to the route that gave it up."""
     location = config.dead_letter_location()
     if location is None:
         raise ConfigFileError(config.source, ["dead_letters.path: no dead-letter store set"])
@@ -89,17 +103,20 @@ def _reroute_offline(config: ServiceConfig, letter_id: int) -> int:
     finally:
         store.close()
     with config.build() as built, attrs.evolve(built, http=None).start() as service:
-        letter = service.reroute(letter_id)
+        letter = service.reroute(letter_id, route)
         service.flush()
-    print(f"dead letter {letter.id} rerouted")
+    print(outcome(letter.summary()))
     return 0
 
 
-def _remote_control(url: str, token: str | None, action: str, letter_id: int | None) -> int:
+def _remote_control(
+    url: str, token: str | None, action: str, letter_id: int | None, route: str | None
+) -> int:
     if action not in ("skip", "reroute"):
         raise CommandError(f"--url works with skip and reroute, not {action}", BAD_INPUT)
+    query = "" if route is None else "?" + urllib.parse.urlencode({"route": route})
     request = urllib.request.Request(
-        f"{url.rstrip('/')}/dead-letters/{letter_id}/{action}",
+        f"{url.rstrip('/')}/dead-letters/{letter_id}/{action}{query}",
         method="POST",
         headers={"Authorization": f"Bearer {token}"} if token else {},
     )
@@ -115,5 +132,5 @@ def _remote_control(url: str, token: str | None, action: str, letter_id: int | N
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         raise CommandError(f"cannot reach {url}: {reason}") from None
-    print(f"dead letter {body['id']} {body['state']}")
+    print(outcome(body))
     return 0

@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     letters.add_argument(
         "--token", type=arguments.token, help="the service's bearer token (with --url)"
     )
-    letters.add_argument("--route")
+    letters.add_argument(
+        "--route", help="list: only this route's letters; reroute: send the copy to this route"
+    )
     letters.add_argument("--code")
     letters.add_argument("--older-than", type=float, help="seconds since the last failure")
     letters.add_argument("--state", default="dead", choices=["dead", "skipped", "rerouted", "all"])
@@ -91,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"dead-letters {args.action} needs a dead letter id")
         if args.url is None and args.config is None and args.store is None:
             parser.error("dead-letters needs --config or --store (or --url for skip/reroute)")
+        if args.route is not None and args.action in ("show", "skip"):
+            parser.error(f"dead-letters {args.action} takes no --route (list and reroute do)")
         if args.action == "reroute" and args.url is None and args.config is None:
             parser.error("dead-letters reroute needs --config (or --url)")
     try:
