@@ -4,7 +4,8 @@ names, stacked payloads, and tumbling windows counted in records."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -83,6 +84,45 @@ def keys_in_order(keys: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArra
     """Each distinct key and the indices of its records, in arrival order."""
     for key in np.unique(keys):
         yield int(key), np.flatnonzero(keys == key)
+
+
+#: Adds records ``part`` (indices into the batch) to one key's slot.
+AddToWindow = Callable[[npt.NDArray[Any], npt.NDArray[np.intp]], None]
+
+#: The row of a key's closed window, from its slot and one of the key's records.
+WindowRow = Callable[[npt.NDArray[Any], int], npt.NDArray[np.void]]
+
+
+def tumbling_windows(
+    keys: npt.NDArray[np.int64],
+    slots: npt.NDArray[Any],
+    window: int,
+    add: AddToWindow,
+    row: WindowRow,
+) -> npt.NDArray[np.void] | None:
+    """Feed each key's records, in arrival order, into its slot in tumbling
+    windows of ``window`` records; return the rows of the windows that closed
+    (None: none closed).
+
+    A slot starts with the window bookkeeping: ``slot[0]`` counts the records
+    of the open window, ``slot[1]`` numbers the windows.  ``add(slot, part)``
+    adds a segment of records to the slot's sums; when a window closes,
+    ``row(slot, first)`` builds its row (``first``: a record of the key, for
+    its hook) and the slot is cleared for the next window.
+    """
+    out: list[npt.NDArray[np.void]] = []
+    for key, index in keys_in_order(keys):
+        slot = slots[key]
+        for start, stop, closes in window_segments(int(slot[0]), len(index), window):
+            part = index[start:stop]
+            slot[0] += len(part)
+            add(slot, part)
+            if closes:
+                out.append(row(slot, int(index[0])))
+                number = slot[1]
+                slot[:] = 0
+                slot[1] = number + 1
+    return np.concatenate(out) if out else None
 
 
 @attrs.frozen

@@ -36,11 +36,10 @@ from taproute.service.signals.common import (
     all_tokens,
     hook_key,
     hooks_and_layers,
-    keys_in_order,
     positive,
     segment_sums,
     tail_layout,
-    window_segments,
+    tumbling_windows,
 )
 
 
@@ -157,25 +156,20 @@ def register(config: ExpertConfig, *, registry: ProcessorRegistry = REGISTRY) ->
     ) -> npt.NDArray[np.void] | None:
         logits, tokens = all_tokens(records, e, where=where)
         stats = router_stats(logits, tokens, top_k=k, capacity_factor=config.capacity_factor)
-        out: list[npt.NDArray[np.void]] = []
-        for key, index in keys_in_order(keys):
-            slot = state.slots[key]
-            hook, layer = hooks_and_layers(records, index[:1])
-            for start, stop, closes in window_segments(int(slot[0]), len(index), config.window):
-                part = index[start:stop]
-                slot[0] += len(part)
-                slot[2] += stats.tokens[part].sum()
-                slot[3] += stats.entropy_sum[part].sum()
-                slot[4] += stats.margin_sum[part].sum()
-                slot[5] += stats.overflow[part].sum()
-                slot[_HEAD : _HEAD + e] += stats.counts[part].sum(axis=0)
-                slot[_HEAD + e :] += stats.prob_sum[part].sum(axis=0)
-                if closes:
-                    out.append(_window_row(layout, slot, hook[0], int(layer[0]), e, k))
-                    window = slot[1]
-                    slot[:] = 0
-                    slot[1] = window + 1
-        return np.concatenate(out) if out else None
+
+        def add(slot: npt.NDArray[np.float64], part: npt.NDArray[np.intp]) -> None:
+            slot[2] += stats.tokens[part].sum()
+            slot[3] += stats.entropy_sum[part].sum()
+            slot[4] += stats.margin_sum[part].sum()
+            slot[5] += stats.overflow[part].sum()
+            slot[_HEAD : _HEAD + e] += stats.counts[part].sum(axis=0)
+            slot[_HEAD + e :] += stats.prob_sum[part].sum(axis=0)
+
+        def row(slot: npt.NDArray[np.float64], first: int) -> npt.NDArray[np.void]:
+            hook, layer = hooks_and_layers(records, np.array([first]))
+            return _window_row(layout, slot, hook[0], int(layer[0]), e, k)
+
+        return tumbling_windows(keys, state.slots, config.window, add, row)
 
     stateful_processor(
         config.name,

@@ -38,10 +38,9 @@ from taproute.service.signals.common import (
     Registered,
     all_tokens,
     hook_key,
-    keys_in_order,
     positive,
     tail_layout,
-    window_segments,
+    tumbling_windows,
 )
 
 
@@ -168,33 +167,28 @@ def register(config: PathwayConfig, *, registry: ProcessorRegistry = REGISTRY) -
         paths = top1_paths(logits, layers, experts)
         codes = path_codes(paths, experts)
         record_of_token = np.repeat(np.arange(len(records)), tokens)
-        out: list[npt.NDArray[np.void]] = []
-        for key, index in keys_in_order(keys):
-            slot = state.slots[key]
-            hook = records.hook_name(int(index[0]))
-            for start, stop, closes in window_segments(int(slot[0]), len(index), config.window):
-                part = index[start:stop]
-                token_index = np.flatnonzero(np.isin(record_of_token, part))
-                held = int(slot[3])
-                merged, counts, dropped = merge_counts(
-                    slot[codes_at : codes_at + held],
-                    slot[counts_at : counts_at + held],
-                    codes[token_index],
-                    cap,
-                )
-                slot[0] += len(part)
-                slot[2] += len(token_index)
-                slot[3] = len(merged)
-                slot[4] |= int(dropped)
-                slot[_HEAD:codes_at] += transition_counts(paths[token_index], experts).reshape(-1)
-                slot[codes_at : codes_at + len(merged)] = merged
-                slot[counts_at : counts_at + len(merged)] = counts
-                if closes:
-                    out.append(_window_row(layout, slot, hook, config, codes_at, counts_at))
-                    window = slot[1]
-                    slot[:] = 0
-                    slot[1] = window + 1
-        return np.concatenate(out) if out else None
+
+        def add(slot: npt.NDArray[np.int64], part: npt.NDArray[np.intp]) -> None:
+            token_index = np.flatnonzero(np.isin(record_of_token, part))
+            held = int(slot[3])
+            merged, counts, dropped = merge_counts(
+                slot[codes_at : codes_at + held],
+                slot[counts_at : counts_at + held],
+                codes[token_index],
+                cap,
+            )
+            slot[2] += len(token_index)
+            slot[3] = len(merged)
+            slot[4] |= int(dropped)
+            slot[_HEAD:codes_at] += transition_counts(paths[token_index], experts).reshape(-1)
+            slot[codes_at : codes_at + len(merged)] = merged
+            slot[counts_at : counts_at + len(merged)] = counts
+
+        def row(slot: npt.NDArray[np.int64], first: int) -> npt.NDArray[np.void]:
+            hook = records.hook_name(first)
+            return _window_row(layout, slot, hook, config, codes_at, counts_at)
+
+        return tumbling_windows(keys, state.slots, config.window, add, row)
 
     stateful_processor(
         config.name,
