@@ -16,6 +16,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
+from taproute.routing.causal import CausalSnapshot
+from taproute.routing.refusals import UnmatchedSample
+
 Kind = Literal["count", "live"]
 
 
@@ -55,6 +58,7 @@ class RouteCounters:
     rows (processed) handed to the destination; ``failed`` input records given
     up; ``retries`` made; ``recovered`` records processed after failing;
     ``declined`` by the route's predicate (``last_decline``: why, last time);
+    ``derived``: records of its output that chained routes took again;
     ``failures_by_code``: failed records per failure code (each attempt counts).
 
     Live: ``queue_depth`` waiting in the route's mailboxes; ``backlog``
@@ -95,6 +99,10 @@ class RouteCounters:
     recovered: int = count("taproute_route_recovered_records", "Records processed after failing.")
     declined: int = count(
         "taproute_route_declined_records", "Records the route's predicate declined."
+    )
+    derived: int = count(
+        "taproute_route_derived_records",
+        "Records of this route's output routed again (accepted by the causal limits).",
     )
     completed_keys: int = count(
         "taproute_route_completed_keys", "Keys completed (finalized, slot cleared)."
@@ -168,8 +176,10 @@ class RouterSnapshot:
     """Everything a routing sink counted, at one moment.
 
     ``unmatched_forwarded``/``unmatched_dropped``: records no route took, sent
-    to the default destination or dropped (``unmatched="drop"``).  ``failure``
-    is the latched failure's message, if any.
+    to the default destination or dropped (``unmatched="drop"``), and
+    ``unmatched_samples`` a few recent ones per hook with the routes that
+    declined them.  ``causal``: derived records accepted and refused by the
+    causal limits.  ``failure`` is the latched failure's message, if any.
     """
 
     routes: dict[str, RouteCounters]
@@ -177,6 +187,10 @@ class RouterSnapshot:
     unmatched_forwarded: int
     unmatched_dropped: int
     failure: str | None = None
+    #: What the causal limits did to derived records (chains).
+    causal: CausalSnapshot = attrs.Factory(CausalSnapshot)
+    #: Per hook, recent records no route took, with each route's refusal.
+    unmatched_samples: dict[str, list[UnmatchedSample]] = attrs.Factory(dict)
 
 
 @runtime_checkable

@@ -14,8 +14,12 @@ class ForwardRoute(RouteActor):
     ``processed + failed`` is what the route was given.
     """
 
-    async def dispatch(self, batch: RecordBatch) -> None:
+    async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
+        # A destination actor never waits on a route, so waiting here cannot
+        # close a cycle: ``wait`` only matters for routes with mailboxes.
         await self.destination.deliver(self.name, batch)
+        if self.chain is not None:
+            self.counters.derived += await self.chain.records(batch)
 
     def taken(self, records: int) -> None:
         """The destination's sink took ``records`` of this route's records."""

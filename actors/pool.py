@@ -29,9 +29,10 @@ class StatelessRoute(RouteActor):
         )
         self.mailboxes = [self.mailbox]
 
-    async def dispatch(self, batch: RecordBatch) -> None:
-        await self.parked.wait_for_room()
-        await self._enqueue(self.mailbox, Attempt(batch), batch)
+    async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
+        if wait:
+            await self.parked.wait_for_room()
+        await self._enqueue(self.mailbox, Attempt(batch), batch, wait=wait)
 
     async def run(self, nursery: trio.Nursery) -> None:
         for _ in range(self.planned.route.workers):

@@ -22,7 +22,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -46,6 +46,9 @@ from taproute.routing.failures import (
 from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import PlannedRoute
 from taproute.routing.predicates import PredicateFailed, Verdict, evaluate_predicate
+
+if TYPE_CHECKING:
+    from taproute.actors.chain import ChainLink
 
 
 class RouteActor:
@@ -85,9 +88,13 @@ class RouteActor:
         self.parked: RetryQueue[Any] = RetryQueue(
             self.counters, max_parked=self.policy.max_parked_records
         )
+        #: Where this route's output is routed again (None: nowhere).
+        self.chain: ChainLink | None = None
 
-    async def dispatch(self, batch: RecordBatch) -> None:
-        """Take ``batch`` (this route's records of one ingress batch)."""
+    async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
+        """Take ``batch`` (this route's records of one ingress batch, or derived
+        records of a chain).  ``wait=False``: queue without waiting for room
+        (a chain inside a cycle)."""
         raise NotImplementedError
 
     async def run(self, nursery: trio.Nursery) -> None:
@@ -195,6 +202,8 @@ class RouteActor:
             await self.destination.deliver(
                 self.name, RowBatch(self.name, planned.output_layout.name, rows)
             )
+            if self.chain is not None:
+                self.counters.derived += await self.chain.rows(attempt.batch, rows)
         self.counters.processed += len(attempt.batch)
         if attempt.failures:
             self.counters.recovered += len(attempt.batch)
@@ -236,6 +245,19 @@ class RouteActor:
         self._count_failure(attempt)
         await self._give_up(attempt)
         return None
+
+    async def screen_derived(self, batch: RecordBatch) -> RecordBatch | None:
+        """The derived records of ``batch`` this route's predicate takes (declines
+        counted); None when the predicate failed (the records were given up)."""
+        verdict = await self.screen(batch)
+        if verdict is None:
+            return None
+        mask, reason = verdict
+        if mask.all():
+            return batch
+        self.counters.declined += int(len(mask) - np.count_nonzero(mask))
+        self.counters.last_decline = reason
+        return batch.select(np.flatnonzero(mask))
 
     # -- giving up -------------------------------------------------------------
 
@@ -282,13 +304,15 @@ class RouteActor:
 
     # -- mailbox bookkeeping -----------------------------------------------------
 
-    async def _enqueue(self, mailbox: Mailbox[Any], message: Any, batch: RecordBatch) -> None:
+    async def _enqueue(
+        self, mailbox: Mailbox[Any], message: Any, batch: RecordBatch, *, wait: bool = True
+    ) -> None:
         """Queue a message that holds ``batch``: lease, in-flight and backlog."""
         batch.lease.acquire()
         self._in_flight.add()
         self.counters.backlog += len(batch)
         try:
-            await mailbox.send(message, records=len(batch), nbytes=batch.nbytes)
+            await mailbox.send(message, records=len(batch), nbytes=batch.nbytes, wait=wait)
         except BaseException:
             self._settle(batch)
             raise

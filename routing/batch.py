@@ -67,6 +67,21 @@ class Retained:
 
 
 @attrs.frozen(eq=False)
+class Lineage:
+    """Where a batch's derived records come from: per record its root (the id
+    of the captured record its chain started from) and its depth (>= 1).
+    Columns, not per-record objects; captured batches carry none (depth 0,
+    each record its own root)."""
+
+    roots: npt.NDArray[np.int64]
+    depths: npt.NDArray[np.int32]
+
+    def select(self, selection: npt.NDArray[np.intp]) -> Lineage:
+        """The lineage of the records at ``selection``."""
+        return Lineage(self.roots[selection], self.depths[selection])
+
+
+@attrs.frozen(eq=False)
 class RecordBatch:
     """An immutable batch of records sharing one payload buffer.
 
@@ -79,6 +94,9 @@ class RecordBatch:
     lease: BufferLease = attrs.field(factory=BufferLease)
     #: Payload bytes the records of this batch cover (computed once if not given).
     nbytes: int = attrs.field()
+
+    #: Derived records' roots and depths (None: captured records, depth 0).
+    lineage: Lineage | None = attrs.field(default=None, kw_only=True)
 
     @nbytes.default
     def _sum_lengths(self) -> int:
@@ -105,7 +123,8 @@ class RecordBatch:
         """
         if selection is None:
             return self
-        return RecordBatch(self.descriptors[selection], self.payload, self.lease)
+        lineage = None if self.lineage is None else self.lineage.select(selection)
+        return RecordBatch(self.descriptors[selection], self.payload, self.lease, lineage=lineage)
 
     def payload_of(self, index: int) -> Payload:
         """The read-only payload bytes of record ``index`` (a view, not a copy)."""

@@ -46,6 +46,9 @@ class FailureCode(enum.StrEnum):
     #: The record's key was completed or cancelled (dead-lettered only when the
     #: policy's ``terminal_records`` is ``"dead_letter"``).
     KEY_TERMINAL = "key_terminal"
+    #: Derived records a causal limit refused (depth or rate per root); their
+    #: payload is redacted unless the limits keep it.
+    CAUSAL_LIMIT = "causal_limit"
 
     @property
     def retryable(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Literal
 
 import attrs
 
+from taproute.routing.chains import Chains, resolve_chains
 from taproute.routing.errors import (
     ConfigError,
     GlobMatchesNothing,
@@ -24,7 +25,7 @@ from taproute.routing.errors import (
 )
 from taproute.routing.layout import Layout
 from taproute.routing.processors import REGISTRY, ProcessorKind, ProcessorRegistry, ProcessorSpec
-from taproute.routing.routes import Route, RouteMode, RoutingConfig
+from taproute.routing.routes import DERIVED_PREFIX, Route, RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
 
 Unmatched = Literal["default", "drop"]
@@ -40,6 +41,8 @@ class PlannedRoute:
     input_layout: Layout | None
     output_layout: Layout | None
     pattern: re.Pattern[str] = attrs.field(repr=False)
+    #: Names of the routes whose output this route takes (chains).
+    derived_from: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -47,8 +50,26 @@ class PlannedRoute:
         return self.route.name
 
     def matches(self, hook_name: str) -> bool:
-        """True when ``hook_name`` matches one of the route's outputs."""
+        """True when ``hook_name`` matches one of the route's outputs.
+
+        A derived hook (``route:<name>``) matches only the routes chained to
+        that route's output; hook patterns never match derived hooks.
+        """
+        if hook_name.startswith(DERIVED_PREFIX):
+            return hook_name[len(DERIVED_PREFIX) :] in self.derived_from
         return self.pattern.fullmatch(hook_name) is not None
+
+    @property
+    def payload_problem(self) -> str | None:
+        """Why this route's rows cannot be carried as records (None: they can)."""
+        layout = self.output_layout
+        if layout is None or layout.is_fixed:
+            return None
+        variable = [c.name for c in layout.columns if c.is_variable]
+        return (
+            f"its output layout {layout.name!r} has variable-length column(s) "
+            f"{', '.join(variable)}: only fixed-size rows can be routed again"
+        )
 
 
 class RoutePlan:
@@ -113,13 +134,32 @@ class RoutePlan:
                 routes.append(_plan_route(i, route, schema, known, registry))
             except ConfigError as exc:
                 errors.append(at(exc, f"routes[{i}]"))
+        chains: Chains | None = None
+        if len(routes) == len(config.routes):
+            chains, chain_errors = resolve_chains(
+                config,
+                [None if p.output_layout is None else p.output_layout.name for p in routes],
+                [None if p.input_layout is None else p.input_layout.name for p in routes],
+                [p.payload_problem for p in routes],
+            )
+            errors.extend(chain_errors)
         raise_collected(errors)
-        self.routes: tuple[PlannedRoute, ...] = tuple(routes)
-        bound = list(bound_names)
+        assert chains is not None
+        #: Which routes take which route's output again.
+        self.chains = chains
+        self.allow_cycles = config.allow_cycles
+        self.causal_limits = config.causal_limits
+        self.routes: tuple[PlannedRoute, ...] = tuple(
+            attrs.evolve(p, derived_from=chains.sources[p.index]) if chains.sources[p.index] else p
+            for p in routes
+        )
+        bound = [name for name in bound_names if not name.startswith(DERIVED_PREFIX)]
         # With no hook bound yet every pattern "matches nothing"; the check only
         # means something once the producer has bound its hooks.
         for planned in self.routes if bound else ():
             for output in planned.route.outputs:
+                if output.startswith(DERIVED_PREFIX):
+                    continue  # a chain: checked when resolved
                 regex = re.compile(translate(output))
                 if not any(regex.fullmatch(name) for name in bound):
                     warnings.warn(
@@ -150,7 +190,9 @@ def _plan_route(
         raise UnknownDestination(
             f"{where}: unknown destination {route.destination!r}; given {sorted(known)}"
         )
-    pattern = re.compile("|".join(f"(?:{translate(o)})" for o in route.outputs))
+    hooks = [o for o in route.outputs if not o.startswith(DERIVED_PREFIX)]
+    # No hook output (the route only takes other routes' output): match no hook.
+    pattern = re.compile("|".join(f"(?:{translate(o)})" for o in hooks) or "(?!)")
     if route.mode is RouteMode.FORWARD:
         return PlannedRoute(index, route, None, None, None, pattern)
     assert route.processor is not None  # Route checks this

@@ -73,14 +73,15 @@ def narrow(
     groups: Groups,
     n: int,
     verdicts: Mapping[int, Verdict],
-    declined: Callable[[int, int, str], None],
+    declined: Callable[[int, npt.NDArray[np.intp], str], None],
 ) -> Groups:
     """Narrow each route's group of a batch of ``n`` records by its predicate's
     verdict; what no route takes is unmatched.
 
     ``verdicts`` holds one verdict per route with a predicate; records of a
     failed verdict (None) count as taken by their route, which gave them up.
-    ``declined(route_index, count, reason)`` is told what each predicate declined.
+    ``declined(route_index, positions, reason)`` is told which records (positions
+    in the batch) each predicate declined.
     """
     taken = np.zeros(n, dtype=bool)
     narrowed: Groups = []
@@ -94,9 +95,8 @@ def narrow(
                 taken[positions] = True
                 continue
             mask, reason = verdict
-            count = int(len(mask) - mask.sum())
-            if count:
-                declined(index, count, reason)
+            if not mask.all():
+                declined(index, positions[~mask], reason)
             positions = positions[mask]
         if len(positions):
             taken[positions] = True

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import validators as v
 
+from taproute.routing.causal import CausalLimits
 from taproute.routing.checks import NAME, Limit, Validator, config_check
 from taproute.routing.errors import ConfigError, DuplicateRouteName
 from taproute.routing.failures import FailurePolicy
@@ -59,6 +60,12 @@ _name = config_check(*NAME, must="a non-empty string", owner=_route)
 _outputs = config_check(
     v.min_len(1), v.deep_iterable(v.and_(*NAME)), must="non-empty names", owner=_route
 )
+_then = config_check(v.deep_iterable(v.and_(*NAME)), must="route names", owner=_route)
+
+#: Outputs starting with this name another route's output (``route:norms``,
+#: or a glob over route names: ``route:norm*``) instead of hooks; derived
+#: records carry the hook name ``route:<emitting route>``.
+DERIVED_PREFIX = "route:"
 
 
 @attrs.frozen
@@ -86,6 +93,12 @@ class Route:
     #: ``predicate(descriptors) -> bool array`` (True: the route takes the
     #: record), or ``(bool array, reason)`` naming why it declined the rest.
     predicate: Predicate | None = attrs.field(default=None, eq=False, kw_only=True)
+    #: Routes that take this route's output again (its rows, or a forward
+    #: route's records), as derived records; the same as naming
+    #: ``"route:<this route>"`` in their ``outputs``.
+    then: tuple[str, ...] = attrs.field(
+        default=(), converter=_to_outputs, validator=_then, kw_only=True
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.mode is RouteMode.FORWARD and self.processor is not None:
@@ -103,9 +116,20 @@ def _to_routes(value: Iterable[Route]) -> tuple[Route, ...]:
 
 @attrs.frozen
 class RoutingConfig:
-    """The routes of one routing sink, in order (route order is fan-out order)."""
+    """The routes of one routing sink, in order (route order is fan-out order).
+
+    Routes may chain (``then=``, or ``outputs=["route:<name>"]``); a chain
+    that comes back to a route it left is refused when the sink is built
+    unless ``allow_cycles``; every chain lives under ``causal_limits``.
+    """
 
     routes: tuple[Route, ...] = attrs.field(converter=_to_routes)
+    allow_cycles: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool), kw_only=True
+    )
+    causal_limits: CausalLimits = attrs.field(
+        factory=CausalLimits, validator=attrs.validators.instance_of(CausalLimits), kw_only=True
+    )
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()

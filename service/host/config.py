@@ -120,7 +120,11 @@ class ServiceConfig:
     def routing_config(self) -> RoutingConfig:
         """The routes, as RoutingConfig."""
         try:
-            return RoutingConfig(self.routes)
+            return RoutingConfig(
+                self.routes,
+                allow_cycles=self.routing.allow_cycles,
+                causal_limits=self.routing.causal_limits,
+            )
         except ConfigError as exc:
             raise ConfigFileError(self.source, [f"routes: {exc}"]) from None
 

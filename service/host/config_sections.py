@@ -8,16 +8,21 @@ from typing import Literal
 
 import attrs
 
+from taproute.routing.causal import CAUSAL_LIMITS, CausalLimits
 from taproute.routing.checks import Limit
 from taproute.service.host.config_rules import add_limits
 
 
 @attrs.frozen(kw_only=True)
 class RoutingOptions:
-    """Where records no route takes go: a destination, or dropped (counted)."""
+    """Where records no route takes go: a destination, or dropped (counted);
+    whether route chains may form cycles, and the causal limits every chain
+    lives under (``[routing.causal_limits]``: ``CausalLimits``' fields)."""
 
     default_destination: str | None = None
     unmatched: Literal["default", "drop"] = "default"
+    allow_cycles: bool = False
+    causal_limits: CausalLimits = attrs.Factory(CausalLimits)
 
 
 @attrs.frozen(kw_only=True)
@@ -53,5 +58,6 @@ class ProducerConfig:
     hooks: tuple[ProducerHook, ...] = ()
 
 
+add_limits(CausalLimits, CAUSAL_LIMITS)
 add_limits(IngressOptions, {"capacity_records": Limit(1, 2**32), "capacity_bytes": Limit(1, 2**44)})
 add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})

@@ -1,0 +1,159 @@
+"""Causal limits and chain resolution as pure values (issue #15: chaining)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taproute.routing import ConfigError, Layout, RecordSchema, Route, RoutingConfig
+from taproute.routing.causal import CausalLimits, RootLedger, root_ids
+from taproute.routing.chains import ChainCycle, ChainError
+from taproute.routing.errors import PlanErrors
+from taproute.routing.plan import RoutePlan
+from taproute.routing.processors import ProcessorRegistry, stateless_processor
+from taproute.native import make_descriptors
+
+SCHEMA = RecordSchema(
+    [
+        Layout("vec", [("values", "Array(Float32)")]),
+        Layout("norm", [("key", "Int64"), ("norm", "Float32")]),
+        Layout("label", [("key", "Int64"), ("name", "String")]),
+    ]
+)
+REGISTRY = ProcessorRegistry()
+
+
+@stateless_processor("v.norm", input="vec", output="norm", registry=REGISTRY)
+def _norm(records):  # pragma: no cover - never run here
+    return None
+
+
+@stateless_processor("v.again", input="norm", output="norm", registry=REGISTRY)
+def _again(records):  # pragma: no cover
+    return None
+
+
+@stateless_processor("v.label", input="vec", output="label", registry=REGISTRY)
+def _label(records):  # pragma: no cover
+    return None
+
+
+def plan(*routes: Route, allow_cycles: bool = False) -> RoutePlan:
+    return RoutePlan(
+        RoutingConfig(routes, allow_cycles=allow_cycles),
+        SCHEMA,
+        destinations=["d"],
+        unmatched="drop",
+        registry=REGISTRY,
+    )
+
+
+def stateless(name: str, outputs, processor: str, **kw) -> Route:
+    return Route(name, outputs, "d", mode="stateless", processor=processor, **kw)
+
+
+# -- chains -------------------------------------------------------------------------
+
+
+def test_then_and_route_outputs_resolve_to_one_graph():
+    p = plan(
+        stateless("norms", "layers.*", "v.norm", then=("again",)),
+        stateless("again", "route:norms", "v.again"),
+        Route("raw_norms", "route:norm*", "d"),
+    )
+    assert p.chains.targets == ((1, 2), (), ())
+    assert p.chains.cycles == ()
+    # A derived hook matches only the chained routes; hook globs never match it.
+    assert p.routes_for("route:norms") == (1, 2)
+    assert p.routes_for("layers.0") == (0,)
+    everything = plan(Route("all", "*", "d"))
+    assert everything.routes_for("route:all") == ()
+
+
+def test_cycle_is_refused_at_build_naming_its_routes():
+    with pytest.raises(ChainCycle) as refused:
+        plan(
+            stateless("a", "layers.*", "v.norm", then=("b",)),
+            stateless("b", "route:a", "v.again", then=("c",)),
+            stateless("c", "route:b", "v.again", then=("b",)),
+        )
+    assert "routes b -> c -> b form a cycle" in str(refused.value)
+    assert "allow_cycles" in str(refused.value)
+    assert refused.value.where == "routes"
+    with pytest.raises(ChainCycle, match=r"routes loop -> loop form a cycle"):
+        plan(stateless("loop", ["layers.*", "route:loop"], "v.again"))
+    allowed = plan(
+        stateless("a", "layers.*", "v.norm", then=("b",)),
+        stateless("b", "route:a", "v.again", then=("c",)),
+        stateless("c", "route:b", "v.again", then=("b",)),
+        allow_cycles=True,
+    )
+    assert allowed.chains.cyclic == {(1, 2), (2, 1)}
+    assert allowed.chains.cycles == (("b", "c"),)
+
+
+def test_chain_problems_are_all_reported_with_their_key_paths():
+    with pytest.raises(PlanErrors) as refused:
+        plan(
+            stateless("norms", "layers.*", "v.norm", then=("nope",)),
+            stateless("labels", "layers.*", "v.label", then=("raw",)),
+            stateless("wrong", "route:labels", "v.again"),
+            Route("raw", "route:missing*", "d"),
+        )
+    located = {where: message for message, where in refused.value.located()}
+    assert "then names 'nope', which is not a route" in located["routes[0].then[0]"]
+    assert "names no route" in located["routes[3].outputs[0]"]
+    assert "reads layout 'norm', but 'labels' emits 'label'" in located["routes[2]"]
+    assert "variable-length column(s) name" in located["routes[1]"]
+    assert all(isinstance(e, ChainError) for e in refused.value.errors)
+
+
+def test_causal_limits_are_bounded_like_every_config_value():
+    with pytest.raises(ConfigError, match=r"causal limits: max_depth must be"):
+        CausalLimits(max_depth=0)
+    with pytest.raises(ConfigError, match=r"per_root_per_minute must be"):
+        CausalLimits(per_root_per_minute=2**40)
+
+
+# -- the root ledger ------------------------------------------------------------------
+
+
+def test_root_ids_are_stable_per_record_identity_and_differ_between_records():
+    d = make_descriptors(3, 4, count=4, keys=[1, 1, 2, 2], timestamps_ns=5)
+    first, again = root_ids(d), root_ids(d.copy())
+    assert first.tolist() == again.tolist()
+    assert len(set(first.tolist())) == 4
+    assert root_ids(d[[2]]).tolist() == [first[2]]
+
+
+def test_ledger_depth_and_rate_in_one_vectorised_pass():
+    ledger = RootLedger()
+    limits = CausalLimits(max_depth=3, per_root_per_minute=2)
+    roots = np.array([7, 7, 8, 7, 7], np.int64)
+    depths = np.array([1, 4, 1, 2, 3], np.int32)
+    result = ledger.admit(roots, depths, 60.0, limits)
+    # Root 7: depth 4 refused first and spends no token; then two accepted, the third over rate.
+    assert result.too_deep.tolist() == [False, True, False, False, False]
+    assert result.accepted.tolist() == [True, False, True, True, False]
+    assert result.over_rate.tolist() == [False, False, False, False, True]
+    assert ledger.used(7, 119.9) == 2 and ledger.used(8, 60) == 1
+    # The next minute restores rate capacity only.
+    nxt = ledger.admit(np.array([7, 7, 7]), np.array([1, 4, 2], np.int32), 120.0, limits)
+    assert nxt.accepted.tolist() == [True, False, True]
+
+
+def test_limits_are_pinned_per_root_at_its_first_accepted_derived_record():
+    ledger = RootLedger()
+    old = CausalLimits(max_depth=2, per_root_per_minute=1)
+    new = CausalLimits(max_depth=5, per_root_per_minute=3)
+    refused_first = ledger.admit(np.array([9]), np.array([3], np.int32), 0.0, old)
+    assert not refused_first.accepted[0] and ledger.pinned(9) is None  # refused: not pinned
+    ledger.admit(np.array([1]), np.array([1], np.int32), 0.0, old)
+    assert ledger.pinned(1) == CausalLimits(max_depth=2, per_root_per_minute=1)
+    later = ledger.admit(np.array([1, 1, 2, 2]), np.array([3, 1, 3, 1], np.int32), 61.0, new)
+    # Root 1 keeps depth 2 / 1 per minute; root 2 is new and gets the new limits.
+    assert later.accepted.tolist() == [False, True, True, True]
+    assert ledger.pinned(2) == new
+    # Forgotten after its retention; derives again under the limits then in force.
+    ledger.admit(np.array([3]), np.array([1], np.int32), 60.0 * 17, new)
+    assert ledger.pinned(1) is None and ledger.pinned(3) == new
