@@ -38,8 +38,12 @@ from taproute.routing.causal import (
     root_hex,
     root_ids,
 )
+from taproute.routing.chains import derived_hook
 from taproute.routing.failures import FailureCode, FailureHandler, GiveUpLog, RecordFailure
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
+from taproute.routing.plan import RoutePlan
+from taproute.routing.schema import RecordSchema
 
 if TYPE_CHECKING:
     from taproute.actors.route_actor import RouteActor
@@ -240,6 +244,19 @@ class ChainLink:
         finally:
             batch.lease.release()  # this link's own hold; the routes hold theirs
 
+    async def finalized(self, key: int, rows: npt.NDArray[np.void]) -> int:
+        """Route a completed key's final rows again: their root is the completion
+        itself (a new root: ``route:<route>``, the key, the time), depth 1."""
+        completion = np.zeros(1, dtype=DESCRIPTOR_DTYPE)
+        completion["output_id"] = self.output_id
+        completion["key"] = key
+        completion["timestamp_ns"] = time.time_ns()
+        parent = RecordBatch(completion, np.empty(0, np.uint8), BufferLease(), nbytes=0)
+        try:
+            return await self.rows(parent, rows)
+        finally:
+            parent.lease.release()
+
     async def records(self, batch: RecordBatch) -> int:
         """Route a forward route's records again (same payload, no copy)."""
         lineage = lineage_of(batch)
@@ -265,3 +282,30 @@ class ChainLink:
             if part is not None and len(part):
                 await target.dispatch(part, wait=not cyclic)
         return len(admitted)
+
+
+def link_chains(
+    plan: RoutePlan,
+    routes: Sequence[RouteActor],
+    hooks: HookRegistry,
+    schema: RecordSchema,
+    gate: CausalGate,
+) -> None:
+    """Give every route whose output is routed again its :class:`ChainLink`,
+    binding the derived hook ``route:<name>`` its records carry."""
+    chains = plan.chains
+    for planned, route in zip(plan.routes, routes, strict=True):
+        targets = chains.targets[planned.index]
+        if not targets:
+            continue
+        layout = planned.output_layout
+        output_id = hooks.bind(
+            derived_hook(planned.name), layout=None if layout is None else layout.name
+        )
+        route.chain = ChainLink(
+            planned.name,
+            output_id=output_id,
+            layout_id=None if layout is None else schema.layout_id(layout.name),
+            targets=[(routes[j], (planned.index, j) in chains.cyclic) for j in targets],
+            gate=gate,
+        )

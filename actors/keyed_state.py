@@ -184,6 +184,8 @@ class KeyedRoute(RouteActor):
                     await self.destination.deliver(
                         self.name, RowBatch(self.name, layout.name, rows)
                     )
+                    if self.chain is not None:
+                        self.counters.derived += await self.chain.finalized(key, rows)
         self.keys.clear(key, self.state, KeyState.COMPLETED)
         self.keys.completing[key] -= 1
         self.counters.completed_keys += 1

@@ -37,8 +37,9 @@ class StatefulRoute(KeyedRoute):
 
     # -- intake ----------------------------------------------------------------
 
-    async def dispatch(self, batch: RecordBatch) -> None:
-        await self.parked.wait_for_room()
+    async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
+        if wait:
+            await self.parked.wait_for_room()
         try:
             keys = self._keys(batch)
         except Exception as exc:
@@ -59,7 +60,9 @@ class StatefulRoute(KeyedRoute):
             if selection is None:
                 continue
             part = batch if len(selection) == len(batch) else batch.select(selection)
-            await self._enqueue(self.owner_mailboxes[owner], (part, keys[selection]), part)
+            await self._enqueue(
+                self.owner_mailboxes[owner], (part, keys[selection]), part, wait=wait
+            )
 
     def _keys(self, batch: RecordBatch) -> Keys:
         assert self.key_function is not None

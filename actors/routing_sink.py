@@ -23,13 +23,16 @@ runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import trio
 
+from taproute.actors.chain import CausalGate, link_chains
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
@@ -40,6 +43,7 @@ from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable
 from taproute.routing.batch import Batch, RecordBatch
+from taproute.routing.causal import RootLedger
 from taproute.routing.errors import (
     RoutingFailure,
     SinkClosed,
@@ -50,9 +54,10 @@ from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import Unmatched
-from taproute.routing.predicates import Groups, Verdict, narrow
+from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.producer import Producer
+from taproute.routing.refusals import Decline, RefusalLog
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 
@@ -93,6 +98,8 @@ class RoutingSink(Producer[RouterSnapshot]):
         on_failure: FailureHandler = log_failure,
         destination_capacity: int = DESTINATION_QUEUE_RECORDS,
         destination_capacity_bytes: int = DESTINATION_QUEUE_BYTES,
+        causal_clock: Callable[[], float] = time.time,
+        causal_ledger: RootLedger | None = None,
     ) -> None:
         super().__init__(Intake(hooks if hooks is not None else HookRegistry(), schema))
         self.schema = schema
@@ -129,6 +136,18 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._by_name = topology.by_name
         self._rerouter.routes = topology.by_name
         self._default = topology.default
+        #: Admits derived records under the causal limits (chains).
+        self.causal = CausalGate(
+            config.causal_limits,
+            ledger=causal_ledger,
+            clock=causal_clock,
+            on_failure=on_failure,
+            give_up_log=self.give_up_log,
+            latch=self._latch,
+        )
+        link_chains(self.plan, self._routes, self.hooks, self.schema, self.causal)
+        #: Recent records no route took, per hook, with each route's refusal.
+        self.refusals = RefusalLog()
         self._table = RouteTable(len(self.plan.routes))
         self._unsubscribe = self.hooks.subscribe(self._on_bind)
         self._unmatched_forwarded = 0
@@ -250,26 +269,43 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._check_open()
         async with self._lock:
             groups = self._table.group(batch.descriptors)
+            declines: list[Decline] = []
             if self._has_predicates:
-                groups = await self._apply_predicates(batch, groups)
+                groups = await self._apply_predicates(batch, groups, declines)
             routes = self._routes
             for index, selection in groups:
                 part = batch.select(selection)
                 if index == UNMATCHED:
+                    self.refusals.note(
+                        batch.descriptors,
+                        positions_of(selection, len(batch)),
+                        declines,
+                        self.hooks.name_of,
+                    )
                     await self._unmatched(part)
                 else:
                     await routes[index].dispatch(part)
 
-    async def _apply_predicates(self, batch: RecordBatch, groups: Groups) -> Groups:
+    async def _apply_predicates(
+        self, batch: RecordBatch, groups: Groups, declines: list[Decline]
+    ) -> Groups:
         """Each route's predicate on its group, under the route's deadline; a
-        route whose predicate failed has given those records up (not the router)."""
+        route whose predicate failed has given those records up (not the router).
+        What each predicate declined is counted and noted in ``declines``."""
         n = len(batch)
         verdicts: dict[int, Verdict] = {}
         for index, selection in groups:
             if index != UNMATCHED and self.plan.routes[index].route.predicate is not None:
                 part = batch.select(selection)
                 verdicts[index] = await self._routes[index].screen(part)
-        return narrow(groups, n, verdicts, self._declined)
+
+        def declined(index: int, positions: npt.NDArray[np.intp], reason: str) -> None:
+            counters = self._routes[index].counters
+            counters.declined += len(positions)
+            counters.last_decline = reason
+            declines.append((self._routes[index].name, positions, reason))
+
+        return narrow(groups, n, verdicts, declined)
 
     # -- rerouting dead letters ---------------------------------------------------
 
@@ -288,23 +324,29 @@ class RoutingSink(Producer[RouterSnapshot]):
             raise SinkClosed("the routing sink is not running; reroute refused")
         self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id)
 
-    def _declined(self, index: int, count: int, reason: str) -> None:
-        counters = self._routes[index].counters
-        counters.declined += count
-        counters.last_decline = reason
-
     def trace(self, hook: str, **fields: Any) -> TraceResult:
         """Where a record of ``hook`` with these descriptor fields would go, and why.
 
         A dry run: route predicates run, nothing else (no processor, no write).
+        What submission would refuse is refused first (an unbound hook; with
+        ``length``, a payload size its ``layout`` does not allow).  A record no
+        route takes comes back with its refusals and this sink's recent
+        unmatched records of the hook.
         """
-        from taproute.routing.trace import trace  # the dry-run module stays off the hot path
+        # The dry-run module stays off the hot path.
+        from taproute.routing.trace import trace_descriptor, traced_descriptor
 
-        layout = fields.pop("layout", None)
-        if layout is not None:
-            fields["layout_id"] = self.schema.layout_id(layout)
-        bound = self.hooks.id_of(hook)
-        return trace(self.plan, hook, output_id=bound or 0, **fields)
+        descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
+        result = trace_descriptor(self.plan, hook, descriptors)
+        if not any(v.verdict == "match" for v in result.verdicts):
+            result.recent_unmatched.extend(self.refusals.recent(hook))
+        return result
+
+    @property
+    def causal_ledger(self) -> RootLedger:
+        """The roots and their pinned limits; hand it to the next generation's
+        sink (``causal_ledger=``) so roots in flight keep their limits."""
+        return self.causal.ledger
 
     # -- key lifecycle -------------------------------------------------------
 
@@ -399,4 +441,6 @@ class RoutingSink(Producer[RouterSnapshot]):
             unmatched_forwarded=self._unmatched_forwarded,
             unmatched_dropped=self._unmatched_dropped,
             failure=None if failure is None else str(failure),
+            causal=self.causal.snapshot(),
+            unmatched_samples=self.refusals.by_hook(),
         )

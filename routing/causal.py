@@ -61,7 +61,9 @@ class CausalLimits:
     again later is pinned anew, with the limits then in force).
     """
 
-    max_depth: int = attrs.field(default=32, validator=CAUSAL_LIMITS["max_depth"].check(int, _owner))
+    max_depth: int = attrs.field(
+        default=32, validator=CAUSAL_LIMITS["max_depth"].check(int, _owner)
+    )
     per_root_per_minute: int = attrs.field(
         default=128, validator=CAUSAL_LIMITS["per_root_per_minute"].check(int, _owner)
     )

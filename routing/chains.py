@@ -120,8 +120,7 @@ def resolve_chains(
             errors.append(
                 at(
                     ChainError(
-                        f"route {names[i]!r}: its output is routed again, but "
-                        f"{payload_problems[i]}"
+                        f"route {names[i]!r}: its output is routed again, but {payload_problems[i]}"
                     ),
                     f"routes[{i}]",
                 )

@@ -106,7 +106,7 @@ def traced_descriptor(
         output_id,
         0 if length is None else length,
         count=1,
-        **{_FIELDS[name]: value for name, value in {"timestamp_ns": 0, **fields}.items()},  # type: ignore[arg-type]
+        **{_FIELDS[name]: value for name, value in {"timestamp_ns": 0, **fields}.items()},
     )
     if length is not None:
         check_batch(

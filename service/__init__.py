@@ -35,6 +35,14 @@ from taproute.routing import (
     stateful_processor,
     stateless_processor,
 )
+from taproute.routing.causal import (
+    CausalLimits,
+    CausalRefusal,
+    CausalSnapshot,
+    RootLedger,
+)
+from taproute.routing.chains import ChainCycle, ChainError
+from taproute.routing.refusals import Refusal, UnmatchedSample
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.metrics import SnapshotCollector
@@ -73,6 +81,14 @@ from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 
 __all__ = [
+    "CausalLimits",
+    "CausalRefusal",
+    "CausalSnapshot",
+    "ChainCycle",
+    "ChainError",
+    "Refusal",
+    "RootLedger",
+    "UnmatchedSample",
     "Backoff",
     "Spool",
     "SpoolConfig",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from taproute.native import make_descriptors
 from taproute.routing import ConfigError, Layout, RecordSchema, Route, RoutingConfig
 from taproute.routing.causal import CausalLimits, RootLedger, root_ids
 from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.errors import PlanErrors
 from taproute.routing.plan import RoutePlan
 from taproute.routing.processors import ProcessorRegistry, stateless_processor
-from taproute.native import make_descriptors
 
 SCHEMA = RecordSchema(
     [

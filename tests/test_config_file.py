@@ -181,6 +181,7 @@ def test_the_shipped_load_test_config_is_valid(tmp_path):
     config = load_config(copy)
     with config.build() as built:
         assert [r.name for r in config.routes] == ["raw", "head_norms"]
+        built.sink.bind_hook("encoder.layer.3.attention.self.query")  # as a producer would
         trace = built.sink.trace("encoder.layer.3.attention.self.query")
         assert trace.destinations == ["clickhouse"]
         assert built.dead_letters is not None

@@ -19,6 +19,7 @@ from taproute.routing import (
     RecordFailure,
     Route,
     RoutingConfig,
+    UnboundOutputId,
 )
 from taproute.service import CaptureSink, DeadLetterStore, create_record_runtime
 from tests.conftest import vec_batch
@@ -302,6 +303,11 @@ async def test_trace_reports_verdicts_and_runs_no_processor():
         assert odd.destinations == ["cap"]
         even = sink.trace(Q, step=2)
         assert [v.verdict for v in even.verdicts] == ["match", "match", "not_reached"]
+        # Trace refuses what submission would refuse: an unbound hook is not
+        # traced (least of all as output_id 0, another hook's).
+        with pytest.raises(UnboundOutputId, match="hook 'mlp.0' was never bound"):
+            sink.trace("mlp.0")
+        hooks.bind("mlp.0")
         nowhere = sink.trace("mlp.0")
         assert [v.verdict for v in nowhere.verdicts] == ["bypassed"] * 3
         assert nowhere.destinations == ["d"] and not nowhere.dropped

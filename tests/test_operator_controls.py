@@ -88,10 +88,20 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
         assert [d["seq"] for d in request(f"{url}/dead-letters")[1]] == [2]
 
         assert request(f"{url}/trace", "POST")[0] == 400  # no body: refused, not crashed
-        traced = urllib.request.Request(
+        unbound = urllib.request.Request(
             f"{url}/trace",
             method="POST",
             data=json.dumps({"hook": "mlp.0", "key": 3}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(unbound, timeout=10)
+        assert refused.value.code == 400
+        assert "'mlp.0' was never bound" in json.loads(refused.value.read())["error"]
+        traced = urllib.request.Request(
+            f"{url}/trace",
+            method="POST",
+            data=json.dumps({"hook": "layers.0.q", "key": 3}).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(traced, timeout=10) as response:

@@ -54,6 +54,20 @@ class SnapshotCollector(Collector):
         unmatched.add_metric(["forwarded"], snap.unmatched_forwarded)
         unmatched.add_metric(["dropped"], snap.unmatched_dropped)
         yield unmatched
+        causal = CounterMetricFamily(
+            "taproute_causal_records",
+            "Derived records (a route's output routed again), by the causal limits' verdict.",
+            labels=["verdict"],
+        )
+        causal.add_metric(["accepted"], snap.causal.derived)
+        causal.add_metric(["refused_depth"], snap.causal.refused_depth)
+        causal.add_metric(["refused_rate"], snap.causal.refused_rate)
+        yield causal
+        pinned = GaugeMetricFamily(
+            "taproute_causal_pinned_roots", "Roots whose causal limits are pinned now."
+        )
+        pinned.add_metric([], snap.causal.pinned_roots)
+        yield pinned
         failed = GaugeMetricFamily(
             "taproute_failure_latched", "1 once a failure is latched (the router refuses work)."
         )

@@ -413,6 +413,8 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             unmatched_forwarded=sink.unmatched_forwarded,
             unmatched_dropped=sink.unmatched_dropped,
             failure=None if failure is None else str(failure),
+            causal=sink.causal,
+            unmatched_samples=sink.unmatched_samples,
             ingress=self._ingress.snapshot(),
         )
 

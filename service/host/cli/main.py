@@ -54,10 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     trace_parser = commands.add_parser("trace", help="where would a record go, and why (dry run)")
-    trace_parser.add_argument("--config", type=Path, required=True)
+    trace_target = trace_parser.add_mutually_exclusive_group(required=True)
+    trace_target.add_argument("--config", type=Path)
+    trace_target.add_argument("--url", help="a running service: trace with its routes and hooks")
     trace_parser.add_argument("--hook", required=True)
-    for field in ("key", "step", "seq", "timestamp_ns"):
+    for field in ("key", "step", "seq", "timestamp_ns", "length"):
         trace_parser.add_argument(f"--{field.replace('_', '-')}", dest=field, type=arguments.int64)
+    trace_parser.add_argument("--layout", help="the record's layout (default: the hook's)")
 
     letters = commands.add_parser("dead-letters", help="list, show, skip or reroute dead letters")
     letters.add_argument("action", choices=["list", "show", "skip", "reroute"])
@@ -119,10 +122,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "trace":
         fields = {
             name: getattr(args, name)
-            for name in ("key", "step", "seq", "timestamp_ns")
+            for name in ("key", "step", "seq", "timestamp_ns", "length")
             if getattr(args, name) is not None
         }
-        return trace.trace(args.config, args.hook, fields)
+        if args.url is not None:
+            return trace.trace_remote(args.url, args.hook, fields, layout=args.layout)
+        return trace.trace(args.config, args.hook, fields, layout=args.layout)
     if args.command == "replay":
         from taproute.service.replay import cli as replay_cli
 

@@ -1,20 +1,88 @@
-"""``taproute trace``: where a record of a hook would go, and why (a dry run)."""
+"""``taproute trace``: where a record of a hook would go, and why (a dry run),
+against a config file or a running service (``--url``: its ``POST /trace``,
+which also returns the service's recent unmatched records of the hook)."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
+import attrs
+
+from taproute.routing.routes import DERIVED_PREFIX
+from taproute.service.host.cli.errors import BAD_INPUT, CommandError
 from taproute.service.host.config import load_config
 
 
-def trace(path: Path, hook: str, fields: dict[str, int]) -> int:
-    """Print where a record of ``hook`` would go, and why (a dry run)."""
-    with load_config(path).build() as built:
-        result = built.sink.trace(hook, **fields)
-    print(f"trace {hook} {' '.join(f'{k}={v}' for k, v in fields.items())}".rstrip())
-    for verdict in result.verdicts:
-        reason = f"  ({verdict.reason})" if verdict.reason else ""
-        print(f"  {verdict.route:<20} {verdict.verdict:<12} -> {verdict.destination}{reason}")
-    target = "dropped" if result.dropped else ", ".join(result.destinations)
-    print(f"  => {target}")
+def trace(path: Path, hook: str, fields: dict[str, int], *, layout: str | None = None) -> int:
+    """Print where a record of ``hook`` would go, and why (a dry run).
+
+    The hook is bound as the process running this config would bind it (with
+    ``layout``, else the layout its ``[producer]`` entry gives); a record the
+    router would refuse (with ``length``: a payload size the layout does not
+    allow) is refused here too, with submission's own message.
+    """
+    config = load_config(path)
+    if layout is None:
+        layout = next((h.layout for h in config.producer.hooks if h.name == hook), None)
+    with config.build() as built:
+        if not hook.startswith(DERIVED_PREFIX):  # derived hooks are the router's own
+            built.sink.bind_hook(hook, layout=layout)
+        result = built.sink.trace(hook, layout=layout, **fields)
+    _print(hook, fields, attrs.asdict(result))
     return 0
+
+
+def trace_remote(url: str, hook: str, fields: dict[str, int], *, layout: str | None = None) -> int:
+    """The same, asked of a running service: its routes, its bound hooks, and the
+    recent records of ``hook`` no route took, with each route's refusal."""
+    body: dict[str, Any] = {"hook": hook, **fields}
+    if layout is not None:
+        body["layout"] = layout
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/trace",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            result = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        try:
+            reason = json.loads(error.read())["error"]
+        except (ValueError, KeyError, TypeError):
+            reason = error.reason
+        code = BAD_INPUT if error.code == 400 else 1  # the record itself would be refused
+        raise CommandError(f"trace refused ({error.code}): {reason}", code) from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        raise CommandError(f"cannot reach {url}: {reason}") from None
+    _print(hook, fields, result)
+    return 0
+
+
+def _print(hook: str, fields: dict[str, int], result: dict[str, Any]) -> None:
+    print(f"trace {hook} {' '.join(f'{k}={v}' for k, v in fields.items())}".rstrip())
+    for verdict in result["verdicts"]:
+        reason = f"  ({verdict['reason']})" if verdict["reason"] else ""
+        print(
+            f"  {verdict['route']:<20} {verdict['verdict']:<12} -> {verdict['destination']}{reason}"
+        )
+    target = "dropped" if result["dropped"] else ", ".join(result["destinations"])
+    print(f"  => {target}")
+    if result.get("refusals"):
+        print("  refused by: " + _refusals(result["refusals"]))
+    recent = result.get("recent_unmatched") or []
+    if recent:
+        print(f"  recent unmatched records of {hook} ({len(recent)}, oldest first):")
+        for sample in recent:
+            why = _refusals(sample["refusals"]) or "no route's outputs match the hook"
+            print(f"    key={sample['key']} step={sample['step']} seq={sample['seq']}: {why}")
+
+
+def _refusals(refusals: list[dict[str, str]]) -> str:
+    return "; ".join(f"{r['route']} ({r['reason']})" for r in refusals)
