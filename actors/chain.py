@@ -232,17 +232,23 @@ class ChainLink:
         descriptors["length"] = size
         roots = lineage.roots if parent is None else lineage.roots[parent]
         depths = lineage.depths if parent is None else lineage.depths[parent]
+        # Rows that view their input's buffer (a processor returning part of its
+        # input) keep that buffer's lease, so it is not given back under them.
+        borrowed = bool(np.may_share_memory(rows, parents.payload))
+        lease = parents.lease if borrowed else BufferLease()
+        if borrowed:
+            lease.acquire()
         batch = RecordBatch(
             descriptors,
             readonly_bytes(np.ascontiguousarray(rows)),
-            BufferLease(),
+            lease,
             nbytes=n * size,
             lineage=Lineage(roots, depths + 1),
         )
         try:
             return await self._send(batch)
         finally:
-            batch.lease.release()  # this link's own hold; the routes hold theirs
+            lease.release()  # this link's own hold; the routes hold theirs
 
     async def finalized(self, key: int, rows: npt.NDArray[np.void]) -> int:
         """Route a completed key's final rows again: their root is the completion
