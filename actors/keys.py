@@ -24,7 +24,25 @@ from taproute.routing.keys import KeyAction
 
 Keys = npt.NDArray[np.int64]
 
-__all__ = ["KeyAction", "KeyControl", "KeyState", "KeyStates", "Keys"]
+__all__ = ["KeyAction", "KeyControl", "KeyState", "KeyStates", "Keys", "distinct_keys"]
+
+
+def distinct_keys(keys: Keys, key_range: int) -> Keys:
+    """The distinct values of ``keys`` (all in ``[0, key_range)``), ascending.
+
+    What ``np.unique`` returns, without its cost (about 0.7 ms for 4096 keys
+    with numpy 2.4, more than the thread hop of a processor call): a flag per
+    key when the range is small next to the batch, else one sort.
+    """
+    if key_range <= 16 * len(keys):
+        seen = np.zeros(key_range, dtype=bool)
+        seen[keys] = True
+        return np.flatnonzero(seen)
+    ordered = np.sort(keys)
+    first = np.empty(len(ordered), dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
 
 
 class KeyState(enum.IntEnum):

@@ -16,7 +16,7 @@ import trio
 
 from taproute.actors.attempt import Attempt, Keys, Outcome
 from taproute.actors.keyed_state import Held, KeyedRoute
-from taproute.actors.keys import KeyControl
+from taproute.actors.keys import KeyControl, distinct_keys
 from taproute.actors.mailbox import Mailbox
 from taproute.native import partition_keys
 from taproute.routing.batch import RecordBatch
@@ -147,7 +147,7 @@ class StatefulRoute(KeyedRoute):
             # queue (a complete, a reopen) decides, when they come up.
             waiting = np.isin(attempt.keys, np.fromiter(held, dtype=np.int64))
             if waiting.any():
-                for key in np.unique(attempt.keys[waiting]).tolist():
+                for key in distinct_keys(attempt.keys[waiting], self.key_range).tolist():
                     part = attempt.part(np.flatnonzero(attempt.keys == key))
                     self.parked.hold(part)
                     held[key].append(part)
@@ -192,7 +192,7 @@ class StatefulRoute(KeyedRoute):
         keys = attempt.keys
         assert keys is not None
         slots = self.state.slots
-        touched = np.unique(keys)
+        touched = distinct_keys(keys, self.key_range)
         saved = slots[touched]  # fancy indexing: a copy
         outcome = await self._call_processor(attempt.batch, keys, self.state)
         if outcome.code is None:
@@ -203,7 +203,7 @@ class StatefulRoute(KeyedRoute):
 
     def _units(self, attempt: Attempt) -> list[Attempt]:
         assert attempt.keys is not None
-        keys = np.unique(attempt.keys).tolist()
+        keys = distinct_keys(attempt.keys, self.key_range).tolist()
         if len(keys) == 1:
             return [attempt]
         return [attempt.part(np.flatnonzero(attempt.keys == key)) for key in keys]
