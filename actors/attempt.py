@@ -138,6 +138,56 @@ class HeldWhileRunning:
             self._abandoned(-1)
 
 
+#: A processor call that uses less CPU than this costs less than its trip to
+#: a worker thread and back (0.1 to 0.4 ms of CPU over the two threads on a
+#: loaded 2-core machine; see bench/profiles/).
+INLINE_BELOW_S = 0.0002
+#: ... provided it also returned within this wall time: a call that waited
+#: (I/O, a lock, a sleep) is no call to run on the loop.  Looser than the CPU
+#: bound because a busy machine preempts quick calls too.
+INLINE_WALL_S = 0.002
+#: How many quick calls in a row move a route's processor onto the loop.
+INLINE_AFTER = 8
+
+
+class Placement:
+    """Where one route's processor runs: in a worker thread (the default), or
+    on the Trio loop itself once its last :data:`INLINE_AFTER` calls were
+    quick (under :data:`INLINE_BELOW_S` of CPU and :data:`INLINE_WALL_S` of
+    wall time).  The first slower call (or one that raised, or ran past the
+    deadline) sends it back to worker threads.
+
+    An inline call skips the thread hop, which for a small processor costs
+    several times the call.  It cannot be abandoned at the route's deadline
+    (nothing interrupts a running call); a processor only gets there by being
+    quick, and leaves at its first slow call.  A processor registered with
+    ``needs_thread=True`` never runs inline.
+    """
+
+    __slots__ = ("quick",)
+
+    def __init__(self) -> None:
+        #: Consecutive quick calls, up to INLINE_AFTER.
+        self.quick = 0
+
+    @property
+    def inline(self) -> bool:
+        """True when the next call may run on the loop."""
+        return self.quick >= INLINE_AFTER
+
+    def took(self, cpu: float, wall: float) -> None:
+        """Note a call's CPU and wall seconds (``math.inf``: it raised or was abandoned)."""
+        quick = cpu < INLINE_BELOW_S and wall < INLINE_WALL_S
+        self.quick = min(self.quick + 1, INLINE_AFTER) if quick else 0
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
+    """``fn(*args)``, and the CPU and wall seconds it took (in its thread)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    result = fn(*args)
+    return result, time.thread_time() - cpu, time.perf_counter() - wall
+
+
 async def call_processor(
     planned: PlannedRoute,
     batch: RecordBatch,
@@ -146,6 +196,7 @@ async def call_processor(
     threads: trio.CapacityLimiter,
     hook_name: Callable[[int], str] | None = None,
     abandoned: Callable[[int], None] | None = None,
+    placement: Placement | None = None,
 ) -> Outcome:
     """Run ``planned``'s processor on ``batch`` under the route's deadline.
 
@@ -153,6 +204,8 @@ async def call_processor(
     threads (one past its deadline is abandoned and must not keep a slot).
     The batch's buffer stays held until the processor returns, even when
     the call was given up at its deadline (``abandoned`` counts those).
+    With a ``placement``, a processor that has been quick runs on the loop
+    instead (see :class:`Placement`).
     """
     if planned.processor is None:
         return Outcome(code=FailureCode.HANDLER_MISSING, error=LookupError("no processor"))
@@ -160,25 +213,41 @@ async def call_processor(
     deadline = planned.route.failure_policy.deadline or math.inf
     layout = planned.input_layout
     records = Records(batch, layout, hook_name) if layout else batch
+    place = placement if placement is not None else Placement()
+    cpu = wall = math.inf  # until the call returned
     try:
-        async with limiter:
-            held = HeldWhileRunning(batch, abandoned)
-            try:
-                with trio.move_on_after(deadline) as scope:
-                    result = await trio.to_thread.run_sync(
-                        held.run, fn, records, *args, limiter=threads, abandon_on_cancel=True
-                    )
-            finally:
-                held.leave()
-        if scope.cancelled_caught:
-            return Outcome(
-                code=FailureCode.HANDLER_TIMEOUT,
-                error=TimeoutError(f"no result within the route's {deadline:g} s deadline"),
-            )
+        if place.inline and not planned.processor.needs_thread:
+            result, cpu, wall = _timed(fn, records, *args)
+            # A schedule point per call, as a thread hop would be; shielded so a
+            # cancellation cannot lose a result already computed.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            async with limiter:
+                held = HeldWhileRunning(batch, abandoned)
+                try:
+                    with trio.move_on_after(deadline) as scope:
+                        result, cpu, wall = await trio.to_thread.run_sync(
+                            held.run,
+                            _timed,
+                            fn,
+                            records,
+                            *args,
+                            limiter=threads,
+                            abandon_on_cancel=True,
+                        )
+                finally:
+                    held.leave()
+            if scope.cancelled_caught:
+                return Outcome(
+                    code=FailureCode.HANDLER_TIMEOUT,
+                    error=TimeoutError(f"no result within the route's {deadline:g} s deadline"),
+                )
     except Exception as exc:
         code = classify(exc)
         tb = None if code is FailureCode.HANDLER_INVALID else traceback.format_exc()
         return Outcome(code=code, error=exc, traceback=tb)
+    finally:
+        place.took(cpu, wall)
     if isinstance(result, Failed):
         return Outcome(code=FailureCode.HANDLER_FAILED, error=ProcessorFailed(result.reason))
     if result is None:

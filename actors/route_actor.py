@@ -29,7 +29,13 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from taproute.actors.attempt import Attempt, HeldWhileRunning, Outcome, call_processor
+from taproute.actors.attempt import (
+    Attempt,
+    HeldWhileRunning,
+    Outcome,
+    Placement,
+    call_processor,
+)
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
 from taproute.actors.inflight import InFlight
@@ -85,6 +91,8 @@ class RouteActor:
         # Threads are not bounded by `limiter` (a processor past its deadline is
         # abandoned and must not keep its slot); this one only counts them.
         self._threads = trio.CapacityLimiter(math.inf)
+        #: Where the processor runs: worker threads, or the loop once it is quick.
+        self.placement = Placement()
         self.parked: RetryQueue[Any] = RetryQueue(
             self.counters, max_parked=self.policy.max_parked_records
         )
@@ -143,6 +151,7 @@ class RouteActor:
             threads=self._threads,
             hook_name=self._hook_name,
             abandoned=self._abandoned_call,
+            placement=self.placement,
         )
 
     def _abandoned_call(self, delta: int) -> None:

@@ -89,6 +89,10 @@ class ProcessorSpec:
     #: final rows (``state`` is the route's :class:`StateRegion`; read
     #: ``state.slots[key]``) when the key is completed, before its slot is cleared.
     finalize: Callable[[Any, int], Any] | None = None
+    #: Always call it in a worker thread, even when its calls are quick enough
+    #: to run on the loop (it calls ``trio.from_thread``, or waits on other
+    #: threads); see ``taproute.actors.attempt.Placement``.
+    needs_thread: bool = False
 
 
 class _Named(Protocol):
@@ -157,16 +161,27 @@ REGISTRY = ProcessorRegistry()
 
 
 def stateless_processor(
-    name: str, *, input: str | None, output: str, registry: ProcessorRegistry = REGISTRY
+    name: str,
+    *,
+    input: str | None,
+    output: str,
+    needs_thread: bool = False,
+    registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records) -> rows | None`` as stateless processor ``name``.
 
     ``input`` is the payload layout it reads (``None``: any; it reads
     descriptors only), ``output`` the layout of the rows it returns.
+    ``needs_thread``: always call it in a worker thread (a quick processor
+    otherwise runs on the loop, see the README's Performance section).
     """
 
     def decorate(fn: F) -> F:
-        registry.register(ProcessorSpec(name, fn, ProcessorKind.STATELESS, input, output))
+        registry.register(
+            ProcessorSpec(
+                name, fn, ProcessorKind.STATELESS, input, output, needs_thread=needs_thread
+            )
+        )
         return fn
 
     return decorate
@@ -183,6 +198,7 @@ def stateful_processor(
     merge: Callable[[Any, Any], Any] | None = None,
     finish: Callable[[Any, Any], Any] | None = None,
     finalize: Callable[[Any, int], Any] | None = None,
+    needs_thread: bool = False,
     registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records, keys, state) -> rows | None`` as stateful processor ``name``.
@@ -193,6 +209,8 @@ def stateful_processor(
     write the final state as rows (see ``taproute.service.replay``).
     ``finalize(state, key) -> rows | None`` (optional) emits a key's final rows
     when the key is completed (see ``RoutingSink.complete``).
+    ``needs_thread``: always call it in a worker thread (see
+    :func:`stateless_processor`).
     """
     if not isinstance(key_range, int) or key_range <= 0:
         raise ConfigError(
@@ -213,6 +231,7 @@ def stateful_processor(
                 merge,
                 finish,
                 finalize,
+                needs_thread,
             )
         )
         return fn

@@ -50,14 +50,14 @@ def invalid_when_broken(records: Records) -> np.ndarray:
     return norms(records)
 
 
-@stateless_processor("fail.always_transient", input="vec", output="norm")
+@stateless_processor("fail.always_transient", input="vec", output="norm", needs_thread=True)
 def always_transient(records: Records) -> Failed:
     with SCRIPT.lock:
         SCRIPT.calls.append(now())
     return Failed("feature store restarting")
 
 
-@stateless_processor("fail.transient_then_ok", input="vec", output="norm")
+@stateless_processor("fail.transient_then_ok", input="vec", output="norm", needs_thread=True)
 def transient_then_ok(records: Records):
     with SCRIPT.lock:
         SCRIPT.calls.append(now())
@@ -68,7 +68,7 @@ def transient_then_ok(records: Records):
     return norms(records)
 
 
-@stateless_processor("fail.hangs", input="vec", output="norm")
+@stateless_processor("fail.hangs", input="vec", output="norm", needs_thread=True)
 def hangs(records: Records) -> np.ndarray:
     SCRIPT.release_hang.wait(30)
     return norms(records)

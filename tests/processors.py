@@ -90,7 +90,7 @@ class Rendezvous:
 RENDEZVOUS: dict[str, Rendezvous] = {}
 
 
-@stateless_processor("test.rendezvous", input="vec", output="norm")
+@stateless_processor("test.rendezvous", input="vec", output="norm", needs_thread=True)
 def rendezvous(records: Records) -> np.ndarray:
     RENDEZVOUS["current"].arrive()
     return norms(records)

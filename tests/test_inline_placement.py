@@ -1,0 +1,96 @@
+"""A quick processor runs on the loop (no thread hop); a slow one, one that
+needs a thread, or one past a slow call runs in worker threads."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import trio
+
+from taproute.actors import open_routing_sink
+from taproute.actors.attempt import INLINE_AFTER, INLINE_BELOW_S, INLINE_WALL_S, Placement
+from taproute.routing import HookRegistry, Records, Route, RoutingConfig, stateless_processor
+from taproute.service import CaptureSink
+from tests.conftest import vec_batch
+from tests.processors import NORM, SCHEMA
+
+CALLS: list[tuple[int, bool]] = []  # (thread ident, slow?) per call
+SLOW = {"on": False}
+
+
+def _rows(records: Records) -> np.ndarray:
+    rows = np.zeros(len(records), dtype=NORM.dtype)
+    rows["seq"] = records.descriptors["seq"]
+    return rows
+
+
+@stateless_processor("placement.probe", input="vec", output="norm")
+def probe(records: Records) -> np.ndarray:
+    slow = SLOW["on"]
+    CALLS.append((threading.get_ident(), slow))
+    if slow:
+        time.sleep(2 * INLINE_WALL_S)  # a call that waits: plainly not one for the loop
+    return _rows(records)
+
+
+@stateless_processor("placement.threaded", input="vec", output="norm", needs_thread=True)
+def threaded(records: Records) -> np.ndarray:
+    CALLS.append((threading.get_ident(), False))
+    return _rows(records)
+
+
+def test_placement_goes_inline_after_quick_calls_and_back_at_a_slow_one():
+    quick = (INLINE_BELOW_S / 2, INLINE_WALL_S / 2)
+    place = Placement()
+    for _ in range(INLINE_AFTER - 1):
+        place.took(*quick)
+    assert not place.inline
+    place.took(*quick)
+    assert place.inline
+    place.took(INLINE_BELOW_S * 2, INLINE_WALL_S / 2)  # busy
+    assert not place.inline
+    for _ in range(INLINE_AFTER):
+        place.took(*quick)
+    place.took(INLINE_BELOW_S / 2, INLINE_WALL_S * 2)  # waited
+    assert not place.inline
+    for _ in range(INLINE_AFTER):
+        place.took(*quick)
+    place.took(math.inf, math.inf)  # raised, or abandoned at its deadline
+    assert not place.inline
+
+
+async def _run(processor: str, batches: int, slow_from: int | None = None) -> CaptureSink:
+    CALLS.clear()
+    SLOW["on"] = False
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    out = CaptureSink()
+    config = RoutingConfig([Route("r", "q", "out", mode="stateless", processor=processor)])
+    async with open_routing_sink(config, SCHEMA, {"out": out}, "out", hooks=hooks) as sink:
+        for i in range(batches):
+            if i == slow_from:
+                SLOW["on"] = True
+            await sink.submit(vec_batch(q, 4, seq_start=4 * i))
+            await sink.flush()  # one call at a time, in order
+    return out
+
+
+def test_a_quick_processor_moves_onto_the_loop_and_off_it_when_slow():
+    loop_thread = threading.get_ident()  # trio.run runs the loop in this thread
+    out = trio.run(_run, "placement.probe", 200, 150)
+    assert len(out.rows("r")) == 800  # every record processed, wherever it ran
+    quick = [ident == loop_thread for ident, slow in CALLS if not slow]
+    assert not any(quick[:INLINE_AFTER])  # the first calls always go to threads
+    assert any(quick)  # then some ran on the loop
+    slow = [ident == loop_thread for ident, slow in CALLS if slow]
+    assert slow[1:] == [False] * (len(slow) - 1)  # after one slow call: threads
+
+
+def test_a_processor_that_needs_a_thread_never_runs_on_the_loop():
+    loop_thread = threading.get_ident()
+    out = trio.run(_run, "placement.threaded", 3 * INLINE_AFTER)
+    assert len(out.rows("r")) == 12 * INLINE_AFTER
+    assert all(ident != loop_thread for ident, _ in CALLS)
