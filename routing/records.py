@@ -126,6 +126,6 @@ class Records:
         rows = np.ndarray(
             shape=(high - low + 1,), dtype=dtype, buffer=payload, offset=low, strides=(1,)
         )
-        gathered = rows[starts - low]
+        gathered: npt.NDArray[np.void] = rows[starts - low]
         gathered.flags.writeable = False
         return gathered
