@@ -47,7 +47,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.server_capture import DONE, SCHEMA, TABLES, ModelHooks, register_model, routes
+from bench.server_capture import SCHEMA, SUMMARY_SLOTS, TABLES, ModelHooks, register_model, routes
 
 MINILM = ModelHooks(
     prefix="minilm",
@@ -173,8 +173,10 @@ class Models:
     """The two models, and the forward passes the server runs in worker threads.
 
     ``capture`` is the context manager each forward pass runs under (taproute's
-    ``capture_context``, or nothing when capture is off); ``done(prefix, ids)``
-    is called once requests finish (after their last forward pass).
+    ``capture_context``, or nothing when capture is off); ``end_keys`` (the
+    runtime, with capture on) completes a request's id when the context
+    around its last forward pass exits; ``reopen(ids)`` runs before a batch's
+    first pass (a summary slot reused by a later id must be reopened).
     """
 
     def __init__(self, gpt2: Gpt2Size, seed: int) -> None:
@@ -198,7 +200,8 @@ class Models:
         self.gpt2 = GPT2LMHeadModel(config).eval()
         self.gpt2_size = gpt2
         self.capture: Callable[..., contextlib.AbstractContextManager[Any]] = _no_capture
-        self.done: Callable[[str, list[int]], None] = lambda _prefix, _ids: None
+        self.end_keys: Any = None
+        self.reopen: Callable[[list[int]], None] = lambda _ids: None
         #: Batch rows run inside a capture context, per model (what hooks saw).
         self.captured_rows = {"minilm": 0, "gpt2": 0}
 
@@ -215,12 +218,13 @@ class Models:
         texts = [text for r in requests for text in r.texts]
         keys = [r.id for r in requests for _ in r.texts]
         ids, mask = minilm.encode(self.tokenizer, texts)
+        self.reopen([r.id for r in requests])
         with torch.inference_mode():
-            with self.capture(keys, lengths=mask.sum(1).tolist()):
+            # One pass per request: its ids end with it (summaries emitted).
+            with self.capture(keys, lengths=mask.sum(1).tolist(), end_keys=self.end_keys):
                 states = self.minilm(ids, mask)
             self.captured_rows["minilm"] += len(keys)
             vectors = minilm.MiniLM.embed(states, mask).numpy()
-        self.done("minilm", [r.id for r in requests])
         counts = mask.sum(1).tolist()
         out, start = [], 0
         for r in requests:
@@ -243,8 +247,12 @@ class Models:
         positions = torch.arange(width).expand(len(requests), width)
         outputs: list[list[int]] = [[] for _ in requests]
         active = list(range(len(requests)))
-        with torch.inference_mode():
-            with self.capture([r.id for r in requests], lengths=lengths.tolist(), step=0):
+        request_ids = [r.id for r in requests]
+        self.reopen(request_ids)
+        # The whole decode of the batch inside one outer context that ends its
+        # ids on exit; each pass sets its own (inner) context.
+        with torch.inference_mode(), self.capture(request_ids, end_keys=self.end_keys):
+            with self.capture(request_ids, lengths=lengths.tolist(), step=0):
                 out = self.gpt2(
                     input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True
                 )
@@ -260,11 +268,6 @@ class Models:
                     for row, index in enumerate(active)
                     if len(outputs[index]) < requests[index].max_new_tokens
                 ]
-                finished = [
-                    requests[active[row]].id for row in range(len(active)) if row not in keep
-                ]
-                if finished:
-                    self.done("gpt2", finished)
                 if not keep:
                     break
                 if len(keep) < len(active):
@@ -299,7 +302,7 @@ def _no_capture(*_args: Any, **_kwargs: Any) -> Iterator[None]:
 
 
 class Capture:
-    """taproute embedded in the server: runtime, hooks, the done markers."""
+    """taproute embedded in the server: runtime, hooks, key completion."""
 
     def __init__(self, models: Models, config: ServerConfig) -> None:
         from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
@@ -345,29 +348,15 @@ class Capture:
                     prefix=prefix + ".",
                     pool=pool,
                 )
-        self._done_ids = {
-            prefix: self.runtime.bind_hook(f"{prefix}.{DONE}", layout="activations")
-            for prefix in ("minilm", "gpt2")
-        }
-        self._empty = np.empty(0, dtype=np.uint8)
         models.capture = capture_context
-        models.done = self.done
+        models.end_keys = self.runtime
+        models.reopen = self.reopen
 
-    def done(self, prefix: str, request_ids: list[int]) -> None:
-        """Mark requests finished: one empty record each on the summary route
-        (under the same blocking budget as the hooks: shed and counted past it)."""
-        from taproute.service import make_descriptors
-
-        descriptors = make_descriptors(
-            self._done_ids[prefix],
-            0,
-            count=len(request_ids),
-            offsets=0,
-            layout_ids=SCHEMA.layout_id("activations"),
-            keys=np.asarray(request_ids, dtype=np.int64),
-        )
-        if not self.runtime.offer_batch(descriptors, self._empty):
-            self.runtime.count_dropped(f"{prefix}.{DONE}", "max_block", len(request_ids))
+    def reopen(self, request_ids: list[int]) -> None:
+        """Reopen the summary slots later ids reuse (a completed slot is terminal)."""
+        reused = [i for i in request_ids if i >= SUMMARY_SLOTS]
+        if reused:
+            self.runtime.reopen(*reused)
 
     def flush(self) -> dict[str, Any]:
         """Everything captured so far into ClickHouse; then what is where."""

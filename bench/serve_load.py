@@ -385,23 +385,34 @@ def main() -> None:
         return sum(n for hook, why in dropped.items() if test(hook) for n in why.values())
 
     queries = ("attention.self.query", "attn.c_attn")
+    summary_hooks = ("minilm.encoder.layer.5.output", f"gpt2.transformer.h.{layers - 1}")
     expected = {
         "raw": 2 * sent["embed_inputs"]
         + layers * sent["gpt2_rows"]
-        - lost(lambda h: not h.endswith((*queries, "request_done"))),
+        - lost(lambda h: not h.endswith(queries)),
         "head_norms": 2 * sent["embed_inputs"]
         + layers * sent["gpt2_rows"]
         - lost(lambda h: h.endswith(queries)),
-        "summary": sent["embed_requests"]
-        + sent["generate_requests"]
-        - lost(lambda h: h.endswith("request_done")),
+        "summary": sent["embed_requests"] + sent["generate_requests"],
     }
+    # A request's summary row comes when its id is completed, if any of its
+    # summary-hook records got through: a shed record may take one row with it
+    # (records are shed per hook, not per request), never more.
+    summary_shed = lost(lambda h: h in summary_hooks)
     found = report.get("clickhouse_rows", {})
+    exact = {k: v for k, v in found.items() if k != "summary"} == {
+        k: v for k, v in expected.items() if k != "summary"
+    }
+    summary_found = found.get("summary", -1)
+    summary_ok = expected["summary"] - summary_shed <= summary_found <= expected["summary"]
     targets.append(
         harness.target(
             "every captured record in ClickHouse, counted exactly",
-            found == expected and report.get("failure") is None,
-            f"rows {found} vs expected from the requests sent less records shed {expected}",
+            exact and summary_ok and report.get("failure") is None,
+            f"rows {found} vs expected from the requests sent less records shed {expected}"
+            + (
+                f" (summary: at least {expected['summary'] - summary_shed})" if summary_shed else ""
+            ),
         )
     )
     loaded = [

@@ -11,12 +11,11 @@ Three routes over the hooks :mod:`bench.inference_server` binds:
   max token-norm of the last layer's hidden states over every forward pass
   of a request, emitted once when the request is done -> ``request_summary``.
 
-Request completion: until key completion exists (issue #15), the server
-marks a finished request with one empty record under ``<model>.request_done``
-on the same stateful route, submitted after the request's last capture; the
-route sees a key's records in submission order, so the marker is the last
-thing the summary sees of that request, and it emits the row then and frees
-the slot.  With ``complete(key)`` the marker becomes that call.
+Request completion is the key lifecycle: the server runs a request's
+forward passes inside ``capture_context(..., end_keys=runtime)`` (around the
+embedding pass; around the whole decode of a generate batch), so on exit
+the request ids are completed: after every record of theirs, the
+processor's ``finalize`` emits the summary row and the slot is cleared.
 """
 
 from __future__ import annotations
@@ -64,9 +63,9 @@ SCHEMA = RecordSchema([ACTIVATIONS, HEAD_NORMS, REQUEST_SUMMARY])
 TABLES = {"raw": "raw_activations", "head_norms": "head_norms", "summary": "request_summary"}
 
 #: Request-summary slots: request ids map to ``id % SUMMARY_SLOTS``; a slot is
-#: reused once its request is done, so this bounds requests in flight, not served.
+#: reused once its request is done (the server reopens it for the next id that
+#: maps there), so this bounds requests in flight, not served.
 SUMMARY_SLOTS = 65_536
-DONE = "request_done"
 
 
 @attrs.frozen
@@ -130,43 +129,47 @@ def summary_slot(descriptors: npt.NDArray[np.void]) -> npt.NDArray[np.int64]:
     return slots
 
 
+def _summary_row(state: StateRegion, slot_index: int) -> npt.NDArray[np.void]:
+    """The finished request's summary row, from its slot."""
+    request, model, records, tokens, total, peak = state.slots[slot_index].tolist()
+    row = np.empty(1, dtype=REQUEST_SUMMARY.dtype)
+    row[0] = (
+        int(request),
+        list(MODELS)[int(model)],
+        int(records),
+        int(tokens),
+        total / max(tokens, 1),
+        peak,
+    )
+    return row
+
+
 @stateful_processor(
     "server.request_summary",
     key=summary_slot,
     key_range=SUMMARY_SLOTS,
-    slot=SlotSpec((5,), "float64"),  # request id, records, tokens, sum of norms, max norm
+    # request id, model index, records, tokens, sum of norms, max norm
+    slot=SlotSpec((6,), "float64"),
     input="activations",
     output="request_summary",
+    finalize=_summary_row,
 )
-def request_summary(
-    records: Records, keys: npt.NDArray[np.int64], state: StateRegion
-) -> npt.NDArray[np.void]:
-    """Fold each forward pass's last-layer token norms into its request's slot;
-    on the request's done marker emit the summary row and free the slot."""
-    done = []
+def request_summary(records: Records, keys: npt.NDArray[np.int64], state: StateRegion) -> None:
+    """Fold each forward pass's last-layer token norms into its request's slot
+    (the row is emitted by ``finalize`` when the request is completed)."""
     requests = records.descriptors["key"].tolist()
     for i, (slot_index, request) in enumerate(zip(keys.tolist(), requests, strict=True)):
         slot = state.slots[slot_index]
-        if slot[0] != request:  # a new request in this slot (ids start at 1)
-            slot[:] = (request, 0.0, 0.0, 0.0, 0.0)
-        hook = records.hook_name(i)
-        prefix, _, name = hook.partition(".")
-        if name == DONE:
-            tokens = int(slot[2])
-            done.append((request, prefix, int(slot[1]), tokens, slot[3] / max(tokens, 1), slot[4]))
-            slot[:] = 0.0
-            continue
+        prefix = records.hook_name(i).partition(".")[0]
+        if slot[2] == 0:  # the request's first record in this slot
+            slot[:] = (request, list(MODELS).index(prefix), 0.0, 0.0, 0.0, 0.0)
         width = MODELS[prefix].width
         vectors = records.tail(i).reshape(-1, width).astype(np.float64)
         norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors))
-        slot[1] += 1
-        slot[2] += len(norms)
-        slot[3] += norms.sum()
-        slot[4] = max(slot[4], norms.max(initial=0.0))
-    rows = np.empty(len(done), dtype=REQUEST_SUMMARY.dtype)
-    for j, values in enumerate(done):
-        rows[j] = values
-    return rows
+        slot[2] += 1
+        slot[3] += len(norms)
+        slot[4] += norms.sum()
+        slot[5] = max(slot[5], norms.max(initial=0.0))
 
 
 def routes(models: list[ModelHooks], destination: str = "clickhouse") -> RoutingConfig:
@@ -184,7 +187,7 @@ def routes(models: list[ModelHooks], destination: str = "clickhouse") -> Routing
             ),
             Route(
                 "request_summary",
-                [f"{m.prefix}.{name}" for m in models for name in (m.summary, DONE)],
+                [f"{m.prefix}.{m.summary}" for m in models],
                 destination,
                 mode="stateful",
                 processor="server.request_summary",
