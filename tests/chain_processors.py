@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taproute.routing import Records, stateless_processor
+from taproute.routing import InvalidInput, Records, stateless_processor
 from tests.processors import NORM
 
 #: Rows `chain.spray` emits per call (all derived from the call's last record).
@@ -27,3 +27,12 @@ def spray(records: Records) -> np.ndarray:
     rows["key"] = records.descriptors["key"][-1]
     rows["seq"] = np.arange(SPRAY_ROWS)
     return rows
+
+
+@stateless_processor("chain.picky_odd", input="norm", output="norm")
+def picky_odd(records: Records) -> np.ndarray:
+    """Its input as is, but a batch holding an odd seq is malformed (InvalidInput)."""
+    rows = records.rows()
+    if np.any(rows["seq"] % 2 == 1):
+        raise InvalidInput("odd seq")
+    return np.array(rows)

@@ -16,8 +16,10 @@ import tests.chain_processors  # noqa: F401 - registers chain.double, chain.spra
 from taproute.actors import open_routing_sink
 from taproute.routing import FailurePolicy, HookRegistry, RecordBatch, Route, RoutingConfig
 from taproute.routing.causal import CausalLimits, root_hex, root_ids
+from taproute.routing.errors import RerouteRefused
 from taproute.service import CaptureSink, DeadLetterStore
 from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.ops.controls import DeadLetterControls
 from tests.chain_processors import SPRAY_ROWS
 from tests.conftest import vec_batch
 from tests.processors import NORM, SCHEMA
@@ -115,6 +117,8 @@ async def test_a_cycle_stops_at_depth_32_refused_counted_and_dead_lettered(tmp_p
     assert letter.code == "causal_limit" and letter.route == "again"
     assert "depth 33 exceeds max_depth 32" in letter.error and root_hex(root) in letter.error
     assert store.get(letter.id).payload == b""  # redacted by default
+    with pytest.raises(RerouteRefused, match="kept no payload"):
+        DeadLetterControls(store, intake=None).reroute(letter.id)  # type: ignore[arg-type]
     store.close()
     rows.clear()
 
@@ -303,3 +307,47 @@ def test_a_cycle_in_a_config_file_is_refused_unless_allowed(tmp_path, chdb_trans
         ConfigFileError, match=r"routing.causal_limits.max_depth: must be in \[1, 1024\], found 0"
     ):
         load_config(bad)
+
+
+async def test_exact_accounting_with_chains_failures_and_refusals(tmp_path):
+    """in = delivered + dead-lettered, at every hop: what a chain derives is
+    accepted or refused once; what a chained route accepts it processes or
+    gives up once."""
+    hooks, q = hooks_with_q()
+    rows, raw = CaptureSink(), CaptureSink()
+    store = DeadLetterStore(tmp_path / "dead.sqlite", hooks=hooks)
+    config = RoutingConfig(
+        [
+            stateless("spray", Q, "chain.spray", then=("picky", "raw")),
+            stateless("picky", "route:spray", "chain.picky_odd"),
+            Route("raw", "route:spray", "raw"),
+        ]
+    )
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"rows": rows, "raw": raw},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=store.handle,
+    ) as sink:
+        for key in (1, 2):  # two calls: two roots, 128 + 128 accepted of 2 x 200
+            await sink.submit(vec_batch(q, 1, keys=[key]))
+        await sink.flush()
+        snap = sink.snapshot()
+    spray, picky, fwd = (snap.routes[n] for n in ("spray", "picky", "raw"))
+    emitted = 2 * SPRAY_ROWS
+    assert spray.emitted == emitted and spray.derived == snap.causal.derived == 256
+    assert snap.causal.refused_rate == emitted - 256
+    # Each accepted derived record reached both chained routes, once.
+    assert picky.processed + picky.failed == 256 and fwd.processed == raw.records == 256
+    assert picky.failed == 128  # odd seq rows: handler_invalid, dead-lettered one by one
+    assert len(rows.rows("picky")) == 128
+    letters = store.list()
+    by_code: dict[str, int] = {}
+    for letter in letters:
+        by_code[letter.code] = by_code.get(letter.code, 0) + 1
+    assert by_code == {"handler_invalid": 128, "causal_limit": emitted - 256}
+    store.close()
+    rows.clear()
+    raw.clear()

@@ -62,10 +62,16 @@ class DeadLetterControls:
         The copy gets its own id (``reroute_id``), linked to the letter; if it
         fails again, the new letter's ``reroute_of`` names this one.  Refused
         with :class:`~taproute.routing.errors.RerouteRefused`, the letter
-        unchanged, when it was rerouted or skipped already, or when the route
-        is gone or does not take its hook.
+        unchanged, when it was rerouted or skipped already, when the route is
+        gone or does not take its hook, or when it is a causal-limit refusal
+        whose payload was redacted.
         """
         letter = self.store.get(letter_id)
+        if letter.code == "causal_limit" and letter.payload == b"":
+            raise RerouteRefused(
+                f"dead letter {letter_id}: a causal-limit refusal kept no payload (redacted); "
+                "there is nothing to reroute, it stays a dead letter"
+            )
         target = route or letter.route
         sink = self.intake.record_sink
         if not isinstance(sink, Rerouter):
