@@ -10,7 +10,7 @@ Every derived record's root and depth come from its parent (row ``i`` of a
 call that returned one row per input record is derived from record ``i``;
 otherwise every row is derived from the call's last record), as arrays.
 The sink-wide :class:`CausalGate` admits them with one vectorised pass of
-its :class:`~taproute.routing.causal.RootLedger`: refused records are never
+its :class:`~taproute.routing.root_ledger.RootLedger`: refused records are never
 sent, spend no token, are counted and reported (``/status``, the dead-letter
 store with the payload redacted by default).
 """
@@ -34,7 +34,6 @@ from taproute.routing.causal import (
     CausalRefusal,
     CausalSnapshot,
     LimitName,
-    RootLedger,
     root_hex,
     root_ids,
 )
@@ -43,6 +42,7 @@ from taproute.routing.failures import FailureCode, FailureHandler, GiveUpLog, Re
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import RoutePlan
+from taproute.routing.root_ledger import RootLedger
 from taproute.routing.schema import RecordSchema
 
 if TYPE_CHECKING:

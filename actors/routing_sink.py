@@ -43,7 +43,6 @@ from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED, RouteTable
 from taproute.routing.batch import Batch, RecordBatch
-from taproute.routing.causal import RootLedger
 from taproute.routing.errors import (
     RoutingFailure,
     SinkClosed,
@@ -58,6 +57,7 @@ from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.producer import Producer
 from taproute.routing.refusals import Decline, RefusalLog
+from taproute.routing.root_ledger import RootLedger
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 

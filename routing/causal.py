@@ -15,9 +15,10 @@ A refused record is not accepted and spends no token of its root's minute.
 A root's limits are *pinned* when its first derived record is accepted: a
 later configuration (a reload) with other limits applies to new roots only.
 
-Everything is batch-shaped: :class:`RootLedger` keeps its roots in sorted
-numpy arrays and admits a whole batch of derived records with a handful of
-vectorised operations, never a Python step per record.
+Everything is batch-shaped: the :class:`~taproute.routing.root_ledger.RootLedger`
+keeps its roots in a numpy hash table and admits a whole batch of derived
+records with a handful of vectorised operations, never a Python step per
+record.
 """
 
 from __future__ import annotations
@@ -100,134 +101,6 @@ def root_ids(descriptors: npt.NDArray[np.void]) -> Roots:
 def root_hex(root: int) -> str:
     """A root id as operators see it: 16 hex digits."""
     return f"{root & (2**64 - 1):016x}"
-
-
-@attrs.frozen
-class Admission:
-    """The ledger's answer for a batch of derived records: which are accepted,
-    and for the rest which limit refused them (``depth`` first: a record too
-    deep never reaches the rate check)."""
-
-    accepted: npt.NDArray[np.bool_]
-    too_deep: npt.NDArray[np.bool_]
-    over_rate: npt.NDArray[np.bool_]
-    #: Per record, the limits it was judged by (pinned for known roots).
-    max_depth: npt.NDArray[np.int64]
-    per_minute: npt.NDArray[np.int64]
-
-
-class RootLedger:
-    """Per root: its pinned limits and how many derived records its current
-    minute accepted.  Sorted numpy arrays, looked up with ``searchsorted``.
-
-    One ledger may outlive a configuration: hand it to the next generation's
-    routing sink and roots in flight keep the limits they were pinned with.
-    """
-
-    def __init__(self) -> None:
-        self._ids: Roots = np.empty(0, np.int64)
-        self._minute = np.empty(0, np.int64)  # the minute `_count` counts in
-        self._count = np.empty(0, np.int64)
-        self._max_depth = np.empty(0, np.int64)
-        self._per_minute = np.empty(0, np.int64)
-        self._retention = np.empty(0, np.int64)
-        self._swept_at: int | None = None
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def pinned(self, root: int) -> CausalLimits | None:
-        """The limits ``root`` was pinned with, or None (no derived record of it
-        was accepted, or it was forgotten after ``retention_minutes``)."""
-        i = int(np.searchsorted(self._ids, root))
-        if i == len(self._ids) or self._ids[i] != root:
-            return None
-        return CausalLimits(
-            max_depth=int(self._max_depth[i]),
-            per_root_per_minute=int(self._per_minute[i]),
-            retention_minutes=int(self._retention[i]),
-        )
-
-    def used(self, root: int, now: float) -> int:
-        """Derived records of ``root`` accepted in the UTC minute of ``now``."""
-        i = int(np.searchsorted(self._ids, root))
-        if i == len(self._ids) or self._ids[i] != root:
-            return 0
-        return int(self._count[i]) if self._minute[i] == _minute_of(now) else 0
-
-    def admit(self, roots: Roots, depths: Depths, now: float, limits: CausalLimits) -> Admission:
-        """Judge derived records (in order) of ``roots`` at ``depths`` at UTC time
-        ``now``; spend one token of its root's minute per accepted record and pin
-        the ``limits`` of roots seen for the first time."""
-        minute = _minute_of(now)
-        self._sweep(minute)
-        n = len(roots)
-        ids = self._ids
-        index = np.searchsorted(ids, roots)
-        known = index < len(ids)
-        known[known] = ids[index[known]] == roots[known]
-        if len(ids):
-            at = np.where(known, index, 0)
-            max_depth = np.where(known, self._max_depth[at], limits.max_depth)
-            per_minute = np.where(known, self._per_minute[at], limits.per_root_per_minute)
-            used = np.where(known & (self._minute[at] == minute), self._count[at], 0)
-        else:
-            max_depth = np.full(n, limits.max_depth, dtype=np.int64)
-            per_minute = np.full(n, limits.per_root_per_minute, dtype=np.int64)
-            used = np.zeros(n, dtype=np.int64)
-        too_deep = depths > max_depth
-        # Rank of each record among the batch's in-depth records of its root,
-        # in order: a stable sort by root, then the position within its run.
-        candidates = np.flatnonzero(~too_deep)
-        rank = np.zeros(n, dtype=np.int64)
-        if len(candidates):
-            order = candidates[np.argsort(roots[candidates], kind="stable")]
-            sorted_roots = roots[order]
-            starts = np.r_[True, sorted_roots[1:] != sorted_roots[:-1]]
-            run_start = np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
-            rank[order] = np.arange(len(order)) - run_start
-        over_rate = ~too_deep & (used + rank >= per_minute)
-        accepted = ~too_deep & ~over_rate
-        if accepted.any():
-            self._spend(roots[accepted], minute, limits)
-        return Admission(accepted, too_deep, over_rate, max_depth, per_minute)
-
-    def _spend(self, roots: Roots, minute: int, limits: CausalLimits) -> None:
-        unique, counts = np.unique(roots, return_counts=True)
-        index = np.searchsorted(self._ids, unique)
-        known = index < len(self._ids)
-        known[known] = self._ids[index[known]] == unique[known]
-        at = index[known]
-        fresh_minute = self._minute[at] != minute
-        self._count[at] = np.where(fresh_minute, 0, self._count[at]) + counts[known]
-        self._minute[at] = minute
-        new = unique[~known]
-        if len(new):
-            where = index[~known]
-            self._ids = np.insert(self._ids, where, new)
-            self._minute = np.insert(self._minute, where, minute)
-            self._count = np.insert(self._count, where, counts[~known])
-            self._max_depth = np.insert(self._max_depth, where, limits.max_depth)
-            self._per_minute = np.insert(self._per_minute, where, limits.per_root_per_minute)
-            self._retention = np.insert(self._retention, where, limits.retention_minutes)
-
-    def _sweep(self, minute: int) -> None:
-        """Forget roots idle for longer than their retention (once per minute)."""
-        if self._swept_at == minute:
-            return
-        self._swept_at = minute
-        keep = self._minute + self._retention >= minute
-        if not keep.all():
-            self._ids = self._ids[keep]
-            self._minute = self._minute[keep]
-            self._count = self._count[keep]
-            self._max_depth = self._max_depth[keep]
-            self._per_minute = self._per_minute[keep]
-            self._retention = self._retention[keep]
-
-
-def _minute_of(now: float) -> int:
-    return int(now // 60)
 
 
 class CausalLimitExceeded(Exception):

@@ -39,10 +39,10 @@ from taproute.routing.causal import (
     CausalLimits,
     CausalRefusal,
     CausalSnapshot,
-    RootLedger,
 )
 from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.refusals import Refusal, UnmatchedSample
+from taproute.routing.root_ledger import RootLedger
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.metrics import SnapshotCollector

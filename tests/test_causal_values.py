@@ -7,11 +7,12 @@ import pytest
 
 from taproute.native import make_descriptors
 from taproute.routing import ConfigError, Layout, RecordSchema, Route, RoutingConfig
-from taproute.routing.causal import CausalLimits, RootLedger, root_ids
+from taproute.routing.causal import CausalLimits, root_ids
 from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.errors import PlanErrors
 from taproute.routing.plan import RoutePlan
 from taproute.routing.processors import ProcessorRegistry, stateless_processor
+from taproute.routing.root_ledger import RootLedger
 
 SCHEMA = RecordSchema(
     [
@@ -157,3 +158,40 @@ def test_limits_are_pinned_per_root_at_its_first_accepted_derived_record():
     # Forgotten after its retention; derives again under the limits then in force.
     ledger.admit(np.array([3]), np.array([1], np.int32), 60.0 * 17, new)
     assert ledger.pinned(1) is None and ledger.pinned(3) == new
+
+
+def test_ledger_matches_a_per_record_reference_model_through_growth_and_minutes():
+    """The vectorised hash table against the rules applied one record at a time."""
+    rng = np.random.default_rng(7)
+    limits = [CausalLimits(max_depth=5, per_root_per_minute=3), CausalLimits(per_root_per_minute=4)]
+    ledger = RootLedger(capacity=16)  # grows many times
+    pinned: dict[int, CausalLimits] = {}
+    counts: dict[int, tuple[int, int]] = {}  # root -> (minute, count)
+    pool = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+    now = 0.0
+    for step in range(60):
+        now += float(rng.choice([0.5, 7.0, 61.0]))
+        current = limits[step // 30]
+        roots = rng.choice(pool[: 100 + 50 * step], 400)
+        depths = rng.integers(1, 8, 400).astype(np.int32)
+        result = ledger.admit(roots, depths, now, current)
+        minute = int(now // 60)
+        expected = []
+        for root, depth in zip(roots.tolist(), depths.tolist(), strict=True):
+            bound = pinned.get(root, current)
+            if depth > bound.max_depth:
+                expected.append(False)
+                continue
+            seen_minute, used = counts.get(root, (minute, 0))
+            used = used if seen_minute == minute else 0
+            ok = used < bound.per_root_per_minute
+            if ok:
+                pinned.setdefault(root, current)
+                counts[root] = (minute, used + 1)
+            expected.append(ok)
+        assert result.accepted.tolist() == expected, step
+        # Forgetting a root pinned with the limits in force changes nothing.
+        for root in list(pinned):
+            if pinned[root] == current and counts[root][0] < minute:
+                del pinned[root], counts[root]
+    assert len(ledger) == len(pinned) and len(ledger) > 0
