@@ -49,6 +49,10 @@ class FailureCode(enum.StrEnum):
     #: Derived records a causal limit refused (depth or rate per root); their
     #: payload is redacted unless the limits keep it.
     CAUSAL_LIMIT = "causal_limit"
+    #: A destination refused the records (bad data, not unreachable).
+    DESTINATION_REFUSED = "destination_refused"
+    #: A destination's spool was full and its policy is ``dead_letter``.
+    SPOOL_FULL = "spool_full"
 
     @property
     def retryable(self) -> bool:

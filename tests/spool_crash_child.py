@@ -8,7 +8,8 @@ spool (``spool="always"``), and kills itself with SIGKILL at a chosen point.
 are acknowledged: durable in the spool).  ``recover`` delivers what the spool
 holds, then prints the table's count, distinct seqs and seq range as JSON.
 KILL_AT: ``append`` (half-way through writing the 3rd frame), ``insert``
-(right after the 3rd insert is stored, before it is acknowledged),
+(right after the 3rd insert, of a group of one or two frames, is stored,
+before it is acknowledged),
 ``drain`` (after the 2nd insert of a recovery), ``unreachable`` (ClickHouse
 refuses every insert; killed after the last ack), or ``none``.
 """
@@ -88,6 +89,10 @@ async def produce(sink: SpoolingSink, first: int, batches: int, kill_at: str) ->
             await sink.submit(vec_batch(0, 4, seq_start=start))
             await sink.flush()
             print(f"ack {start + 3}", flush=True)
+            if kill_at == "insert" and i % 2:
+                # Drain groups what queued; waiting every other batch makes
+                # groups of one or two frames, so a third insert comes.
+                await sink.wait_delivered()
         if kill_at == "unreachable":
             die()
         await sink.close()

@@ -154,10 +154,13 @@ class ServiceConfig:
                     ],
                 ) from None
 
-    def destination_factories(self, schema: RecordSchema) -> dict[str, Callable[[], RecordSink]]:
-        """A factory per destination (the routing sink creates and owns them)."""
+    def destination_factories(
+        self, schema: RecordSchema, dead_letters: DeadLetterStore | None = None
+    ) -> dict[str, Callable[[], RecordSink]]:
+        """A factory per destination (the routing sink creates and owns them);
+        what a destination refuses goes to ``dead_letters``."""
         return {
-            name: _factory(self.source, name, dest, schema)
+            name: _factory(self.source, name, dest, schema, dead_letters)
             for name, dest in self.destinations.items()
         }
 
@@ -209,7 +212,7 @@ class ServiceConfig:
             sink = RoutingSink(
                 self.routing_config(),
                 schema,
-                self.destination_factories(schema),
+                self.destination_factories(schema, store),
                 self.routing.default_destination,
                 unmatched=self.routing.unmatched,
                 hooks=hooks,
@@ -252,12 +255,17 @@ def _key(where: str | None) -> str:
 
 
 def _factory(
-    source: Path, name: str, dest: DestinationConfig, schema: RecordSchema
+    source: Path,
+    name: str,
+    dest: DestinationConfig,
+    schema: RecordSchema,
+    dead_letters: DeadLetterStore | None,
 ) -> Callable[[], RecordSink]:
     path = dest.path_under(source.parent)
 
     def make() -> RecordSink:
-        return spooled(source, name, dest, open_destination(source, name, dest, schema, path))
+        inner = open_destination(source, name, dest, schema, path)
+        return spooled(source, name, dest, inner, dead_letters)
 
     return make
 
@@ -277,6 +285,11 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
         yield f"layouts: duplicate layout names in {names}"
     for name, dest in config.destinations.items():
         yield from destination_problems(name, dest, set(names))
+        if dest.spool_when_full == "dead_letter" and config.dead_letter_location() is None:
+            yield (
+                f"destinations.{name}.spool_when_full: 'dead_letter' needs a dead-letter "
+                "store: set dead_letters.path (none is implied without a chDB destination)"
+            )
     if config.http is not None and config.http.token is not None:
         token = config.http.token
         if not token or not token.isascii() or not token.isprintable() or " " in token:

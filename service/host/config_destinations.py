@@ -21,8 +21,10 @@ from taproute.routing.errors import TaprouteError
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.service.host.config_rules import ConfigFileError
+from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
 from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.dead_letters import destination_dead_letters
 from taproute.service.sinks.spool.spooling import SpoolingSink
 
 #: What a table template must format to: a plain identifier (it is quoted with
@@ -40,7 +42,9 @@ class DestinationConfig:
 
     ``spool`` (``"outage"``, default; ``"always"``; ``"off"``) and the
     ``spool_*`` keys set the destination's disk spool (see the README, "When
-    a destination is down"); ``spool_dir`` defaults to ``<path>-spool/<name>``
+    a destination is down"); a batch the destination refuses, or the
+    ``dead_letter`` quota policy sheds, goes to the config's dead-letter
+    store; ``spool_dir`` defaults to ``<path>-spool/<name>``
     beside a chDB directory, ``taproute-spool/<name>`` beside the file for a
     server."""
 
@@ -59,7 +63,8 @@ class DestinationConfig:
     spool_quota_bytes: int = 1 << 30
     spool_fsync: Literal["flush", "interval", "batch"] = "flush"
     spool_fsync_interval: float = 1.0
-    spool_when_full: Literal["block", "drop_newest"] = "block"
+    spool_when_full: Literal["block", "drop_newest", "dead_letter"] = "block"
+    spool_block_timeout: float | None = None
 
     def spool_directory(self, base: Path, name: str) -> Path:
         """Where this destination's spool lives (relative paths are relative to ``base``)."""
@@ -106,6 +111,9 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
                 yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
     if dest.path == "":
         yield f"{where}.path: empty"
+    if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
+        found = dest.spool_block_timeout
+        yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
     for key, names in (("raw", dest.raw), ("rows", dest.rows)):
         for i, layout in enumerate(names):
             if layout not in layouts:
@@ -144,8 +152,15 @@ def prepare_directory(source: Path, path: Path, where: str) -> None:
         raise ConfigFileError(source, [f"{where}: directory {path} is not writable"])
 
 
-def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseSink) -> RecordSink:
-    """``inner`` with its spool, per ``dest.spool`` (``"off"``: ``inner`` itself).
+def spooled(
+    source: Path,
+    name: str,
+    dest: DestinationConfig,
+    inner: ClickHouseSink,
+    dead_letters: DeadLetterStore | None = None,
+) -> RecordSink:
+    """``inner`` with its spool, per ``dest.spool`` (``"off"``: ``inner`` itself),
+    refusals and quota dead letters going to ``dead_letters``.
 
     Opening the spool recovers it: unacknowledged batches a previous run left
     are delivered first, in order, once the sink runs; damage found (a torn
@@ -155,6 +170,9 @@ def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseS
         return inner
     directory = dest.spool_directory(source.parent, name)
     where = f"destinations.{name}.spool_dir"
+    dead_letter = (
+        None if dead_letters is None else destination_dead_letters(dead_letters.handle, name)
+    )
     try:
         prepare_directory(source, directory, where)
         spool = Spool.open(
@@ -164,7 +182,9 @@ def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseS
                 fsync=dest.spool_fsync,
                 fsync_interval=dest.spool_fsync_interval,
                 when_full=dest.spool_when_full,
-            )
+                block_timeout=dest.spool_block_timeout,
+            ),
+            dead_letter=dead_letter,
         )
     except OSError as exc:  # unwritable, or held by another sink or process
         inner.transport.close()
@@ -174,7 +194,14 @@ def spooled(source: Path, name: str, dest: DestinationConfig, inner: ClickHouseS
         raise
     for damage in spool.damage:
         logging.getLogger("taproute.spool").warning("destination %r: %s", name, damage)
-    return SpoolingSink(name, inner, spool, mode=dest.spool)
+    return SpoolingSink(
+        name,
+        inner,
+        spool,
+        mode=dest.spool,
+        dead_letter=dead_letter,
+        group_bytes=dest.batching.max_bytes,
+    )
 
 
 def _lock_holder(data: Path) -> int | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,25 @@ class TableCounters:
     errors: int = 0
     buffered_rows: int = 0
     in_flight_rows: int = 0
+
+
+#: Takes over a sealed block whose insert failed, instead of this sink's own
+#: retries and latch: called with (batches, token, error) where ``token`` is
+#: the one the block was tried with (``insert_now(batches, token)`` repeats
+#: that try exactly).  A handler that raises latches the sink.
+FailedBlockHandler = Callable[[list[Batch], str, BaseException], Awaitable[None]]
+
+
+class PartlyInserted(Exception):
+    """An ``insert_now`` of several tables stored some and failed on the next.
+
+    ``rest`` are the batches (parts, by table) not stored; ``cause`` is the error.
+    """
+
+    def __init__(self, rest: list[Batch], cause: BaseException) -> None:
+        super().__init__(f"{len(rest)} part(s) not inserted: {type(cause).__name__}: {cause}")
+        self.rest = rest
+        self.cause = cause
 
 
 class _Buffer:
@@ -150,6 +169,8 @@ class ClickHouseSink:
         self._token_prefix = uuid.uuid4().hex
         self._block_seq = 0
         self._latch = FailureLatch()
+        self._failed_blocks: FailedBlockHandler | None = None
+        self._inserted: Callable[[int, int], None] | None = None
         self._pending_bytes = 0
         self._in_flight = 0
         self._space = trio.lowlevel.ParkingLot()
@@ -332,6 +353,9 @@ class ClickHouseSink:
                     except Exception as exc:
                         failures += 1
                         counters.errors += 1
+                        if self._failed_blocks is not None:
+                            await self._hand_over(table, buffer, token, exc)
+                            return
                         if failures < self.retry.attempts and self.transport.is_transient(exc):
                             counters.retries += 1
                             await trio.sleep(self.retry.backoff(failures))
@@ -345,6 +369,8 @@ class ClickHouseSink:
                     counters.inserts += 1
                     counters.records += buffer.rows
                     counters.bytes += buffer.bytes
+                    if self._inserted is not None:
+                        self._inserted(buffer.rows, len(buffer.items))
                     return
         finally:
             counters.in_flight_rows -= buffer.rows
@@ -356,12 +382,43 @@ class ClickHouseSink:
             if self._in_flight == 0:
                 self._idle.unpark_all()
 
+    async def _hand_over(self, table: str, buffer: _Buffer, token: str, exc: Exception) -> None:
+        assert self._failed_blocks is not None
+        try:
+            await self._failed_blocks(list(buffer.items), token, exc)
+        except Exception as handler_error:
+            self._latch.latch(
+                handler_error,
+                destination=f"clickhouse table {table!r}",
+                where=f"handing over a failed insert of {buffer.rows} rows",
+            )
+
     def _insert_blocking(self, table: str, buffer: _Buffer, token: str) -> None:
-        """Runs in a worker thread: build the Arrow table and insert it."""
+        """Runs in a worker thread: build the Arrow table and insert it
+        (deduplication token: ``token`` and the table's name)."""
         data = block_table(
             buffer.items, self.tables[table], self.schema, self.hooks, self._hook_dictionary
         )
-        self.transport.insert(table, data, dedup_token=token)
+        self.transport.insert(table, data, dedup_token=f"{token}-{table}")
+
+    def hand_over_failures(
+        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Give every block whose insert fails to ``handler`` (a spool) instead of
+        retrying it here and latching (see :data:`FailedBlockHandler`); tell
+        ``inserted(records, batches)`` about every block inserted."""
+        self._failed_blocks = handler
+        self._inserted = inserted
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes buffered or being inserted."""
+        return self._pending_bytes
+
+    @property
+    def max_backlog_bytes(self) -> int:
+        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
+        return self.batching.max_buffered_bytes
 
     async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
         """Insert ``batches`` at once, one block per table, with tokens derived from ``token``.
@@ -369,14 +426,24 @@ class ClickHouseSink:
         For a wrapper that keeps its own durable queue (the spool): no
         buffering and no retry here; a failure is raised, not latched, and
         :meth:`is_transient` says whether the same call may succeed later.
-        A repeat with the same ``token`` and batches writes nothing twice.
+        A repeat with the same ``token`` and batches writes nothing twice,
+        and neither does a repeat of a block this sink sealed and handed over
+        (:meth:`hand_over_failures`) with that block's token.  When a later
+        table fails after an earlier one was stored, :class:`PartlyInserted`
+        says which parts were not.
         """
         parts: dict[str, _Buffer] = {}
         for batch in batches:
             for table, part in self._by_table(batch):
                 parts.setdefault(table, _Buffer()).items.append(part)
-        for table, buffer in parts.items():
-            await trio.to_thread.run_sync(self._insert_blocking, table, buffer, f"{token}-{table}")
+        for done, (table, buffer) in enumerate(parts.items()):
+            try:
+                await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
+            except Exception as exc:
+                if done == 0:
+                    raise
+                rest = [item for b in list(parts.values())[done:] for item in b.items]
+                raise PartlyInserted(rest, exc) from exc
             counters = self.counters[table]
             counters.inserts += 1
             counters.records += sum(len(item) for item in buffer.items)
@@ -384,6 +451,8 @@ class ClickHouseSink:
 
     def is_transient(self, error: BaseException) -> bool:
         """True when retrying a failed :meth:`insert_now` may succeed."""
+        if isinstance(error, PartlyInserted):
+            error = error.cause
         return self.transport.is_transient(error)
 
     async def flush(self) -> None:

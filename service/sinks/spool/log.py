@@ -9,7 +9,10 @@ A spool directory holds:
   each a run of frames ``header | body``; the header holds a magic, a CRC-32
   of (sequence, write time, body length, body), and those three fields;
 - ``ack``: the highest sequence number delivered (acknowledged), with its
-  own CRC, replaced atomically (write, rename).
+  own CRC, replaced atomically (write, rename);
+- ``intent``: the first and last sequence of the group of frames being
+  inserted together now (replaced atomically before the insert), so a
+  restart inserts exactly that group again, under the same token.
 
 Opening a directory scans every segment.  The first frame in a segment that is
 short, has a bad magic, a bad checksum or a sequence number that does not
@@ -40,6 +43,7 @@ MAGIC = b"TRSF"
 HEADER = struct.Struct("<4sIQQQ")
 _CHECKED = struct.Struct("<QQQ")
 _ACK = struct.Struct("<QI")
+_INTENT = struct.Struct("<QQI")
 SUFFIX = ".seg"
 
 
@@ -124,6 +128,8 @@ class SegmentLog:
         #: Damage found (and truncated) when the directory was opened.
         self.damage: list[Damage] = []
         self.acked = self._read_ack()
+        #: (first, last) of the group a previous run was inserting, if unacknowledged.
+        self.intent = self._read_intent()
         #: Unacknowledged frames, oldest first.
         self.entries: deque[Entry] = deque()
         #: segment path -> highest sequence it holds
@@ -152,6 +158,17 @@ class SegmentLog:
         # deduplication tokens make the repeats no-ops) rather than skip any.
         self.damage.append(Damage("ack", 0, len(raw), "acknowledged position unreadable"))
         return 0
+
+    def _read_intent(self) -> tuple[int, int] | None:
+        try:
+            raw = (self.directory / "intent").read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(raw) == _INTENT.size:
+            first, last, crc = _INTENT.unpack(raw)
+            if zlib.crc32(raw[:16]) == crc and last > self.acked:
+                return int(first), int(last)
+        return None
 
     def _recover(self) -> None:
         paths = sorted(self.directory.glob("*" + SUFFIX))
@@ -259,6 +276,19 @@ class SegmentLog:
             raise OSError(f"spool segment {entry.segment.name}: frame {entry.seq} changed on disk")
         return raw[HEADER.size :]
 
+    def read_many(self, entries: Sequence[Entry]) -> list[bytes]:
+        """The bodies of ``entries`` (one thread trip for a drain group)."""
+        return [self.read(entry) for entry in entries]
+
+    def intend(self, first: int, last: int) -> None:
+        """Record that frames ``first..last`` are inserted together next (see
+        the module docstring); replaced atomically, synced with the ack."""
+        raw = struct.pack("<QQ", first, last)
+        tmp = self.directory / "intent.tmp"
+        tmp.write_bytes(raw + struct.pack("<I", zlib.crc32(raw)))
+        os.replace(tmp, self.directory / "intent")
+        self.intent = (first, last)
+
     def ack(self, seq: int) -> list[Entry]:
         """Acknowledge every frame up to ``seq``; delete segments wholly delivered."""
         done: list[Entry] = []
@@ -267,6 +297,8 @@ class SegmentLog:
             self.unacked_bytes -= entry.size
             done.append(entry)
         self.acked = max(self.acked, seq)
+        if self.intent is not None and self.intent[1] <= self.acked:
+            self.intent = None
         tmp = self.directory / "ack.tmp"
         tmp.write_bytes(_ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
         os.replace(tmp, self.directory / "ack")

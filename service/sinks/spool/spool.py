@@ -29,8 +29,15 @@ from taproute.service.sinks.spool.codec import decode, encode
 from taproute.service.sinks.spool.config import SpoolConfig
 from taproute.service.sinks.spool.log import HEADER, Damage, Entry, SegmentLog
 
-#: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds.
+#: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds
+#: (or a destination refused); raises :class:`CannotDeadLetter` for a batch
+#: its store has no place for (the batch is then dropped and counted).
 DeadLetter = Callable[[Batch, str], Awaitable[None]]
+
+
+class CannotDeadLetter(Exception):
+    """The dead-letter store cannot keep this kind of batch."""
+
 
 #: Frames up to this size are written on the loop (a page-cache copy);
 #: larger ones in a worker thread.
@@ -66,13 +73,22 @@ class SpoolCounters:
 
 @attrs.frozen
 class Spooled:
-    """One frame read back from the spool: its batches (inserted together
-    under ``token``) and its position."""
+    """Frames read back from the spool: their batches (inserted together
+    under ``token``) and their positions ``first..seq``."""
 
     seq: int
     batches: tuple[Batch, ...]
     token: str
     records: int
+    first: int = attrs.field(default=-1)
+
+    def __attrs_post_init__(self) -> None:
+        if self.first < 0:
+            object.__setattr__(self, "first", self.seq)
+
+
+#: Most frames one drain group holds.
+_GROUP_FRAMES = 4096
 
 
 class Spool:
@@ -100,6 +116,9 @@ class Spool:
         self._last_sync = clock()
         self._unsynced = True  # the first sync also makes the directory's files durable
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
+        # Until the first group is read: a previous run's group in flight was a
+        # single frame unless an intent names more (see read_group).
+        self._opened = True
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
     @classmethod
@@ -175,9 +194,14 @@ class Spool:
             if policy == "dead_letter":
                 assert self._dead_letter is not None
                 for shed in batches:
-                    await self._dead_letter(shed, "spool_full")
-                self.counters.dead_lettered_batches += len(batches)
-                self.counters.dead_lettered_records += records
+                    try:
+                        await self._dead_letter(shed, "spool_full")
+                    except CannotDeadLetter:
+                        self.counters.dropped_batches += 1
+                        self.counters.dropped_records += len(shed)
+                    else:
+                        self.counters.dead_lettered_batches += 1
+                        self.counters.dead_lettered_records += len(shed)
                 return "dead_lettered"
             await self._wait_for_room(size)
         async with self._lock:
@@ -238,6 +262,58 @@ class Spool:
         self._records.setdefault(entry.seq, (records, len(batches)))
         return Spooled(entry.seq, tuple(batches), token or self.token(entry.seq), records)
 
+    async def read_group(self, max_bytes: int) -> Spooled:
+        """The oldest unacknowledged frames as one group to insert together:
+        consecutive frames up to ``max_bytes`` (at least one), ending before
+        a frame whose token was fixed before spooling (that one goes alone).
+
+        A group of several frames is recorded (``intent``) before it is
+        returned, and after a restart the first group is exactly the one a
+        previous run recorded (without a record: the first frame alone, as a
+        previous run's last try was): its token (``spool-<id>-<first>-<last>``,
+        or the frame's own) then names the same rows, so a repeat is
+        recognised.
+        """
+        log = self._log
+        entries: list[Entry] = []
+        size = 0
+        intent = log.intent
+        limit = 1 if self._opened and intent is None else _GROUP_FRAMES
+        self._opened = False
+        for entry in log.entries:
+            if intent is not None:
+                if entry.seq > intent[1]:
+                    break
+            elif entries and (size + entry.size > max_bytes or len(entries) >= limit):
+                break
+            entries.append(entry)
+            size += entry.size
+        if not entries:
+            raise LookupError("read_group() of an empty spool")
+        bodies = await trio.to_thread.run_sync(log.read_many, entries)
+        batches: list[Batch] = []
+        token: str | None = None
+        taken = 0
+        for i, body in enumerate(bodies):
+            frame, fixed = decode(body)
+            if fixed is not None and i > 0 and intent is None:
+                break  # a frame with its own token goes alone, next time
+            batches.extend(frame)
+            records = sum(len(b) for b in frame)
+            self._records.setdefault(entries[i].seq, (records, len(frame)))
+            taken += 1
+            token = fixed
+            if fixed is not None:
+                break
+        first, last = entries[0].seq, entries[taken - 1].seq
+        if taken == 1:
+            token = token or self.token(first)
+        else:
+            token = f"spool-{log.spool_id}-{first}-{last}"
+            if intent is None:
+                log.intend(first, last)
+        return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
+
     async def ack(self, seq: int) -> None:
         """``seq`` and everything before it left the spool (delivered or given up on)."""
         async with self._lock:
@@ -280,4 +356,12 @@ class Spool:
             await trio.to_thread.run_sync(self._log.close)
 
 
-__all__ = ["DeadLetter", "Outcome", "Spool", "SpoolCounters", "SpoolFull", "Spooled"]
+__all__ = [
+    "CannotDeadLetter",
+    "DeadLetter",
+    "Outcome",
+    "Spool",
+    "SpoolCounters",
+    "SpoolFull",
+    "Spooled",
+]

@@ -4,113 +4,73 @@
 another one (the *inner* sink, e.g. a ClickHouse sink).  Its ``submit`` never
 fails because the inner sink can't be reached: a batch the inner sink can't
 take now goes to the destination's :class:`~.spool.Spool` and is delivered
-later, in order, by this sink's own task, retried with capped backoff for as
-long as the outage lasts.  Meanwhile :attr:`SpoolingSink.health` says the
-destination is unhealthy, since when and why.
+later, in order, by this sink's own task (:class:`~.delivery.Delivery`),
+retried with capped backoff for as long as the outage lasts.  Meanwhile
+:attr:`SpoolingSink.health` says the destination is unhealthy, since when and
+why.
 
 Modes (``mode``):
 
-- ``"outage"`` (default): while the destination keeps up, batches are held in
-  memory (bounded) and inserted from there; the first transient failure moves
-  every held batch, in order, to the spool, and new batches follow them there
-  until the spool has drained.
+- ``"outage"`` (default): while the destination is healthy and the spool
+  empty, batches take the inner sink's own batched path (the ClickHouse
+  sink's rows / bytes / linger buffers), untouched.  A block whose insert
+  fails is handed back (:class:`~.delivery.HandsOverFailures`): unreachable,
+  it goes to the spool under the token it was tried with and new batches
+  follow it there until the spool has drained; refused, it is split until
+  only the refused records are left, which are dead-lettered.  When the
+  inner sink is behind (its backlog past ``spill_at`` of its limit), batches
+  go to the spool instead of waiting (*spilled*), and drain back in order.
 - ``"always"``: every batch is appended to the spool before ``submit``
   returns (the crash-safe mode), and delivered from there.
 - ``"off"``: no spool; ``submit``/``flush`` go straight to the inner sink.
 
-Exactly once: an inner sink offering ``insert_now(batch, token)`` and
-``is_transient(error)`` (:class:`InsertsWithToken`, as the ClickHouse sink
-does) gets every batch with a deduplication token fixed before its first
-try and kept through the spool and restarts, so a retry after a lost reply,
-or a replay after a crash, writes nothing twice.  Another sink gets
-``submit`` + ``flush`` per batch and ``OSError``/``TimeoutError`` count as
-transient (at-least-once).
-
-A batch the inner sink *refuses* (a non-transient error: bad data, a bad
-table) is not retried: it goes to ``dead_letter`` (or, without one, latches
-this sink's failure).
+Exactly once: an inner sink offering ``insert_now(batches, token)`` and
+``is_transient(error)`` (:class:`~.delivery.InsertsWithToken`, as the
+ClickHouse sink does) gets every spooled group with a deduplication token
+fixed before its first try and kept through the spool and restarts.  Another
+sink gets ``submit`` + ``flush`` and ``OSError``/``TimeoutError`` count as
+transient (at-least-once; in ``outage`` mode a batch whose ``submit`` fails
+transiently is spooled, and what the inner sink already took is its own).
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import attrs
 import trio
 
-from taproute.routing.batch import Batch, RecordBatch, Retained
-from taproute.routing.errors import SinkClosed
+from taproute.routing.batch import Batch
+from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.routing.limits import capped_backoff
 from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, SpoolStatus
-from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters
+from taproute.service.sinks.spool.delivery import (
+    Delivery,
+    HandsOverFailures,
+    InsertsWithToken,
+)
+from taproute.service.sinks.spool.health import (
+    Backoff,
+    Health,
+    HealthTracker,
+    SpoolingCounters,
+)
+from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters, SpoolFull
 
 Mode = Literal["outage", "always", "off"]
 MODES: tuple[str, ...] = ("outage", "always", "off")
 
 
-@runtime_checkable
-class InsertsWithToken(Protocol):
-    """An inner sink that inserts one batch now, idempotently per token."""
-
-    async def insert_now(self, batches: Sequence[Batch], token: str) -> None: ...
-
-    def is_transient(self, error: BaseException) -> bool: ...
-
-
-@attrs.frozen(kw_only=True)
-class Backoff:
-    """Waits between retries of an unreachable destination (capped exponential)."""
-
-    initial: float = 0.5
-    multiplier: float = 2.0
-    maximum: float = 30.0
-
-    def after(self, failures: int) -> float:
-        return capped_backoff(self.initial, self.multiplier, self.maximum, failures)
-
-
-@attrs.frozen
-class Health:
-    """Whether the destination takes batches now; since when (clock seconds) and why not."""
-
-    healthy: bool
-    since: float
-    reason: str | None
-    consecutive_failures: int
-
-
-@attrs.define
-class SpoolingCounters:
-    """Records through a spooling destination: in = delivered + refused + shed + held."""
-
-    accepted_records: int = 0
-    delivered_records: int = 0
-    delivered_batches: int = 0
-    refused_records: int = 0
-    retries: int = 0
-    memory_records: int = 0
-    spool: SpoolCounters = attrs.field(factory=SpoolCounters)
-
-
-@attrs.define
-class _Held:
-    batch: Batch
-    token: str
-    hold: Retained | None
-
-
-def _default_transient(error: BaseException) -> bool:
-    return isinstance(error, (OSError, TimeoutError))
-
-
 class SpoolingSink:
-    """One destination with its spool (see the module docstring)."""
+    """One destination with its spool (see the module docstring).
+
+    ``spill_at``: the fraction of the inner sink's backlog limit past which
+    ``outage`` mode spools instead of waiting; ``group_bytes``: the most
+    spooled bytes one drain insert takes.
+    """
 
     def __init__(
         self,
@@ -120,47 +80,56 @@ class SpoolingSink:
         *,
         mode: Mode = "outage",
         backoff: Backoff | None = None,
-        memory_records: int = 65_536,
+        spill_at: float = 0.75,
+        group_bytes: int = 16 << 20,
         drain_on_close: float = 30.0,
         dead_letter: DeadLetter | None = None,
         clock: Callable[[], float] = time.time,
         owns_inner: bool = True,
     ) -> None:
         if mode not in MODES:
-            from taproute.routing.errors import ConfigError
-
             raise ConfigError(f"destination {name!r}: spool must be one of {MODES}, got {mode!r}")
         if mode != "off" and spool is None:
             raise ValueError(f"destination {name!r}: spool={mode!r} needs a Spool")
+        if not 0 < spill_at <= 1:
+            raise ConfigError(f"destination {name!r}: spill_at must be in (0, 1], got {spill_at}")
         self.name = name
         self.inner = inner
         self.spool = spool
         self.mode = mode
-        self.backoff = backoff or Backoff()
-        self.memory_records = memory_records
+        self.spill_at = spill_at
         self.drain_on_close = drain_on_close
-        self._dead_letter = dead_letter
-        self._clock = clock
         self._owns_inner = owns_inner
-        self._direct = inner if isinstance(inner, InsertsWithToken) else None
         self._latch = FailureLatch()
-        self._memory: deque[_Held] = deque()
-        self._single = 0  # held batches to try one by one (after a refused group)
-        self._memory_in = 0  # batches ever put in memory
-        self._memory_out = 0  # batches that left memory (delivered, refused, spooled)
-        self._order = trio.Lock()  # one decision "memory or spool" at a time
-        self._wake = trio.Event()
-        self._moved = trio.Event()
-        self._token_prefix = f"mem-{uuid.uuid4().hex}"
-        self._health = Health(True, clock(), None, 0)
+        self._tracker = HealthTracker(clock, backoff or Backoff())
         self.counters = SpoolingCounters()
+        self._delivery = Delivery(
+            name,
+            inner,
+            spool,
+            self._tracker,
+            self.counters,
+            self._latch,
+            dead_letter=dead_letter,
+            group_bytes=group_bytes,
+        )
+        # The inner sink's own batched path, when it hands failed blocks back.
+        self._batched: HandsOverFailures | None = None
+        if mode == "outage" and isinstance(inner, HandsOverFailures):
+            if not isinstance(inner, InsertsWithToken):
+                raise ConfigError(
+                    f"destination {name!r}: a sink handing blocks back needs insert_now"
+                )
+            self._batched = inner
+            inner.hand_over_failures(self._failed_block, self._inserted)
+        self._in_inner = 0  # records passed to the inner sink, not yet inserted nor handed back
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._stopped = trio.Event()
 
     # -- lifecycle ---------------------------------------------------------
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the inner sink's task (when owned) and the delivery loop until ``close``."""
+        """Run the inner sink's task (when owned) and the drain loop until ``close``."""
         if self._nursery is not None:
             raise RuntimeError(f"SpoolingSink {self.name!r}: run() can only be started once")
         try:
@@ -169,7 +138,7 @@ class SpoolingSink:
                 if self._owns_inner and isinstance(self.inner, RunsInBackground):
                     await nursery.start(self.inner.run)
                 if self.mode != "off":
-                    nursery.start_soon(self._deliver_loop)
+                    nursery.start_soon(self._delivery.drain)
                 task_status.started()
                 await self._stopped.wait()
                 nursery.cancel_scope.cancel()
@@ -187,7 +156,7 @@ class SpoolingSink:
 
     @property
     def health(self) -> Health:
-        return self._health
+        return self._tracker.health
 
     def use_hooks(self, hooks: HookRegistry) -> None:
         """Hand the producer's hook registry to the inner sink, if it names hooks."""
@@ -196,46 +165,70 @@ class SpoolingSink:
 
     # -- RecordSink ----------------------------------------------------------
     async def submit(self, batch: Batch) -> None:
-        """Accept ``batch``: into memory while healthy (``outage``), else into the spool."""
+        """Accept ``batch``: the inner sink's path while it keeps up (``outage``),
+        else the spool."""
         self._latch.raise_if_failed()
         if self._closing:
             raise SinkClosed(f"destination {self.name!r} is closed")
         if self.mode == "off":
             await self.inner.submit(batch)
             return
-        self.counters.accepted_records += len(batch)
+        records = len(batch)
+        self.counters.accepted_records += records
+        if not self._inner_path():
+            await self._append([batch])
+            return
+        if self._batched is not None:
+            limit = self._batched.max_backlog_bytes * self.spill_at
+            if self._batched.backlog_bytes + batch.nbytes > limit:
+                self.counters.spilled_records += records  # behind, not down
+                await self._append([batch])
+                return
+        try:
+            await self.inner.submit(batch)
+        except Exception as exc:
+            if self._batched is not None or not self._delivery.transient(exc):
+                raise
+            self._delivery.unreachable(exc)
+            await self._append([batch])
+            return
+        self._in_inner += records
+
+    def _inner_path(self) -> bool:
         assert self.spool is not None
-        while (
-            self._memory_path()
-            and len(self._memory)
-            and self._held_records() >= (self.memory_records)
-        ):
-            await self._moved.wait()  # the destination is behind: back-pressure
-        async with self._order:
-            if self._memory_path():
-                token = f"{self._token_prefix}-{self._memory_in}"
-                hold = batch.retain() if isinstance(batch, RecordBatch) else None
-                self._memory.append(_Held(batch, token, hold))
-                self._memory_in += 1
-            else:
-                await self.spool.append(batch)
-        self._poke()
+        return self.mode == "outage" and self._tracker.health.healthy and len(self.spool) == 0
 
-    def _memory_path(self) -> bool:
+    async def _append(self, batches: Sequence[Batch], token: str | None = None) -> None:
         assert self.spool is not None
-        return self.mode == "outage" and self._health.healthy and len(self.spool) == 0
+        try:
+            await self.spool.append(batches, token)
+        except SpoolFull:  # ``block`` ran out of time: shed, counted
+            self.counters.shed_records += sum(len(b) for b in batches)
 
-    def _held_records(self) -> int:
-        return sum(len(h.batch) for h in self._memory)
+    async def _failed_block(self, batches: list[Batch], token: str, error: BaseException) -> None:
+        """The inner sink's block failed: spool it (unreachable) or split it (refused)."""
+        records = sum(len(b) for b in batches)
+        self._in_inner -= records
+        if self._delivery.transient(error):
+            self._delivery.unreachable(error)
+            await self._append(batches, token)
+            return
+        delivered = await self._delivery.settle(batches, token, error)
+        self.counters.delivered_records += delivered
 
-    def _poke(self) -> None:
-        self._wake.set()
-        self._wake = trio.Event()
+    def _inserted(self, records: int, batches: int) -> None:
+        self._in_inner -= records
+        self.counters.delivered_records += records
+        self.counters.delivered_batches += batches
 
-    def _left_memory(self) -> None:
-        self._memory_out += 1
-        self._moved.set()
-        self._moved = trio.Event()
+    async def _flush_inner(self) -> None:
+        if self.mode != "outage":
+            return
+        passed = self._in_inner if self._batched is None else 0
+        await self.inner.flush()
+        if self._batched is None:  # another sink: its flush is its delivery
+            self._in_inner -= passed
+            self.counters.delivered_records += passed
 
     async def flush(self) -> None:
         """Return once every batch submitted before is delivered, dead-lettered,
@@ -244,35 +237,25 @@ class SpoolingSink:
         if self.mode == "off":
             await self.inner.flush()
             return
-        target = self._memory_in
-        while self._memory_out < target:
-            await self._moved.wait()
+        await self._flush_inner()
         assert self.spool is not None
         await self.spool.sync()
         self._latch.raise_if_failed()
 
     async def wait_delivered(self) -> None:
-        """Return once nothing is held in memory or the spool: everything
+        """Return once nothing is held in the inner sink or the spool: everything
         accepted so far is delivered (or dead-lettered / shed, and counted)."""
-        assert self.spool is not None or self.mode == "off"
         if self.mode == "off":
             await self.inner.flush()
             return
         assert self.spool is not None
-        while self._memory or len(self.spool):
-            self._latch.raise_if_failed()
-            await self._moved.wait() if self._memory else await self._spool_changed()
-
-    async def _drain_while_healthy(self) -> None:
-        assert self.spool is not None
-        while self._health.healthy and (self._memory or len(self.spool)):
-            if self._latch.failure is not None:
+        while True:
+            await self._flush_inner()
+            if not len(self.spool):
                 return
-            await self._moved.wait() if self._memory else await self._spool_changed()
-
-    async def _spool_changed(self) -> None:
-        assert self.spool is not None
-        await self.spool.wait_changed()
+            while len(self.spool):
+                self._latch.raise_if_failed()
+                await self.spool.wait_changed()
 
     async def close(self) -> None:
         """Flush; while the destination is healthy, deliver what is held for up to
@@ -290,10 +273,6 @@ class SpoolingSink:
         finally:
             self._closing = True
             self._stopped.set()
-            for held in self._memory:  # only left after a failure
-                if held.hold is not None:
-                    held.hold.release()
-            self._memory.clear()
             try:
                 if self._owns_inner:
                     await self.inner.close()
@@ -301,118 +280,18 @@ class SpoolingSink:
                 if self.spool is not None:
                     await self.spool.aclose()
 
-    # -- delivery --------------------------------------------------------------
-    async def _insert(self, batches: Sequence[Batch], token: str) -> None:
-        if self._direct is not None:
-            await self._direct.insert_now(batches, token)
-        else:
-            for batch in batches:
-                await self.inner.submit(batch)
-            await self.inner.flush()
-
-    def _transient(self, error: BaseException) -> bool:
-        if self._direct is not None:
-            return self._direct.is_transient(error)
-        return _default_transient(error)
-
-    def _unhealthy(self, error: BaseException) -> None:
-        failures = self._health.consecutive_failures + 1
-        since = self._health.since if not self._health.healthy else self._clock()
-        reason = f"{type(error).__name__}: {error}"
-        self._health = Health(False, since, reason, failures)
-        self.counters.retries += 1
-
-    def _healthy(self) -> None:
-        if not self._health.healthy:
-            self._health = Health(True, self._clock(), None, 0)
-
-    async def _refused(self, batch: Batch, error: BaseException) -> None:
-        self.counters.refused_records += len(batch)
-        if self._dead_letter is None:
-            self._latch.latch(error, destination=self.name, where="insert (refused)")
-            return
-        await self._dead_letter(batch, f"refused by destination {self.name!r}: {error}")
-
-    async def _deliver_loop(self) -> None:
+    async def _drain_while_healthy(self) -> None:
         assert self.spool is not None
-        while True:
-            if self._memory:
-                await self._deliver_memory()
-                continue
-            entry = self.spool.first()
-            if entry is None:
-                await self._wake.wait()
-                continue
-            if not self._health.healthy:
-                await trio.sleep(self.backoff.after(self._health.consecutive_failures))
-            spooled = await self.spool.read(entry)
-            try:
-                await self._insert(spooled.batches, spooled.token)
-            except Exception as exc:
-                if self._transient(exc):
-                    self._unhealthy(exc)
-                    continue
-                for batch in spooled.batches:
-                    await self._refused(batch, exc)
-            else:
-                self._healthy()
-                self.counters.delivered_records += spooled.records
-                self.counters.delivered_batches += len(spooled.batches)
-            await self.spool.ack(spooled.seq)
-
-    async def _deliver_memory(self) -> None:
-        """Insert everything held now as one group (batches that queued behind
-        an insert go together in the next one: inserts stay large under load)."""
-        assert self.spool is not None
-        group = [self._memory[0]] if self._single else list(self._memory)
-        self._single = max(0, self._single - 1)
-        batches = [held.batch for held in group]
-        token = group[0].token
-        try:
-            await self._insert(batches, token)
-        except Exception as exc:
-            if self._transient(exc):
-                # Unreachable: this group, as one frame keeping the token it
-                # was tried with, and every batch behind it go to the spool,
-                # in order.
-                async with self._order:
-                    self._unhealthy(exc)
-                    await self.spool.append(batches, token)
-                    for _ in group:
-                        self._release(self._memory.popleft())
-                    while self._memory:
-                        moved = self._memory.popleft()
-                        await self.spool.append(moved.batch, moved.token)
-                        self._release(moved)
+        while self._tracker.health.healthy and len(self.spool):
+            if self._latch.failure is not None:
                 return
-            if len(group) == 1:
-                await self._refused(group[0].batch, exc)
-                self._release(self._memory.popleft())
-                return
-            # Refused: find which batch is bad by trying them one by one
-            # (the next loop turn tries the head alone).
-            for _ in group:
-                self._memory.popleft()
-            self._memory.extendleft(
-                reversed([attrs.evolve(h, token=f"{token}.{i}") for i, h in enumerate(group)])
-            )
-            self._single = len(group)
-            return
-        self._healthy()
-        for held in group:
-            self.counters.delivered_records += len(held.batch)
-            self.counters.delivered_batches += 1
-            self._release(self._memory.popleft())
+            await self.spool.wait_changed()
 
-    def _release(self, held: _Held) -> None:
-        if held.hold is not None:
-            held.hold.release()
-        self._left_memory()
-
+    # -- observation -----------------------------------------------------------
     def spool_status(self) -> SpoolStatus:
         """Health and holdings, for the destination's counters (``/status``, ``/metrics``)."""
         spool = self.spool.snapshot() if self.spool is not None else SpoolCounters()
-        health = self._health
+        health = self._tracker.health
         return SpoolStatus(
             healthy=health.healthy,
             unhealthy_since=None if health.healthy else health.since,
@@ -427,7 +306,7 @@ class SpoolingSink:
         """A detached copy of the counters, with the spool's."""
         return attrs.evolve(
             self.counters,
-            memory_records=self._held_records(),
+            memory_records=self._in_inner,
             spool=self.spool.snapshot() if self.spool is not None else SpoolCounters(),
         )
 

@@ -1,0 +1,204 @@
+"""Taking spooled batches to the destination: grouped inserts under stable
+tokens, retried while it is unreachable, split when it refuses some records.
+
+A try that fails *transiently* (unreachable, timed out, overloaded) marks the
+destination unhealthy and is repeated, unchanged, after a capped backoff, for
+as long as the outage lasts.  A try the destination *refuses* (bad data) is
+split in halves, each tried under its own token derived from the parent's
+(``<token>.0``, ``<token>.1``), down to single records: only the records the
+destination refuses go to the dead-letter callback.  Tokens and splits are a
+function of the group and of the destination's answers, so a replay after a
+crash repeats the same tries and the deduplication window drops the repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import trio
+
+from taproute.routing.batch import Batch, RecordBatch, RowBatch
+from taproute.routing.latch import FailureLatch
+from taproute.routing.sink import RecordSink
+from taproute.service.sinks.spool.health import HealthTracker, SpoolingCounters
+from taproute.service.sinks.spool.spool import CannotDeadLetter, DeadLetter, Spool
+
+_log = logging.getLogger("taproute.spool")
+
+
+@runtime_checkable
+class InsertsWithToken(Protocol):
+    """An inner sink that inserts batches now, idempotently per token."""
+
+    async def insert_now(self, batches: Sequence[Batch], token: str) -> None: ...
+
+    def is_transient(self, error: BaseException) -> bool: ...
+
+
+#: (batches, token they were tried with, the error)
+FailedBlock = Callable[[list[Batch], str, BaseException], Awaitable[None]]
+
+
+@runtime_checkable
+class HandsOverFailures(Protocol):
+    """An inner sink with its own batched path (rows, bytes, linger) that hands
+    a block whose insert failed to its owner instead of retrying it, and
+    says how far behind it is (the ClickHouse sink)."""
+
+    def hand_over_failures(
+        self, handler: FailedBlock, inserted: Callable[[int, int], None] | None = None
+    ) -> None: ...
+
+    @property
+    def backlog_bytes(self) -> int: ...
+
+    @property
+    def max_backlog_bytes(self) -> int: ...
+
+
+def _default_transient(error: BaseException) -> bool:
+    return isinstance(error, (OSError, TimeoutError))
+
+
+def _records(batches: Sequence[Batch]) -> int:
+    return sum(len(b) for b in batches)
+
+
+def _take(batch: Batch, start: int, stop: int) -> Batch:
+    if isinstance(batch, RecordBatch):
+        return batch.select(np.arange(start, stop, dtype=np.intp))
+    return RowBatch(route=batch.route, layout_name=batch.layout_name, rows=batch.rows[start:stop])
+
+
+def halves(batches: Sequence[Batch]) -> tuple[list[Batch], list[Batch]]:
+    """``batches`` (two records or more) split into two halves by records."""
+    half = _records(batches) // 2
+    left: list[Batch] = []
+    right: list[Batch] = []
+    seen = 0
+    for batch in batches:
+        n = len(batch)
+        if seen >= half:
+            right.append(batch)
+        elif seen + n <= half:
+            left.append(batch)
+        else:
+            cut = half - seen
+            left.append(_take(batch, 0, cut))
+            right.append(_take(batch, cut, n))
+        seen += n
+    return left, right
+
+
+class Delivery:
+    """One destination's tries: insert, retry while unreachable, split refusals,
+    and the loop that drains the spool in order."""
+
+    def __init__(
+        self,
+        name: str,
+        inner: RecordSink,
+        spool: Spool | None,
+        tracker: HealthTracker,
+        counters: SpoolingCounters,
+        latch: FailureLatch,
+        *,
+        dead_letter: DeadLetter | None,
+        group_bytes: int,
+    ) -> None:
+        self.name = name
+        self.inner = inner
+        self.spool = spool
+        self.tracker = tracker
+        self.counters = counters
+        self._latch = latch
+        self._dead_letter = dead_letter
+        self.group_bytes = group_bytes
+        self._direct = inner if isinstance(inner, InsertsWithToken) else None
+
+    async def insert(self, batches: Sequence[Batch], token: str) -> None:
+        """One try (``insert_now`` with ``token``; another sink: submit + flush)."""
+        if self._direct is not None:
+            await self._direct.insert_now(batches, token)
+        else:
+            for batch in batches:
+                await self.inner.submit(batch)
+            await self.inner.flush()
+
+    def transient(self, error: BaseException) -> bool:
+        """Whether the same try may succeed later (unreachable, not refused)."""
+        if self._direct is not None:
+            return self._direct.is_transient(error)
+        return _default_transient(error)
+
+    def unreachable(self, error: BaseException) -> None:
+        self.tracker.failed(error)
+        self.counters.retries += 1
+
+    async def settle(
+        self, batches: Sequence[Batch], token: str, error: BaseException | None = None
+    ) -> int:
+        """Deliver ``batches`` under ``token`` (``error``: the first try already
+        failed with it): retry while unreachable, split what is refused.
+        Returns the records delivered (the rest were refused, and handed over)."""
+        while error is None or self.transient(error):
+            if error is not None:
+                self.unreachable(error)
+                await trio.sleep(self.tracker.wait())
+            try:
+                await self.insert(batches, token)
+            except Exception as exc:
+                error = exc
+                continue
+            self.tracker.succeeded()
+            return _records(batches)
+        rest = list(getattr(error, "rest", batches))  # PartlyInserted: the parts not stored
+        delivered = _records(batches) - _records(rest)
+        if _records(rest) == 1:
+            await self.refuse(rest, error)
+            return delivered
+        left, right = halves(rest)
+        delivered += await self.settle(left, f"{token}.0")
+        return delivered + await self.settle(right, f"{token}.1")
+
+    async def refuse(self, batches: Sequence[Batch], error: BaseException) -> None:
+        """Records the destination refused: to the dead-letter callback, or latched."""
+        for batch in batches:
+            if len(batch) == 0:
+                continue
+            self.counters.refused_records += len(batch)
+            if self._dead_letter is None:
+                self._latch.latch(error, destination=self.name, where="insert (refused)")
+                return
+            reason = f"refused by destination {self.name!r}: {type(error).__name__}: {error}"
+            try:
+                await self._dead_letter(batch, reason)
+            except CannotDeadLetter as exc:
+                self.counters.refused_dropped_records += len(batch)
+                _log.error(
+                    "destination %r: %d refused record(s) dropped: %s", self.name, len(batch), exc
+                )
+
+    async def drain(self) -> None:
+        """Deliver the spool's frames in order, in groups, until cancelled."""
+        spool = self.spool
+        assert spool is not None
+        while True:
+            await spool.wait_nonempty()
+            group = await spool.read_group(self.group_bytes)
+            delivered = await self.settle(group.batches, group.token)
+            self.counters.delivered_records += delivered
+            self.counters.delivered_batches += len(group.batches)
+            await spool.ack(group.seq)
+
+
+__all__ = [
+    "Delivery",
+    "FailedBlock",
+    "HandsOverFailures",
+    "InsertsWithToken",
+    "halves",
+]

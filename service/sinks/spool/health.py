@@ -1,0 +1,89 @@
+"""A spooling destination's health and books: whether it takes batches now
+(since when, why not), how long to wait before the next try, and what became
+of every record it accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from taproute.routing.limits import capped_backoff
+from taproute.service.sinks.spool.spool import SpoolCounters
+
+
+@attrs.frozen(kw_only=True)
+class Backoff:
+    """Waits between retries of an unreachable destination (capped exponential)."""
+
+    initial: float = 0.5
+    multiplier: float = 2.0
+    maximum: float = 30.0
+
+    def after(self, failures: int) -> float:
+        return capped_backoff(self.initial, self.multiplier, self.maximum, failures)
+
+
+@attrs.frozen
+class Health:
+    """Whether the destination takes batches now; since when (clock seconds) and why not."""
+
+    healthy: bool
+    since: float
+    reason: str | None
+    consecutive_failures: int
+
+
+@attrs.define
+class SpoolingCounters:
+    """Records through a spooling destination.
+
+    accepted = delivered + refused + shed + held, where refused records went
+    to the dead-letter callback (``refused_dropped_records`` of them had no
+    place there and were dropped, counted), shed ones were dropped by the
+    spool's quota policy (``spool.dropped_records``, ``shed_records`` when a
+    ``block`` ran out of time) or dead-lettered by it
+    (``spool.dead_lettered_records``), and held ones are in memory or in the
+    spool.  ``spilled_records`` went to the spool because the destination
+    was behind (its backlog past the threshold), not down.
+    """
+
+    accepted_records: int = 0
+    delivered_records: int = 0
+    delivered_batches: int = 0
+    refused_records: int = 0
+    refused_dropped_records: int = 0
+    shed_records: int = 0
+    spilled_records: int = 0
+    retries: int = 0
+    memory_records: int = 0
+    spool: SpoolCounters = attrs.field(factory=SpoolCounters)
+
+
+class HealthTracker:
+    """The destination's :class:`Health`, moved by each try's outcome."""
+
+    def __init__(self, clock: Callable[[], float], backoff: Backoff) -> None:
+        self._clock = clock
+        self.backoff = backoff
+        self.health = Health(True, clock(), None, 0)
+
+    def failed(self, error: BaseException) -> None:
+        """A try failed transiently: unhealthy since the first such failure."""
+        health = self.health
+        since = health.since if not health.healthy else self._clock()
+        reason = f"{type(error).__name__}: {error}"
+        self.health = Health(False, since, reason, health.consecutive_failures + 1)
+
+    def succeeded(self) -> None:
+        if not self.health.healthy:
+            self.health = Health(True, self._clock(), None, 0)
+
+    def wait(self) -> float:
+        """Seconds to wait before the next try (0 while healthy)."""
+        if self.health.healthy:
+            return 0.0
+        return self.backoff.after(self.health.consecutive_failures)
+
+
+__all__ = ["Backoff", "Health", "HealthTracker", "SpoolingCounters"]
