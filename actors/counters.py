@@ -169,6 +169,23 @@ class DestinationCounters:
             "help": "Records delivered from the spool (its rate is the drain rate).",
         },
     )
+    spool_shed_records: int | None = attrs.field(
+        default=None,
+        metadata={
+            "kind": "count",
+            "metric": "taproute_destination_spool_shed_records",
+            "help": "Records a full spool shed by its when_full policy (dropped, "
+            "dead-lettered, or a block that ran out of time).",
+        },
+    )
+    refused_records: int | None = attrs.field(
+        default=None,
+        metadata={
+            "kind": "count",
+            "metric": "taproute_destination_refused_records",
+            "help": "Records the destination refused (bad data): dead-lettered.",
+        },
+    )
 
 
 @attrs.frozen

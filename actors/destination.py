@@ -209,5 +209,7 @@ class DestinationActor:
                 spool_segments=spool.segments,
                 spool_oldest_age_seconds=spool.oldest_unacked_age_s,
                 spool_drained_records=spool.drained_records,
+                spool_shed_records=spool.shed_records,
+                refused_records=spool.refused_records,
             )
         return attrs.evolve(self.counters)

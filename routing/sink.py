@@ -137,7 +137,8 @@ class Traceable(Protocol):
 class SpoolStatus:
     """A spooling destination now: healthy or since when (epoch seconds) and
     why not; unacknowledged bytes, segment files, the oldest unacknowledged
-    batch's age; records delivered from the spool so far."""
+    batch's age; records delivered from the spool so far; records a full
+    spool shed (by its policy) and records the destination refused."""
 
     healthy: bool
     unhealthy_since: float | None
@@ -146,6 +147,8 @@ class SpoolStatus:
     segments: int
     oldest_unacked_age_s: float
     drained_records: int
+    shed_records: int = 0
+    refused_records: int = 0
 
 
 @runtime_checkable

@@ -286,3 +286,57 @@ async def test_a_spool_directory_has_one_writer_at_a_time(tmp_path):
         Spool.open(SpoolConfig(directory=tmp_path))
     await first.aclose()
     Spool.open(SpoolConfig(directory=tmp_path))  # free again once closed
+
+
+async def test_a_group_in_flight_at_a_crash_is_the_first_group_again_under_its_token(tmp_path):
+    config = SpoolConfig(directory=tmp_path)
+    spool = Spool.open(config)
+    for i in range(5):
+        await spool.append(vec_batch(1, 2, seq_start=2 * i))
+    group = await spool.read_group(1 << 20)
+    assert (group.first, group.seq, group.records) == (1, 5, 10)
+    assert group.token == f"spool-{spool.spool_id}-1-5"
+    await spool.aclose()  # killed before the ack: the insert may have happened
+
+    again = Spool.open(config)
+    for i in range(5, 8):
+        await again.append(vec_batch(1, 2, seq_start=2 * i))
+    replay = await again.read_group(1 << 20)  # more frames now, same group
+    assert (replay.first, replay.seq, replay.token) == (1, 5, group.token)
+    await again.ack(replay.seq)
+    rest = await again.read_group(1 << 20)
+    assert (rest.first, rest.seq) == (6, 8)
+    await again.aclose()
+
+
+async def test_without_a_recorded_group_the_first_group_after_a_restart_is_one_frame(tmp_path):
+    config = SpoolConfig(directory=tmp_path)
+    spool = Spool.open(config)
+    for i in range(3):
+        await spool.append(vec_batch(1, 2, seq_start=2 * i))
+    alone = await spool.read_group(1)  # a byte limit below one frame: one frame
+    assert (alone.first, alone.seq, alone.token) == (1, 1, spool.token(1))
+    await spool.aclose()
+
+    again = Spool.open(config)
+    replay = await again.read_group(1 << 20)
+    assert (replay.first, replay.seq, replay.token) == (1, 1, alone.token)
+    await again.ack(1)
+    assert ((await again.read_group(1 << 20)).first, len(again)) == (2, 2)
+    await again.aclose()
+
+
+async def test_a_frame_with_its_own_token_is_inserted_alone(tmp_path):
+    spool = Spool.open(SpoolConfig(directory=tmp_path))
+    await spool.append(vec_batch(1, 2))
+    await spool.append(vec_batch(1, 2, seq_start=2), token="mem-abc-7")
+    await spool.append(vec_batch(1, 2, seq_start=4))
+    before = await spool.read_group(1 << 20)
+    assert (before.first, before.seq) == (1, 1)  # the group ends before it
+    await spool.ack(1)
+    fixed = await spool.read_group(1 << 20)
+    assert (fixed.first, fixed.seq, fixed.token) == (2, 2, "mem-abc-7")
+    await spool.ack(2)
+    after = await spool.read_group(1 << 20)
+    assert (after.first, after.seq, after.token) == (3, 3, spool.token(3))
+    await spool.aclose()

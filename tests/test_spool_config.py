@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 
 from taproute.service.host.config import ConfigFileError, load_config
@@ -53,3 +54,118 @@ def test_a_bad_spool_key_names_the_file_and_key(tmp_path, chdb_transport):
     with pytest.raises(ConfigFileError) as caught:
         load_config(write(tmp_path, text))
     assert any("destinations.ch.spool" in p for p in caught.value.problems), caught.value.problems
+
+
+class Refused(Exception):
+    """What chDB raises for a block of bad data (not transient)."""
+
+
+def faulty_chdb(monkeypatch, *, refuse_seq=None, down=False):
+    """Make every chDB insert into a raw table refuse a block holding
+    ``refuse_seq`` (bad data), or fail as unreachable while ``down``."""
+    from taproute.service.sinks.clickhouse import ChdbTransport
+
+    real = ChdbTransport.insert
+    state = {"down": down}
+
+    def insert(self, table, data, *, dedup_token):
+        if "_raw_" in table:
+            if state["down"]:
+                raise ConnectionRefusedError("ClickHouse unreachable (injected)")
+            if refuse_seq is not None and refuse_seq in data.column("seq").to_pylist():
+                raise Refused("Code: 53. DB::Exception: TYPE_MISMATCH (injected)")
+        real(self, table, data, dedup_token=dedup_token)
+
+    monkeypatch.setattr(ChdbTransport, "insert", insert)
+    return state
+
+
+def with_dead_letters(text: str, path) -> str:
+    return text + f'\n[dead_letters]\npath = "{path}"\n'
+
+
+def test_a_config_destination_dead_letters_only_the_records_it_refuses(
+    tmp_path, chdb_transport, monkeypatch
+):
+    prefix = unique("dl")
+    letters = tmp_path / "letters.sqlite"
+    spool = f'spool_dir = "{tmp_path / "spool"}"\n'
+    text = with_dead_letters(with_spool(base(chdb_transport, prefix), spool), letters)
+    faulty_chdb(monkeypatch, refuse_seq=21)
+    with load_config(write(tmp_path, text)).build() as built, built.start() as runtime:
+        q = runtime.bind_hook("layers.0", layout="vec")
+        for seq in range(40):
+            runtime.submit(q, np.full(4, seq, np.float32), seq=seq)
+        runtime.flush()  # no latched failure: the refusal was dead-lettered
+        assert runtime.failure is None
+        store = built.dead_letters
+        assert store is not None
+        (letter,) = store.list()
+        assert (letter.seq, letter.code, letter.route) == (
+            21,
+            "destination_refused",
+            "destination:ch",
+        )
+        assert "TYPE_MISMATCH" in letter.error
+    rows = chdb_transport.query(f"SELECT count() AS n, uniqExact(seq) AS u FROM `{prefix}_raw_vec`")
+    assert rows.to_pylist() == [{"n": 39, "u": 39}]
+
+
+@pytest.mark.parametrize("policy", ["drop_newest", "dead_letter", "block"])
+def test_a_full_spool_sheds_by_the_configured_policy_and_counts_it(
+    tmp_path, chdb_transport, monkeypatch, policy
+):
+    prefix = unique("q")
+    letters = tmp_path / "letters.sqlite"
+    lines = f'spool_dir = "{tmp_path / "spool"}"\n'
+    lines += f'spool_quota_bytes = 600\nspool_when_full = "{policy}"\n'
+    if policy == "block":
+        lines += "spool_block_timeout = 0.05\n"  # then shed, counted
+    text = with_dead_letters(with_spool(base(chdb_transport, prefix), lines), letters)
+    faulty_chdb(monkeypatch, down=True)
+    with load_config(write(tmp_path, text)).build() as built, built.start() as runtime:
+        q = runtime.bind_hook("layers.0", layout="vec")
+        for seq in range(30):
+            runtime.submit(q, np.full(4, seq, np.float32), seq=seq)
+            runtime.flush()  # one batch (one frame) per record
+        assert runtime.failure is None  # a full spool never latches the router
+        status = runtime.snapshot().destinations["ch"]
+        # 30 raw records and their 30 norm rows, all to the one destination
+        assert status.healthy == 0 and status.records == 60
+        shed = status.spool_shed_records
+        assert shed is not None and 0 < shed < 60
+        assert built.dead_letters is not None
+        letters_kept = built.dead_letters.list()
+    if policy == "dead_letter":
+        # raw records are letters; processed rows have no place there (dropped, counted)
+        assert 0 < len(letters_kept) < shed
+        assert {letter.code for letter in letters_kept} == {"spool_full"}
+    else:
+        assert letters_kept == []
+
+
+def test_dead_letter_when_full_needs_a_dead_letter_store(tmp_path):
+    text = """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+
+[destinations.ch]
+url = "http://127.0.0.1:1/"
+raw = ["vec"]
+spool_when_full = "dead_letter"
+spool_block_timeout = -1
+"""
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(write(tmp_path, text))
+    problems = caught.value.problems
+    assert any(
+        p.startswith("destinations.ch.spool_when_full: 'dead_letter' needs a dead-letter store")
+        for p in problems
+    ), problems
+    assert "destinations.ch.spool_block_timeout: expected seconds >= 0, found -1.0" in problems

@@ -44,8 +44,9 @@ class SpoolingCounters:
     spool's quota policy (``spool.dropped_records``, ``shed_records`` when a
     ``block`` ran out of time) or dead-lettered by it
     (``spool.dead_lettered_records``), and held ones are in memory or in the
-    spool.  ``spilled_records`` went to the spool because the destination
-    was behind (its backlog past the threshold), not down.
+    spool.  ``spilled_records`` went to the spool while the destination was
+    healthy: it was behind (its backlog past the threshold), or the spool
+    still held batches to deliver first.
     """
 
     accepted_records: int = 0

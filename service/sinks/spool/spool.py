@@ -118,7 +118,7 @@ class Spool:
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
         # Until the first group is read: a previous run's group in flight was a
         # single frame unless an intent names more (see read_group).
-        self._opened = True
+        self._opened = bool(log.entries)
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
     @classmethod

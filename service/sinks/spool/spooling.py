@@ -175,15 +175,18 @@ class SpoolingSink:
             return
         records = len(batch)
         self.counters.accepted_records += records
-        if not self._inner_path():
+        if self.mode == "always" or not self._tracker.health.healthy:
             await self._append([batch])
             return
-        if self._batched is not None:
-            limit = self._batched.max_backlog_bytes * self.spill_at
-            if self._batched.backlog_bytes + batch.nbytes > limit:
-                self.counters.spilled_records += records  # behind, not down
-                await self._append([batch])
-                return
+        assert self.spool is not None
+        behind = self._batched is not None and (
+            self._batched.backlog_bytes + batch.nbytes
+            > self._batched.max_backlog_bytes * self.spill_at
+        )
+        if behind or len(self.spool):  # behind, not down (or following what was)
+            self.counters.spilled_records += records
+            await self._append([batch])
+            return
         try:
             await self.inner.submit(batch)
         except Exception as exc:
@@ -193,10 +196,6 @@ class SpoolingSink:
             await self._append([batch])
             return
         self._in_inner += records
-
-    def _inner_path(self) -> bool:
-        assert self.spool is not None
-        return self.mode == "outage" and self._tracker.health.healthy and len(self.spool) == 0
 
     async def _append(self, batches: Sequence[Batch], token: str | None = None) -> None:
         assert self.spool is not None
@@ -300,6 +299,10 @@ class SpoolingSink:
             segments=spool.segments,
             oldest_unacked_age_s=spool.oldest_unacked_age_s,
             drained_records=spool.acked_records,
+            shed_records=(
+                spool.dropped_records + spool.dead_lettered_records + self.counters.shed_records
+            ),
+            refused_records=self.counters.refused_records,
         )
 
     def snapshot(self) -> SpoolingCounters:

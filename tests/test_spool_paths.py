@@ -1,0 +1,156 @@
+"""Which path a batch takes through a spooling destination in ``outage`` mode:
+the ClickHouse sink's own batched path while it is healthy and keeps up, the
+spool when it is down or behind, splitting when it refuses some records.
+
+Real chDB underneath, faults injected by the transport (tests/test_spool_outage.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+import trio.testing
+
+from taproute.routing import HookRegistry
+from taproute.service.sinks.clickhouse import Batching
+from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
+from tests.conftest import vec_batch
+from tests.processors import SCHEMA
+from tests.test_spool_outage import FaultyTransport, stored
+from tests.test_spool_outage import backend as backend
+from tests.test_spool_outage import clock as clock
+
+
+class HeldTransport(FaultyTransport):
+    """Inserts wait (in their worker thread) until ``release`` is set: a slow destination."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.release = threading.Event()
+        self.waiting = 0
+
+    def insert(self, table, data, *, dedup_token):
+        with self._lock:
+            self.waiting += 1
+        self.release.wait(timeout=60)
+        super().insert(table, data, dedup_token=dedup_token)
+
+
+class SizedTransport(FaultyTransport):
+    """Records the rows of every insert."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.sizes: list[int] = []
+
+    def insert(self, table, data, *, dedup_token):
+        super().insert(table, data, dedup_token=dedup_token)
+        self.sizes.append(data.num_rows)
+
+
+def spooling(backend, tmp_path, transport, *, batching, dead=None, **kwargs):
+    hooks = HookRegistry()
+    hooks.bind("q", layout="vec")
+    inner = backend.sink(SCHEMA, transport=transport, raw=["vec"], hooks=hooks, batching=batching)
+
+    async def dead_letter(batch, reason):
+        dead.append((batch, reason))
+
+    return SpoolingSink(
+        "ch",
+        inner,
+        Spool.open(SpoolConfig(directory=tmp_path / "spool"), clock=trio.current_time),
+        backoff=Backoff(initial=0.5, maximum=5.0),
+        dead_letter=None if dead is None else dead_letter,
+        clock=trio.current_time,
+        **kwargs,
+    )
+
+
+async def test_healthy_outage_mode_is_the_sinks_own_batched_path(backend, tmp_path, clock):
+    faults = SizedTransport(backend.transport)
+    sink = spooling(backend, tmp_path, faults, batching=Batching(max_rows=100, linger=1.0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(50):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+            await trio.sleep(0.01)  # the destination keeps up: nothing queues
+        await sink.flush()
+        # max_rows=100: 200 records are two inserts, exactly as without a spool
+        assert faults.sizes == [100, 100]
+        await sink.close()
+    assert stored(backend) == (200, 200)
+    c = sink.snapshot()
+    assert c.accepted_records == c.delivered_records == 200 and c.memory_records == 0
+    assert c.spool.appended_batches == 0 and not (tmp_path / "spool" / "ack").exists()
+
+
+async def test_a_block_that_fails_on_the_batched_path_is_spooled_under_its_token(
+    backend, tmp_path, clock
+):
+    # Every 2nd insert loses its reply after storing the rows: the spooled
+    # block keeps the token it was tried with, so the replay is a no-op.
+    faults = FaultyTransport(backend.transport, lose_every=2)
+    sink = spooling(backend, tmp_path, faults, batching=Batching(max_rows=20, linger=1.0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(10):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+            await trio.sleep(0.3)
+        await sink.wait_delivered()
+        await sink.close()
+    assert faults.lost >= 1
+    assert stored(backend) == (40, 40)  # the lost reply's block is there once
+    c = sink.snapshot()
+    assert c.spool.appended_batches >= 1 and c.spool.frames == 0
+    assert c.accepted_records == c.delivered_records == 40
+    assert sink.health.healthy and sink.failure is None
+
+
+async def test_a_refused_block_on_the_batched_path_dead_letters_only_the_bad_record(
+    backend, tmp_path, clock
+):
+    faults = FaultyTransport(backend.transport, refuse={37})
+    dead: list = []
+    sink = spooling(backend, tmp_path, faults, batching=Batching(max_rows=64), dead=dead)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(16):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+        await sink.flush()
+        await sink.close()
+    ((batch, reason),) = dead
+    assert list(batch.descriptors["seq"]) == [37] and "TYPE_MISMATCH" in reason
+    assert stored(backend) == (63, 63)
+    c = sink.snapshot()
+    assert c.accepted_records == 64 == c.delivered_records + c.refused_records
+    assert c.refused_records == 1 and sink.failure is None
+    assert c.spool.appended_batches == 0  # refused is not unreachable: nothing spooled
+
+
+async def test_a_destination_behind_spills_to_the_spool_and_drains_back_in_order(
+    backend, tmp_path, clock
+):
+    slow = HeldTransport(backend.transport)
+    batching = Batching(max_rows=8, max_buffered_bytes=2048, inserts_in_flight=1)
+    sink = spooling(backend, tmp_path, slow, batching=batching, spill_at=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        with trio.fail_after(5):  # never waits on the slow destination
+            for i in range(40):
+                await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+        c = sink.snapshot()
+        assert c.spilled_records > 0 and c.spool.frames > 0
+        assert sink.health.healthy  # behind is not down
+        assert sink.spool_status().bytes > 0
+        slow.release.set()
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (160, 160)
+    c = sink.snapshot()
+    assert c.accepted_records == c.delivered_records == 160
+    assert c.spool.frames == 0 and c.spool.acked_records == c.spilled_records
+    # The spilled frames drained as grouped inserts, not one insert per batch.
+    assert slow.inserts < 40
