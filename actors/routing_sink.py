@@ -146,6 +146,9 @@ class RoutingSink(Producer[RouterSnapshot]):
             latch=self._latch,
         )
         link_chains(self.plan, self._routes, self.hooks, self.schema, self.causal)
+        self._chained_keys = any(
+            isinstance(r, StatefulRoute) and r.planned.derived_from for r in self._routes
+        )
         #: Recent records no route took, per hook, with each route's refusal.
         self.refusals = RefusalLog()
         self._table = RouteTable(len(self.plan.routes))
@@ -375,6 +378,12 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._check_open()
         request = np.array(request_keys(keys), dtype=np.int64)
         async with self._lock:
+            if self._chained_keys:
+                # A stateful route that takes derived records gets them only once
+                # the routes before it processed what was accepted before this
+                # control: wait for that (nothing new is accepted meanwhile), so
+                # a complete does not overtake them either.
+                await self._in_flight.wait_idle()
             for route in self._routes:
                 if isinstance(route, StatefulRoute):
                     await route.key_control(action, request)

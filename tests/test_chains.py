@@ -351,3 +351,50 @@ async def test_exact_accounting_with_chains_failures_and_refusals(tmp_path):
     store.close()
     rows.clear()
     raw.clear()
+
+
+async def test_a_stateful_route_keys_derived_records_by_request_and_its_finals_chain_on():
+    hooks, q = hooks_with_q()
+    rows, finals = CaptureSink(), CaptureSink()
+    config = RoutingConfig(
+        [
+            stateless("norms", Q, "test.norms", then=("totals",)),
+            Route(
+                "totals",
+                "route:norms",
+                "rows",
+                mode="stateful",
+                processor="chain.norm_total",
+                then=("finals",),
+            ),
+            Route("finals", "route:totals", "finals"),
+        ]
+    )
+    async with open_routing_sink(
+        config, SCHEMA, {"rows": rows, "finals": finals}, unmatched="drop", hooks=hooks
+    ) as sink:
+        await sink.submit(vec_batch(q, 3, keys=[1, 1, 2]))
+        await sink.complete(1, 2)
+        await sink.flush()
+        snap = sink.snapshot()
+        traced = sink.trace("route:totals")
+    norms = rows.rows("norms")
+    batches = finals.record_batches  # one per completed key
+    got = np.concatenate([b.payload.view(NORM.dtype) for b in batches])
+    assert got["key"].tolist() == [1, 2]
+    assert got["norm"].tolist() == pytest.approx(
+        [float(norms["norm"][0] + norms["norm"][1]), float(norms["norm"][2])]
+    )
+    # A completion's final rows are a new root (the completion), depth 1.
+    assert all(b.lineage is not None for b in batches)
+    assert [d for b in batches for d in b.lineage.depths.tolist()] == [1, 1]
+    assert len({r for b in batches for r in b.lineage.roots.tolist()}) == 2
+    assert snap.routes["totals"].processed == 3 and snap.routes["totals"].derived == 2
+    assert snap.causal.derived == 3 + 2
+    assert [(v.route, v.verdict) for v in traced.verdicts] == [
+        ("norms", "not_reached"),
+        ("totals", "not_reached"),
+        ("finals", "match"),
+    ]
+    rows.clear()
+    finals.clear()
