@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
 
 import tests.chain_processors  # noqa: F401 - registers chain.double, chain.spray
 from taproute.actors import open_routing_sink
@@ -19,6 +20,7 @@ from taproute.routing.causal import CausalLimits, root_hex, root_ids
 from taproute.routing.errors import RerouteRefused
 from taproute.service import CaptureSink, DeadLetterStore
 from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
 from tests.chain_processors import SPRAY_ROWS
 from tests.conftest import vec_batch
@@ -285,6 +287,15 @@ def test_a_chain_from_a_config_file_runs_and_its_limits_come_from_the_file(
     assert len(rows) == 10  # 5 norms, then the same 5 doubled, in one table
     assert sorted(r["norm"] for r in rows) == pytest.approx(sorted(norms + [2 * n for n in norms]))
     assert snap.causal.derived == 5 and snap.routes["doubled"].processed == 5
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap))
+    scraped = generate_latest(registry).decode()
+    assert 'taproute_causal_records_total{verdict="accepted"} 5.0' in scraped
+    assert 'taproute_causal_records_total{verdict="refused_depth"} 0.0' in scraped
+    assert (
+        'taproute_route_derived_records_total{destination="ch",mode="stateless",route="norms"} 5.0'
+        in scraped
+    )
 
 
 def test_a_cycle_in_a_config_file_is_refused_unless_allowed(tmp_path, chdb_transport):
