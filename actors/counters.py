@@ -188,7 +188,7 @@ class DestinationCounters:
     )
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class RouterSnapshot:
     """Everything a routing sink counted, at one moment.
 
@@ -197,6 +197,8 @@ class RouterSnapshot:
     ``unmatched_samples`` a few recent ones per hook with the routes that
     declined them.  ``causal``: derived records accepted and refused by the
     causal limits.  ``failure`` is the latched failure's message, if any.
+    ``generation`` is the number of the configuration generation routing new
+    records (1 until a reload; 0 for a sink that has no generations).
     """
 
     routes: dict[str, RouteCounters]
@@ -208,6 +210,7 @@ class RouterSnapshot:
     causal: CausalSnapshot = attrs.Factory(CausalSnapshot)
     #: Per hook, recent records no route took, with each route's refusal.
     unmatched_samples: dict[str, list[UnmatchedSample]] = attrs.Factory(dict)
+    generation: int = 0
 
 
 @runtime_checkable

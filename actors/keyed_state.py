@@ -54,6 +54,9 @@ class KeyedRoute(RouteActor):
         self.mailboxes = list(self.owner_mailboxes)
         self.held: list[Held] = [{} for _ in range(route.workers)]
         self.keys = KeyStates(spec.key_range)
+        #: Keys whose held records a reload handed over from the previous
+        #: generation's route: retried first when this route starts.
+        self.retry_first: list[int] = []
         self.counters.valid_slots = 0
         self.counters.open_keys = 0
 

@@ -80,6 +80,15 @@ class StatefulRoute(KeyedRoute):
         for owner, mailbox in enumerate(self.owner_mailboxes):
             nursery.start_soon(self._owner, owner, mailbox)
         nursery.start_soon(self.parked.run, self._retry)
+        # Keys a reload handed over from the previous generation: retried at
+        # once, ahead of whatever of theirs arrived since (it waits behind them).
+        taken_over, self.retry_first = self.retry_first, []
+        for key in taken_over:
+            try:
+                self.counters.retries += 1
+                await self._retry(key)
+            finally:
+                self._in_flight.done()  # the handover's hold (see generation.py)
 
     async def _owner(self, owner: int, mailbox: Mailbox[Any]) -> None:
         held = self.held[owner]
@@ -106,6 +115,8 @@ class StatefulRoute(KeyedRoute):
                 self._latch.latch(exc, route=self.name, where="stateful owner")
             finally:
                 self._settle(batch)
+        if self.handing_over:
+            return  # retired by a reload: the sink hands `held` to the successor
         # Closing: what still waits behind a failing key is given up, in order.
         for key, queue in held.items():
             while queue:

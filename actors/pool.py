@@ -57,6 +57,8 @@ class StatelessRoute(RouteActor):
 
     async def _retry_loop(self) -> None:
         await self.parked.run(self._retry)
+        if self.handing_over:
+            return  # retired by a reload: the sink hands what is parked to the successor
         for attempt in self.parked.drain():  # closing: give up what still waits
             await self._give_up(attempt)
 

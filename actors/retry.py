@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -54,6 +54,16 @@ class RetryQueue(Generic[T]):
             self.counters.parked -= len(attempt.batch)
             if self._room:
                 self._room.unpark_all()
+
+    def adopt(self, attempt: Attempt, source: RetryQueue[Any]) -> None:
+        """Take over ``attempt``, held by ``source`` (a reload hands a retiring
+        route's parked records to its successor): the buffer stays held, the
+        parked count moves here (unless both queues count in the same counters)."""
+        if attempt.hold is not None and source.counters is not self.counters:
+            source.counters.parked -= len(attempt.batch)
+            self.counters.parked += len(attempt.batch)
+            if source._room:
+                source._room.unpark_all()
 
     async def wait_for_room(self) -> None:
         """Backpressure: wait while too many records are parked (not once closing)."""

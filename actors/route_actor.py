@@ -98,6 +98,20 @@ class RouteActor:
         )
         #: Where this route's output is routed again (None: nowhere).
         self.chain: ChainLink | None = None
+        #: The configuration generation this actor routes under (set when a
+        #: reload swaps it in; the first generation is 1).
+        self.generation = 1
+        #: Set by a reload that retired this route: its actors drain what they
+        #: were given and leave what is parked to be handed to :attr:`successor`.
+        self.handing_over = False
+        #: The same-named route of the generation that replaced this one, if any.
+        self.successor: RouteActor | None = None
+        #: The same-named route this one replaced (a stateful route waits for it).
+        self.predecessor: RouteActor | None = None
+        #: True once every task of this route has exited; :attr:`exited` is set
+        #: after that, once what it held was handed over.
+        self.tasks_done = False
+        self.exited = trio.Event()
 
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         """Take ``batch`` (this route's records of one ingress batch, or derived
@@ -114,6 +128,12 @@ class RouteActor:
         self.parked.close()
         for mailbox in self.mailboxes:
             mailbox.close()
+
+    def retire(self) -> None:
+        """A reload replaced this route: close its inputs like :meth:`close`, but
+        what is parked is left for the sink to hand to the successor, not given up."""
+        self.handing_over = True
+        self.close()
 
     def abandon(self) -> None:
         """The route's actors are gone (the run was cancelled or raised): give
@@ -285,8 +305,10 @@ class RouteActor:
         by_code = self.counters.failures_by_code
         by_code[attempt.code.value] = by_code.get(attempt.code.value, 0) + len(attempt.batch)
 
-    async def _give_up(self, attempt: Attempt) -> None:
-        """Hand ``attempt`` to the failure handler; a handler error is latched."""
+    async def _give_up(self, attempt: Attempt, *, generation: int | None = None) -> None:
+        """Hand ``attempt`` to the failure handler; a handler error is latched.
+
+        ``generation``: the one it was last tried under (default: this route's)."""
         assert attempt.code is not None and attempt.error is not None
         self.counters.failed += len(attempt.batch)
         failure = RecordFailure(
@@ -300,6 +322,7 @@ class RouteActor:
             last_failure_at=attempt.last_failure_wall or time.time(),
             traceback=attempt.traceback,
             reroute_of=None if self._copy_of is None else self._copy_of(attempt.batch),
+            generation=self.generation if generation is None else generation,
         )
         self._give_up_log(failure)  # whatever the handler: an operator sees give-ups in the log
         try:

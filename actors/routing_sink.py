@@ -17,6 +17,10 @@ the sinks it created.
 route; forward routes hand it to their destination actor inline, the others
 queue it in their mailboxes.  A full mailbox makes ``submit`` wait.
 
+The routes belong to a configuration *generation* (``generation.py``):
+:meth:`RoutingSink.reload` builds the next one beside the running one and
+swaps it in between two batches.
+
 Dead letters' copies take their own path (``reroute.py``); a Trio program
 runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
 """
@@ -28,31 +32,31 @@ from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
 from taproute.actors.chain import CausalGate, link_chains
-from taproute.actors.counters import RouterSnapshot
+from taproute.actors.counters import RouteCounters, RouterSnapshot
 from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
+from taproute.actors.generation import Generation, link, prepare_generation, run_route
 from taproute.actors.inflight import InFlight
 from taproute.actors.owners import StatefulRoute
 from taproute.actors.reroute import Rerouter
-from taproute.actors.topology import build_topology
+from taproute.actors.route_actor import RouteActor
+from taproute.actors.topology import build_topology, route_actors
 from taproute.actors.turnstile import Turnstile
-from taproute.native import UNMATCHED, RouteTable
+from taproute.native import UNMATCHED
 from taproute.routing.batch import Batch, RecordBatch
-from taproute.routing.errors import (
-    RoutingFailure,
-    SinkClosed,
-)
+from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed, at
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
-from taproute.routing.plan import Unmatched
+from taproute.routing.plan import RoutePlan, Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.routing.producer import Producer
@@ -103,8 +107,8 @@ class RoutingSink(Producer[RouterSnapshot]):
     ) -> None:
         super().__init__(Intake(hooks if hooks is not None else HookRegistry(), schema))
         self.schema = schema
-        self.config = config
         self._on_failure = on_failure
+        self._registry = registry
         #: Every give-up of every route is logged here (rate-limited per route).
         self.give_up_log = GiveUpLog()
         self._in_flight = InFlight()
@@ -130,13 +134,15 @@ class RoutingSink(Producer[RouterSnapshot]):
             taken=self._taken,
             copy_of=self._rerouter.copy_of,
         )
-        self.plan = topology.plan
         self._destinations = topology.destinations
-        self._routes = topology.routes
-        self._by_name = topology.by_name
+        self._available = topology.available
+        self._sinks_nursery: trio.Nursery | None = None
+        self._destinations_nursery: trio.Nursery | None = None
+        self._gen = Generation(config, topology.plan, topology.routes, topology.default, self.hooks)
+        self._gen.number = 1
         self._rerouter.routes = topology.by_name
-        self._default = topology.default
-        #: Admits derived records under the causal limits (chains).
+        #: Admits derived records under the causal limits (chains); one for
+        #: every generation, so roots in flight keep their pinned limits.
         self.causal = CausalGate(
             config.causal_limits,
             ledger=causal_ledger,
@@ -145,17 +151,15 @@ class RoutingSink(Producer[RouterSnapshot]):
             give_up_log=self.give_up_log,
             latch=self._latch,
         )
-        link_chains(self.plan, self._routes, self.hooks, self.schema, self.causal)
-        self._chained_keys = any(
-            isinstance(r, StatefulRoute) and r.planned.derived_from for r in self._routes
-        )
+        link_chains(self.plan, self._gen.routes, self.hooks, self.schema, self.causal)
         #: Recent records no route took, per hook, with each route's refusal.
         self.refusals = RefusalLog()
-        self._table = RouteTable(len(self.plan.routes))
-        self._unsubscribe = self.hooks.subscribe(self._on_bind)
+        #: Routes of earlier generations still draining, and the last route of
+        #: each name (a retired route's records may still be at a destination).
+        self._retiring: list[RouteActor] = []
+        self._last: dict[tuple[str, str], RouteActor] = {}
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
-        self._has_predicates = any(p.route.predicate is not None for p in self.plan.routes)
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._started = False
@@ -165,9 +169,20 @@ class RoutingSink(Producer[RouterSnapshot]):
 
     # -- hook binding ------------------------------------------------------
 
-    def _on_bind(self, name: str, output_id: int) -> None:
-        """Resolve a (possibly late) hook binding into the native table."""
-        self._table.assign(output_id, self.plan.routes_for(name))
+    @property
+    def plan(self) -> RoutePlan:
+        """The running generation's route plan."""
+        return self._gen.plan
+
+    @property
+    def config(self) -> RoutingConfig:
+        """The running generation's routes."""
+        return self._gen.config
+
+    @property
+    def generation(self) -> int:
+        """The number of the generation routing new records (1 until a reload)."""
+        return self._gen.number
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -188,9 +203,11 @@ class RoutingSink(Producer[RouterSnapshot]):
                 async with trio.open_nursery() as destinations:
                     for destination in self._destinations.values():
                         destinations.start_soon(destination.run)
+                    # A reload may start more destinations in these.
+                    self._sinks_nursery, self._destinations_nursery = sinks, destinations
                     async with trio.open_nursery() as routes:
-                        for route in self._routes:
-                            await route.run(routes)
+                        for route in self._gen.routes:
+                            await routes.start(self._run_route, route)
                         routes.start_soon(self._close_inputs_when_asked)
                         self._nursery = routes  # rerouted copies are sent from here
                         task_status.started()
@@ -205,32 +222,166 @@ class RoutingSink(Producer[RouterSnapshot]):
             # On a normal exit everything has drained; when the run was
             # cancelled or raised, what is still queued or parked is let go
             # here, so every accepted batch's release runs exactly once.
-            for route in self._routes:
+            for route in [*self._gen.routes, *self._retiring]:
                 route.abandon()
             for destination in self._destinations.values():
                 destination.abandon()
             self._stopped.set()
-            self._unsubscribe()
+            self._gen.detach()
 
     async def _close_inputs_when_asked(self) -> None:
         await self._close_inputs.wait()
-        for route in self._routes:
+        for route in self._gen.routes:
             route.close()
+
+    async def _run_route(
+        self, actor: RouteActor, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        await run_route(
+            actor,
+            current=lambda: self._gen.number,
+            in_flight=self._in_flight,
+            latch=self._latch,
+            retiring=self._retiring,
+            task_status=task_status,
+        )
+
+    # -- generations ---------------------------------------------------------
+
+    def prepare(
+        self,
+        config: RoutingConfig,
+        *,
+        default_destination: str | None = None,
+        unmatched: Unmatched | None = None,
+        registry: ProcessorRegistry | None = None,
+    ) -> Generation:
+        """Build and check the next generation beside the running one (any thread;
+        nothing runs): every check construction makes, all problems in one
+        error, each at its location.  ``default_destination``/``unmatched``
+        (None: as now) and ``registry`` (None: the sink's) as at construction;
+        routes may use any destination the sink was given (one not running yet
+        is started at the swap).  :meth:`swap` applies it."""
+        current = self._gen.plan
+        return prepare_generation(
+            config,
+            self.schema,
+            available=self._available,
+            default_destination=(
+                current.default_destination if default_destination is None else default_destination
+            ),
+            unmatched=current.unmatched if unmatched is None else unmatched,
+            registry=self._registry if registry is None else registry,
+            hooks=self.hooks,
+            build=self._build_routes,
+        )
+
+    def _build_routes(self, plan: RoutePlan) -> list[RouteActor]:
+        """A reload's route actors, inert, with their chains under this sink's gate."""
+        routes = route_actors(
+            plan,
+            self._available,
+            latch=self._latch,
+            in_flight=self._in_flight,
+            on_failure=self._on_failure,
+            hooks=self.hooks,
+            give_up_log=self.give_up_log,
+            copy_of=self._rerouter.copy_of,
+        )
+        link_chains(plan, routes, self.hooks, self.schema, self.causal)
+        return routes
+
+    async def swap(self, generation: Generation) -> int:
+        """Route new batches under ``generation`` (from :meth:`prepare`), between
+        two batches; returns its number.  Batches accepted before finish under
+        the generation that accepted them; what its routes park is handed on
+        when they have drained (see ``generation.py``)."""
+        async with self._lock:
+            try:
+                self._check_open()
+                await self._start_destinations(generation.plan.destinations_used)
+            except BaseException:
+                generation.detach()
+                raise
+            old = self._gen
+            generation.number = old.number + 1
+            # New roots get the new limits; roots in flight keep those pinned
+            # in the ledger when their first derived record was accepted.
+            self.causal.limits = generation.config.causal_limits
+            link(generation, old)
+            for actor in generation.routes:
+                actor.generation = generation.number
+            self._gen = generation
+            self._rerouter.routes = generation.by_name
+            old.detach()
+            for actor in old.routes:
+                self._last[actor.name, actor.destination.name] = actor
+                if not actor.tasks_done:  # a forward route has no tasks: nothing to drain
+                    self._in_flight.add()  # until it drained and handed over (run_route)
+                    self._retiring.append(actor)
+                actor.retire()
+            assert self._nursery is not None
+            for actor in generation.routes:
+                self._nursery.start_soon(self._run_route, actor)
+        return generation.number
+
+    async def _start_destinations(self, names: list[str]) -> None:
+        """Start the destinations ``names`` that are not running yet (a reload
+        routes to one the first generation did not use); an owned sink is
+        created now, and one that fails to open is a problem at its location."""
+        for name in names:
+            if name in self._destinations:
+                continue
+            actor = self._available[name]
+            try:
+                actor.open(self.hooks)
+            except ConfigError as exc:
+                raise at(exc, f"destinations.{name}") from None
+            assert self._sinks_nursery is not None and self._destinations_nursery is not None
+            if actor.background is not None:
+                await self._sinks_nursery.start(actor.background.run)
+            self._destinations_nursery.start_soon(actor.run)
+            self._destinations[name] = actor
+
+    async def reload(
+        self,
+        config: RoutingConfig,
+        *,
+        default_destination: str | None = None,
+        unmatched: Unmatched | None = None,
+        registry: ProcessorRegistry | None = None,
+    ) -> int:
+        """:meth:`prepare` then :meth:`swap`: returns the new generation's number.
+        A configuration that fails its checks raises them all and changes nothing."""
+        generation = self.prepare(
+            config, default_destination=default_destination, unmatched=unmatched, registry=registry
+        )
+        return await self.swap(generation)
 
     @property
     def running(self) -> bool:
         """True between the start of :meth:`run` and the end of the shutdown cascade."""
         return self._started and not self._stopped.is_set()
 
-    async def _undeliverable(self, route: str, batch: RecordBatch, error: BaseException) -> None:
-        actor = self._by_name.get(route)
+    def _route_named(self, name: str, destination: str) -> RouteActor | None:
+        """The route called ``name`` sending to ``destination``: the running one,
+        else the last such route of an earlier generation."""
+        actor = self._gen.by_name.get(name)
+        if actor is not None and actor.destination.name == destination:
+            return actor
+        return self._last.get((name, destination))
+
+    async def _undeliverable(
+        self, destination: str, route: str, batch: RecordBatch, error: BaseException
+    ) -> None:
+        actor = self._route_named(route, destination)
         if actor is not None:
             await actor.undeliverable(batch, error)
             return
         self._latch.latch(error, route=route, where="destination refused records")
 
-    def _taken(self, route: str, batch: RecordBatch) -> None:
-        actor = self._by_name.get(route)
+    def _taken(self, destination: str, route: str, batch: RecordBatch) -> None:
+        actor = self._route_named(route, destination)
         if isinstance(actor, ForwardRoute):
             actor.taken(len(batch))
 
@@ -271,11 +422,12 @@ class RoutingSink(Producer[RouterSnapshot]):
         the check, which a batch passes once."""
         self._check_open()
         async with self._lock:
-            groups = self._table.group(batch.descriptors)
+            gen = self._gen  # swapped only under the lock: one generation per batch
+            groups = gen.table.group(batch.descriptors)
             declines: list[Decline] = []
-            if self._has_predicates:
+            if gen.has_predicates:
                 groups = await self._apply_predicates(batch, groups, declines)
-            routes = self._routes
+            routes = gen.routes
             for index, selection in groups:
                 part = batch.select(selection)
                 if index == UNMATCHED:
@@ -296,17 +448,18 @@ class RoutingSink(Producer[RouterSnapshot]):
         route whose predicate failed has given those records up (not the router).
         What each predicate declined is counted and noted in ``declines``."""
         n = len(batch)
+        gen = self._gen
         verdicts: dict[int, Verdict] = {}
         for index, selection in groups:
-            if index != UNMATCHED and self.plan.routes[index].route.predicate is not None:
+            if index != UNMATCHED and gen.plan.routes[index].route.predicate is not None:
                 part = batch.select(selection)
-                verdicts[index] = await self._routes[index].screen(part)
+                verdicts[index] = await gen.routes[index].screen(part)
 
         def declined(index: int, positions: npt.NDArray[np.intp], reason: str) -> None:
-            counters = self._routes[index].counters
+            counters = gen.routes[index].counters
             counters.declined += len(positions)
             counters.last_decline = reason
-            declines.append((self._routes[index].name, positions, reason))
+            declines.append((gen.routes[index].name, positions, reason))
 
         return narrow(groups, n, verdicts, declined)
 
@@ -340,15 +493,16 @@ class RoutingSink(Producer[RouterSnapshot]):
         from taproute.routing.trace import trace_descriptor, traced_descriptor
 
         descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
-        result = trace_descriptor(self.plan, hook, descriptors)
+        gen = self._gen
+        result = trace_descriptor(gen.plan, hook, descriptors, generation=gen.number)
         if not any(v.verdict == "match" for v in result.verdicts):
             result.recent_unmatched.extend(self.refusals.recent(hook))
         return result
 
     @property
     def causal_ledger(self) -> RootLedger:
-        """The roots and their pinned limits; hand it to the next generation's
-        sink (``causal_ledger=``) so roots in flight keep their limits."""
+        """The roots and their pinned limits (the same for every generation of
+        this sink; a new sink given it keeps the limits of roots in flight)."""
         return self.causal.ledger
 
     # -- key lifecycle -------------------------------------------------------
@@ -378,22 +532,17 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._check_open()
         request = np.array(request_keys(keys), dtype=np.int64)
         async with self._lock:
-            if self._chained_keys:
-                # A stateful route that takes derived records gets them only once
-                # the routes before it processed what was accepted before this
-                # control: wait for that (nothing new is accepted meanwhile), so
-                # a complete does not overtake them either.
-                await self._in_flight.wait_idle()
-            for route in self._routes:
+            for route in self._gen.routes:
                 if isinstance(route, StatefulRoute):
                     await route.key_control(action, request)
 
     async def _unmatched(self, batch: RecordBatch) -> None:
-        if self._default is None:
+        default = self._gen.default
+        if default is None:
             self._unmatched_dropped += len(batch)
             return
         self._unmatched_forwarded += len(batch)
-        await self._default.deliver(None, batch)
+        await default.deliver(None, batch)
 
     async def flush(self) -> None:
         """Wait until every route and pool has drained, then flush every destination.
@@ -424,7 +573,7 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._closing = True
         if not self._started:
             self._stopped.set()
-            self._unsubscribe()
+            self._gen.detach()
             return
         async with self._lock:
             try:
@@ -445,11 +594,21 @@ class RoutingSink(Producer[RouterSnapshot]):
         """Every route's and destination's counters and live state, at one moment."""
         failure = self._latch.failure
         return RouterSnapshot(
-            routes={r.name: r.snapshot() for r in self._routes},
+            routes={r.name: self._route_snapshot(r) for r in self._gen.routes},
             destinations={name: a.snapshot() for name, a in self._destinations.items()},
             unmatched_forwarded=self._unmatched_forwarded,
             unmatched_dropped=self._unmatched_dropped,
             failure=None if failure is None else str(failure),
             causal=self.causal.snapshot(),
             unmatched_samples=self.refusals.by_hook(),
+            generation=self._gen.number,
         )
+
+    def _route_snapshot(self, actor: RouteActor) -> RouteCounters:
+        """``actor``'s counters; the queue depth includes what earlier generations'
+        routes counting in the same counters still hold."""
+        snap = actor.snapshot()
+        earlier = sum(
+            m.records for r in self._retiring if r.counters is actor.counters for m in r.mailboxes
+        )
+        return attrs.evolve(snap, queue_depth=snap.queue_depth + earlier) if earlier else snap

@@ -9,11 +9,12 @@ what it returns.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 
 import attrs
 
-from taproute.actors.destination import DestinationActor, DestinationSpec, Taken, Undeliverable
+from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
 from taproute.actors.owners import StatefulRoute
@@ -40,10 +41,12 @@ _ROUTE_KINDS: dict[RouteMode, type[RouteActor]] = {
 class Topology:
     """What a routing sink runs: its plan, the destination actors something
     routes to, the route actors (in plan order, and by name), the default
-    destination's actor (None: unmatched records are dropped)."""
+    destination's actor (None: unmatched records are dropped); ``available``:
+    an actor for every destination given (a reload may start the others)."""
 
     plan: RoutePlan
     destinations: dict[str, DestinationActor]
+    available: dict[str, DestinationActor]
     routes: list[RouteActor]
     by_name: dict[str, RouteActor]
     default: DestinationActor | None
@@ -64,12 +67,15 @@ def build_topology(
     latch: FailureLatch,
     in_flight: InFlight,
     give_up_log: GiveUpLog,
-    undeliverable: Undeliverable,
-    taken: Taken,
+    undeliverable: Callable[[str, str, RecordBatch, BaseException], Awaitable[None]],
+    taken: Callable[[str, str, RecordBatch], None],
     copy_of: Callable[[RecordBatch], int | None],
 ) -> Topology:
     """Check everything and build every actor, inert; raise every problem at once
-    (:class:`~taproute.routing.errors.PlanErrors` when there are several)."""
+    (:class:`~taproute.routing.errors.PlanErrors` when there are several).
+
+    ``undeliverable`` and ``taken`` are told the destination's name first (a
+    route of each generation may send to another destination under one name)."""
     errors: list[ConfigError] = []
     actors: dict[str, DestinationActor] = {}
     for name, spec in destinations.items():
@@ -81,8 +87,8 @@ def build_topology(
                 in_flight=in_flight,
                 capacity_records=destination_capacity,
                 capacity_bytes=destination_capacity_bytes,
-                undeliverable=undeliverable,
-                taken=taken,
+                undeliverable=partial(undeliverable, name),
+                taken=partial(taken, name),
             )
         except ConfigError as exc:
             errors.append(at(exc, f"destinations.{name}"))
@@ -104,11 +110,45 @@ def build_topology(
     raise_collected(errors)
     assert plan is not None
     # Only the destinations something routes to are run.
-    actors = {name: actors[name] for name in plan.destinations_used}
-    routes: list[RouteActor] = [
+    available, actors = actors, {name: actors[name] for name in plan.destinations_used}
+    routes = route_actors(
+        plan,
+        actors,
+        latch=latch,
+        in_flight=in_flight,
+        on_failure=on_failure,
+        hooks=hooks,
+        give_up_log=give_up_log,
+        copy_of=copy_of,
+    )
+    default = plan.default_destination
+    return Topology(
+        plan=plan,
+        destinations=actors,
+        available=available,
+        routes=routes,
+        by_name={route.name: route for route in routes},
+        default=None if default is None else actors[default],
+    )
+
+
+def route_actors(
+    plan: RoutePlan,
+    destinations: Mapping[str, DestinationActor],
+    *,
+    latch: FailureLatch,
+    in_flight: InFlight,
+    on_failure: FailureHandler,
+    hooks: HookRegistry,
+    give_up_log: GiveUpLog,
+    copy_of: Callable[[RecordBatch], int | None],
+) -> list[RouteActor]:
+    """One inert route actor per planned route, in plan order, each feeding its
+    destination's actor (at construction and at every reload)."""
+    return [
         _ROUTE_KINDS[planned.route.mode](
             planned,
-            actors[planned.route.destination],
+            destinations[planned.route.destination],
             latch=latch,
             in_flight=in_flight,
             on_failure=on_failure,
@@ -118,11 +158,3 @@ def build_topology(
         )
         for planned in plan.routes
     ]
-    default = plan.default_destination
-    return Topology(
-        plan=plan,
-        destinations=actors,
-        routes=routes,
-        by_name={route.name: route for route in routes},
-        default=None if default is None else actors[default],
-    )

@@ -56,12 +56,17 @@ from taproute.routing.processors import (
 )
 from taproute.routing.records import Records
 from taproute.routing.routes import Route, RouteMode, RoutingConfig
+from taproute.routing.samples import OffersSamples, Sample, SampleContext, route_samples
 from taproute.routing.schema import RecordSchema, SizeRule
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch, check_rows
 
 __all__ = [
     "REGISTRY",
+    "OffersSamples",
+    "Sample",
+    "SampleContext",
+    "route_samples",
     "Batch",
     "Column",
     "ConfigError",

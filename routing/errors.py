@@ -110,6 +110,12 @@ class KeyTerminal(RecordError):
     """A record for a key that was completed or cancelled (``reopen`` it to reuse the id)."""
 
 
+class HandlerMissing(TaprouteError, LookupError):
+    """A record parked for a retry whose processor the configuration generation
+    it was to be retried under no longer runs (its route was removed or now
+    runs another processor): failure code ``handler_missing``."""
+
+
 class OutputLayoutMismatch(RecordError):
     """A processor returned rows that do not match its registered output layout."""
 

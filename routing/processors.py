@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
@@ -67,7 +67,7 @@ class SlotSpec:
             raise ConfigError(f"SlotSpec dtype {self.dtype!r} is not a numpy dtype") from exc
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class ProcessorSpec:
     """A registered processor: its function and the layouts it reads and writes."""
 
@@ -93,6 +93,10 @@ class ProcessorSpec:
     #: to run on the loop (it calls ``trio.from_thread``, or waits on other
     #: threads); see ``taproute.actors.attempt.Placement``.
     needs_thread: bool = False
+    #: ``samples(context) -> [Sample, ...]``: named sample records built from
+    #: the route's configuration, for ``taproute trace --samples`` (see
+    #: :mod:`taproute.routing.samples`).
+    samples: Callable[[Any], Iterable[Any]] | None = None
 
 
 class _Named(Protocol):
@@ -166,6 +170,7 @@ def stateless_processor(
     input: str | None,
     output: str,
     needs_thread: bool = False,
+    samples: Callable[[Any], Iterable[Any]] | None = None,
     registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records) -> rows | None`` as stateless processor ``name``.
@@ -174,17 +179,20 @@ def stateless_processor(
     descriptors only), ``output`` the layout of the rows it returns.
     ``needs_thread``: always call it in a worker thread (a quick processor
     otherwise runs on the loop, see the README's Performance section).
+    ``samples(context) -> [Sample, ...]`` (optional) offers named sample
+    records for ``taproute trace --samples`` (:mod:`taproute.routing.samples`).
     """
 
     def decorate(fn: F) -> F:
         registry.register(
             ProcessorSpec(
-                name=name,
-                fn=fn,
-                kind=ProcessorKind.STATELESS,
-                input=input,
-                output=output,
+                name,
+                fn,
+                ProcessorKind.STATELESS,
+                input,
+                output,
                 needs_thread=needs_thread,
+                samples=samples,
             )
         )
         return fn
@@ -204,6 +212,7 @@ def stateful_processor(
     finish: Callable[[Any, Any], Any] | None = None,
     finalize: Callable[[Any, int], Any] | None = None,
     needs_thread: bool = False,
+    samples: Callable[[Any], Iterable[Any]] | None = None,
     registry: ProcessorRegistry = REGISTRY,
 ) -> Callable[[F], F]:
     """Register ``fn(records, keys, state) -> rows | None`` as stateful processor ``name``.
@@ -215,7 +224,7 @@ def stateful_processor(
     ``finalize(state, key) -> rows | None`` (optional) emits a key's final rows
     when the key is completed (see ``RoutingSink.complete``).
     ``needs_thread``: always call it in a worker thread (see
-    :func:`stateless_processor`).
+    :func:`stateless_processor`).  ``samples``: as for :func:`stateless_processor`.
     """
     if not isinstance(key_range, int) or key_range <= 0:
         raise ConfigError(
@@ -225,18 +234,19 @@ def stateful_processor(
     def decorate(fn: F) -> F:
         registry.register(
             ProcessorSpec(
-                name=name,
-                fn=fn,
-                kind=ProcessorKind.STATEFUL,
-                input=input,
-                output=output,
-                key=key,
-                key_range=key_range,
-                slot=slot,
-                merge=merge,
-                finish=finish,
-                finalize=finalize,
-                needs_thread=needs_thread,
+                name,
+                fn,
+                ProcessorKind.STATEFUL,
+                input,
+                output,
+                key,
+                key_range,
+                slot,
+                merge,
+                finish,
+                finalize,
+                needs_thread,
+                samples,
             )
         )
         return fn

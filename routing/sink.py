@@ -21,18 +21,22 @@ keeps the typed reference, and never probes the sink again:
 - :class:`TakesCheckedBatches`: the sink checks what it is given with an
   :class:`~taproute.routing.intake.Intake`, and takes batches that intake
   already checked without checking them again (a runtime sharing it checks
-  each batch once, where the producer hands it in).
+  each batch once, where the producer hands it in);
+- :class:`Reloads`: the sink's routes can be replaced by a new configuration
+  generation while it runs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
 from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
+from taproute.routing.processors import ProcessorRegistry
+from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 
 
@@ -124,6 +128,28 @@ class TakesCheckedBatches(Protocol):
     def intake(self) -> Intake: ...
 
     async def submit_checked(self, batch: RecordBatch) -> None: ...
+
+
+@runtime_checkable
+class Reloads(Protocol):
+    """A sink whose routes a new configuration generation can replace while it
+    runs (a routing sink): ``prepare`` builds and checks one beside the running
+    one (any thread, raises every problem), ``swap`` applies it between two
+    batches (on the loop) and returns its number."""
+
+    @property
+    def generation(self) -> int: ...
+
+    def prepare(
+        self,
+        config: RoutingConfig,
+        *,
+        default_destination: str | None = None,
+        unmatched: Literal["default", "drop"] | None = None,
+        registry: ProcessorRegistry | None = None,
+    ) -> Any: ...
+
+    async def swap(self, generation: Any) -> int: ...
 
 
 @runtime_checkable

@@ -33,6 +33,10 @@ from taproute.routing.validation import check_batch
 
 Verdict = Literal["match", "skip", "not_reached", "bypassed"]
 
+#: Which configuration a trace ran against: a running generation's number, or
+#: ``"candidate"`` for a configuration that is not applied (a file, a plan).
+TracedGeneration = int | Literal["candidate"]
+
 
 @attrs.frozen
 class RouteVerdict:
@@ -48,7 +52,8 @@ class RouteVerdict:
 class TraceResult:
     """Where a record would go: a verdict per route, in route order, and the
     destinations it would reach (``dropped`` when no route takes it and
-    unmatched records are dropped)."""
+    unmatched records are dropped).  ``generation`` says which configuration
+    was traced: the running generation's number, or ``"candidate"``."""
 
     hook: str
     verdicts: list[RouteVerdict]
@@ -58,6 +63,7 @@ class TraceResult:
     refusals: list[Refusal] = attrs.field(factory=list)
     #: A sink's recent records of this hook that no route took (with refusals).
     recent_unmatched: list[UnmatchedSample] = attrs.field(factory=list)
+    generation: TracedGeneration = "candidate"
 
 
 #: Descriptor fields a trace may set -> make_descriptors' argument names.
@@ -129,8 +135,12 @@ def trace(
     layout_id: int = 0,
     timestamp_ns: int = 0,
     output_id: int = 0,
+    generation: TracedGeneration = "candidate",
 ) -> TraceResult:
-    """Dry-run routing of one record of ``hook``: runs predicates, nothing else."""
+    """Dry-run routing of one record of ``hook``: runs predicates, nothing else.
+
+    ``generation`` is reported as the one traced (a plan on its own is a
+    candidate; a running sink passes its generation's number)."""
     descriptors = make_descriptors(
         output_id,
         0,
@@ -141,11 +151,18 @@ def trace(
         timestamps_ns=timestamp_ns,
         count=1,
     )
-    return trace_descriptor(plan, hook, descriptors)
+    return trace_descriptor(plan, hook, descriptors, generation=generation)
 
 
-def trace_descriptor(plan: RoutePlan, hook: str, descriptors: Descriptors) -> TraceResult:
-    """Dry-run routing of the one record ``descriptors`` holds, of ``hook``."""
+def trace_descriptor(
+    plan: RoutePlan,
+    hook: str,
+    descriptors: Descriptors,
+    *,
+    generation: TracedGeneration = "candidate",
+) -> TraceResult:
+    """Dry-run routing of the one record ``descriptors`` holds, of ``hook``
+    (``generation``: the one traced, reported on the result)."""
     verdicts: list[RouteVerdict] = []
     taken = False
     for planned in plan.routes:
@@ -162,7 +179,7 @@ def trace_descriptor(plan: RoutePlan, hook: str, descriptors: Descriptors) -> Tr
         taken = True
     if taken:
         destinations = list(dict.fromkeys(v.destination for v in verdicts if v.verdict == "match"))
-        return TraceResult(hook, verdicts, destinations, dropped=False)
+        return TraceResult(hook, verdicts, destinations, dropped=False, generation=generation)
     bypassed = [v if v.verdict == "skip" else attrs.evolve(v, verdict="bypassed") for v in verdicts]
     refusals = [Refusal(v.route, v.reason or "") for v in verdicts if v.verdict == "skip"]
     default = plan.default_destination
@@ -172,4 +189,5 @@ def trace_descriptor(plan: RoutePlan, hook: str, descriptors: Descriptors) -> Tr
         [] if default is None else [default],
         dropped=default is None,
         refusals=refusals,
+        generation=generation,
     )

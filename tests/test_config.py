@@ -155,7 +155,7 @@ def test_glob_matching_nothing_warns_but_builds():
         sink_for([Route("q", "layers.*.attn.q", "cap")], hooks=hooks)
     # A hook bound later still resolves.
     late = hooks.bind("layers.3.attn.k")
-    assert sink._table.routes_of(late) == (0,)
+    assert sink._gen.table.routes_of(late) == (0,)
 
 
 def test_processor_registry_refuses_a_second_function_under_one_name():

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -40,20 +40,23 @@ WhenFull = Literal["block", "reject"]
 WAKE_DELAY_S = 0.02
 
 
-#: A flush, a close, or a key-lifecycle request (with its keys).
-ControlKind = Literal["flush", "close"] | KeyAction
+#: A flush, a close, a key-lifecycle request (with its keys) or a reload.
+ControlKind = Literal["flush", "close", "reload"] | KeyAction
 
 
 class Control:
-    """A flush, close or key-lifecycle request (``keys``), ordered with the
-    batches around it."""
+    """A flush, close, key-lifecycle request (``keys``) or reload (``payload``:
+    the prepared generation), ordered with the batches around it."""
 
-    __slots__ = ("future", "keys", "kind")
+    __slots__ = ("future", "keys", "kind", "payload")
 
-    def __init__(self, kind: ControlKind, keys: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, kind: ControlKind, keys: tuple[int, ...] = (), payload: object = None
+    ) -> None:
         self.kind = kind
         self.keys = keys
-        self.future: Future[None] = Future()
+        self.payload = payload
+        self.future: Future[Any] = Future()
 
 
 Item = RecordBatch | Control
@@ -236,13 +239,15 @@ class Ingress:
         else:
             self._schedule_wake()
 
-    def put_control(self, kind: ControlKind, keys: tuple[int, ...] = ()) -> Future[None]:
+    def put_control(
+        self, kind: ControlKind, keys: tuple[int, ...] = (), payload: object = None
+    ) -> Future[Any]:
         """Queue a flush, close or key-lifecycle control after everything queued so far.
 
         A flush (or key control) after a failure or close fails at once; a
         second close is a no-op; a close after a failure still stops the loop.
         """
-        control = Control(kind, keys)
+        control = Control(kind, keys, payload)
         with self._cond:
             if kind != "close" and (self._failed is not None or self._closed):
                 control.future.set_exception(

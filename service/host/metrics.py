@@ -73,6 +73,12 @@ class SnapshotCollector(Collector):
         )
         failed.add_metric([], 1 if snap.failure else 0)
         yield failed
+        generation = GaugeMetricFamily(
+            "taproute_config_generation",
+            "Number of the configuration generation routing new records (1 until a reload).",
+        )
+        generation.add_metric([], snap.generation)
+        yield generation
 
 
 def _families(

@@ -29,13 +29,17 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
+from taproute.routing.plan import Unmatched
+from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.producer import Producer
+from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     DescribesRecords,
     EndsKeys,
     NamesHooks,
     RecordSink,
+    Reloads,
     ReportsFailure,
     RunsInBackground,
     TakesCheckedBatches,
@@ -93,6 +97,7 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             if isinstance(record_sink, EndsKeys)
             else None
         )
+        self._reloads = record_sink if isinstance(record_sink, Reloads) else None
         self.schema: RecordSchema | None = (
             schema if schema is not None else None if described is None else described.schema
         )
@@ -223,6 +228,8 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
         """Run a flush or close; returns True when the worker should stop."""
         try:
             self._latch.raise_if_failed()
+            if control.kind == "reload":
+                return await self._reload(control)
             if control.kind == "flush":
                 await self.record_sink.flush()
             elif isinstance(control.kind, KeyAction):
@@ -240,6 +247,17 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
         else:
             control.future.set_result(None)
         return control.kind == "close"
+
+    async def _reload(self, control: Control) -> bool:
+        """Swap in a prepared generation; a refusal is the caller's, not a failure."""
+        assert self._reloads is not None
+        try:
+            number = await self._reloads.swap(control.payload)
+        except Exception as exc:
+            control.future.set_exception(exc)
+        else:
+            control.future.set_result(number)
+        return False
 
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""
@@ -389,6 +407,62 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             raise SinkClosed("runtime not started")
         return self._ingress.put_control(kind, checked)
 
+    # -- configuration generations -------------------------------------------
+
+    def reload(
+        self,
+        config: RoutingConfig,
+        *,
+        default_destination: str | None = None,
+        unmatched: Unmatched | None = None,
+        registry: ProcessorRegistry | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Replace the routes by ``config``, a new configuration generation;
+        returns its number.  Any thread but the loop's.
+
+        The generation is built and checked here, beside the running one (every
+        check the sink's construction makes); a configuration with problems
+        raises them all (:class:`~taproute.routing.errors.PlanErrors`, each at
+        its location) and the running generation goes on.  Otherwise it is
+        swapped in in submission order: records submitted before this call
+        finish under the generation that accepted them, later ones route under
+        the new one; records parked for a retry are tried again at once under
+        it (see :meth:`RoutingSink.swap`).  Options as :meth:`RoutingSink.prepare`.
+        """
+        if self._reloads is None:
+            raise TypeError(
+                f"reload: the record sink {type(self.record_sink).__name__} has no "
+                "configuration generations (a RoutingSink does)"
+            )
+        generation = self._reloads.prepare(
+            config, default_destination=default_destination, unmatched=unmatched, registry=registry
+        )
+        return self.swap(generation, timeout=timeout)
+
+    def swap(self, generation: Any, *, timeout: float | None = None) -> int:
+        """Apply a generation the sink prepared (``record_sink.prepare(...)``), in
+        submission order; returns its number (see :meth:`reload`)."""
+        if self._reloads is None:
+            raise TypeError("swap: the record sink has no configuration generations")
+        if self._thread is None:
+            generation.detach()
+            raise SinkClosed("runtime not started")
+        future = self._ingress.put_control("reload", payload=generation)
+        try:
+            number: int = future.result(timeout)
+        except TimeoutError:
+            raise  # still queued: it may yet be swapped in
+        except BaseException:
+            generation.detach()  # never swapped in (idempotent if it was refused there)
+            raise
+        return number
+
+    @property
+    def generation(self) -> int:
+        """The configuration generation routing new records (0: a sink without any)."""
+        return 0 if self._reloads is None else self._reloads.generation
+
     # -- observation -------------------------------------------------------
 
     def snapshot(self) -> ServiceSnapshot:
@@ -403,11 +477,7 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
 
     def _snapshot_in_loop(self) -> ServiceSnapshot:
         observable = self._observable
-        sink = (
-            RouterSnapshot(routes={}, destinations={}, unmatched_forwarded=0, unmatched_dropped=0)
-            if observable is None
-            else observable.snapshot()
-        )
+        sink = RouterSnapshot({}, {}, 0, 0) if observable is None else observable.snapshot()
         failure = self._latch.failure or (
             None if self._reports_failure is None else self._reports_failure.failure
         )
@@ -419,6 +489,7 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             failure=None if failure is None else str(failure),
             causal=sink.causal,
             unmatched_samples=sink.unmatched_samples,
+            generation=sink.generation,
             ingress=self._ingress.snapshot(),
         )
 

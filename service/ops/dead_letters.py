@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     timestamp_ns INTEGER NOT NULL,
     payload BLOB NOT NULL,
     state TEXT NOT NULL DEFAULT 'dead',
-    handled_at REAL
+    handled_at REAL,
+    generation INTEGER
 );
 CREATE INDEX IF NOT EXISTS dead_letters_by_route ON dead_letters (route, code, state);
 """
@@ -76,7 +77,7 @@ _COLUMNS = (
 
 _SELECT = (
     ", ".join(f"d.{name}" for name in _COLUMNS.split(", "))
-    + ", r.id, r.routes, c.reroute_of FROM dead_letters d"
+    + ", r.id, r.routes, c.reroute_of, d.generation FROM dead_letters d"
     " LEFT JOIN reroutes r ON r.letter_id = d.id"
     " LEFT JOIN copy_letters c ON c.letter_id = d.id"
 )
@@ -116,6 +117,9 @@ class DeadLetter:
     rerouted_to: str | None = None
     #: Set on a letter that is a rerouted copy which failed again: the original's id.
     reroute_of: int | None = None
+    #: The configuration generation the record was last tried under (None: a
+    #: letter written before generations were recorded, or by a plain sink).
+    generation: int | None = None
     payload: bytes | None = None
 
     def summary(self) -> dict[str, object]:
@@ -148,6 +152,7 @@ class DeadLetterStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
             self._db.executescript(_LINKS)
+            self._add_generation_column()
             return
         if not self.path.is_file():
             raise DeadLetterStoreError(f"no dead-letter store at {self.path}")
@@ -171,6 +176,13 @@ class DeadLetterStore:
                 f"columns {', '.join(sorted(missing))})"
             )
         self._db.executescript(_LINKS)  # a store written before reroute links existed
+        self._add_generation_column()
+
+    def _add_generation_column(self) -> None:
+        """A store written before generations were recorded gets the column (NULL there)."""
+        found = self._db.execute("SELECT name FROM pragma_table_info('dead_letters')").fetchall()
+        if "generation" not in {name for (name,) in found}:
+            self._db.execute("ALTER TABLE dead_letters ADD COLUMN generation INTEGER")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -215,6 +227,7 @@ class DeadLetterStore:
                     int(desc["seq"][i]),
                     int(desc["timestamp_ns"][i]),
                     batch.payload_of(i).tobytes(),
+                    failure.generation,
                 )
             )
         with self._transaction() as db:
@@ -222,7 +235,8 @@ class DeadLetterStore:
             db.executemany(
                 "INSERT INTO dead_letters (route, processor, code, error, traceback, attempts, "
                 "first_failure_at, last_failure_at, hook, layout_id, key, step, seq, "
-                "timestamp_ns, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "timestamp_ns, payload, generation) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             ids = list(range(first + 1, first + 1 + len(rows)))

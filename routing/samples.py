@@ -1,0 +1,127 @@
+"""Route samplers: named sample records a processor or predicate offers, so an
+operator can trace a configuration against realistic input.
+
+A processor registers a sampler with ``samples=`` on its decorator; a
+predicate offers one by having a ``samples`` method (a callable object, see
+:class:`OffersSamples`).  A sampler gets the route's configuration, the hook
+names it would take and the router's clock (so a sample whose fields carry a
+time, a ``timestamp_ns`` inside a predicate's window, stays inside it under a
+test clock), and returns :class:`Sample` values.  :func:`route_samples`
+collects them in route order; the dry-run trace then traces each one.
+
+Pure: samplers build descriptor fields, they run no processor and write nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from taproute.routing.plan import RoutePlan
+from taproute.routing.routes import Route
+
+#: Characters that make a route output a glob pattern rather than a hook name.
+_GLOB = re.compile(r"[*?\[]")
+
+
+@attrs.frozen(kw_only=True)
+class Sample:
+    """One named sample record: the hook it comes from and its descriptor fields."""
+
+    name: str
+    hook: str
+    key: int = 0
+    step: int = 0
+    seq: int = 0
+    timestamp_ns: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class SampleContext:
+    """What a sampler builds from: the route, the hook names it takes (bound
+    hooks, or the route's literal outputs when none is bound) and the router's
+    clock (``now_ns``, wall time in ns)."""
+
+    route: Route
+    hooks: tuple[str, ...]
+    now_ns: int
+
+
+#: ``sampler(context) -> samples``.
+Sampler = Callable[[SampleContext], Iterable[Sample]]
+
+
+@runtime_checkable
+class OffersSamples(Protocol):
+    """A predicate object that also offers samples."""
+
+    def samples(self, context: SampleContext) -> Iterable[Sample]: ...
+
+
+@attrs.frozen
+class RouteSample:
+    """A sample and who offered it (``source``: ``"processor"`` or ``"predicate"``)."""
+
+    route: str
+    source: str
+    sample: Sample
+
+
+@attrs.frozen
+class SamplerFailed:
+    """A sampler that raised or returned something other than samples."""
+
+    route: str
+    source: str
+    error: str
+
+
+def route_samples(
+    plan: RoutePlan, bound_hooks: Sequence[str] = (), *, now_ns: int | None = None
+) -> tuple[list[RouteSample], list[SamplerFailed]]:
+    """Every sample the plan's processors and predicates offer, in route order
+    (per route: the processor's, then the predicate's), and the samplers that failed.
+
+    ``bound_hooks``: hook names bound in the router (a sampler gets those its
+    route takes; with none, the route's outputs that are plain names).
+    ``now_ns``: the router's clock (default: the wall clock now).
+    """
+    now = time.time_ns() if now_ns is None else now_ns
+    samples: list[RouteSample] = []
+    failed: list[SamplerFailed] = []
+    for planned in plan.routes:
+        route = planned.route
+        hooks = tuple(h for h in bound_hooks if planned.matches(h)) or tuple(
+            o for o in route.outputs if not _GLOB.search(o)
+        )
+        context = SampleContext(route=route, hooks=hooks, now_ns=now)
+        offers: list[tuple[str, Sampler]] = []
+        if planned.processor is not None and planned.processor.samples is not None:
+            offers.append(("processor", planned.processor.samples))
+        if isinstance(route.predicate, OffersSamples):
+            offers.append(("predicate", route.predicate.samples))
+        for source, sampler in offers:
+            try:
+                offered = list(sampler(context))
+                bad = [s for s in offered if not isinstance(s, Sample)]
+                if bad:
+                    raise TypeError(f"a sampler returns Sample values, got {bad[0]!r}")
+            except Exception as exc:
+                failed.append(SamplerFailed(route.name, source, f"{type(exc).__name__}: {exc}"))
+                continue
+            samples.extend(RouteSample(route.name, source, s) for s in offered)
+    return samples, failed
+
+
+def trace_fields(sample: Sample) -> dict[str, int]:
+    """The descriptor fields of ``sample``, as a trace takes them."""
+    return {
+        "key": sample.key,
+        "step": sample.step,
+        "seq": sample.seq,
+        "timestamp_ns": sample.timestamp_ns,
+    }
