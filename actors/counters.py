@@ -188,7 +188,7 @@ class DestinationCounters:
     )
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class RouterSnapshot:
     """Everything a routing sink counted, at one moment.
 

@@ -532,7 +532,14 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._check_open()
         request = np.array(request_keys(keys), dtype=np.int64)
         async with self._lock:
-            for route in self._gen.routes:
+            gen = self._gen
+            if any(isinstance(r, StatefulRoute) and r.planned.derived_from for r in gen.routes):
+                # A stateful route that takes derived records gets them only once
+                # the routes before it processed what was accepted before this
+                # control: wait for that (nothing new is accepted meanwhile), so
+                # a complete does not overtake them either.
+                await self._in_flight.wait_idle()
+            for route in gen.routes:
                 if isinstance(route, StatefulRoute):
                     await route.key_control(action, request)
 

@@ -52,6 +52,8 @@ def _finite(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 def _num(value: float) -> str:
     if isinstance(value, int) and abs(value) >= 2**20 and value & (value - 1) == 0:
         return f"2**{value.bit_length() - 1}"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))  # 2592000, not 2.592e+06
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

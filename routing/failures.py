@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 
 from taproute.routing.batch import RecordBatch
-from taproute.routing.checks import NON_NEGATIVE, config_check
+from taproute.routing.checks import Limit, Validator
 from taproute.routing.limits import capped_backoff
 
 logger = logging.getLogger("taproute.routing")
@@ -113,10 +113,26 @@ class ProcessorFailed(Exception):
     """The exception form of a :class:`Failed` result, as it is stored and reported."""
 
 
-_non_negative = config_check(*NON_NEGATIVE, must=">= 0", owner=lambda _: "failure policy")
+_DAY = 86_400.0
+
+#: Bounds of :class:`FailurePolicy`'s numbers, one home: its own validators and
+#: config files use these.  A multiplier under 1 would shrink the backoff.
+FAILURE_POLICY_LIMITS: dict[str, Limit] = {
+    "deadline": Limit(0, _DAY),
+    "initial_backoff": Limit(0, _DAY),
+    "multiplier": Limit(1, 10),
+    "max_backoff": Limit(0, _DAY),
+    "max_failures": Limit(0, 1_000),
+    "failure_window": Limit(0, 30 * _DAY),
+    "max_parked_records": Limit(0, 2**32),
+}
 
 
-@attrs.frozen
+def _bounded(field: str, kind: type[int] | type[float]) -> Validator:
+    return FAILURE_POLICY_LIMITS[field].check(kind, owner=lambda _: "failure policy")
+
+
+@attrs.frozen(kw_only=True)
 class FailurePolicy:
     """How a route retries and when it gives up.
 
@@ -134,13 +150,15 @@ class FailurePolicy:
     with code ``key_terminal`` (``"dead_letter"``).
     """
 
-    deadline: float = attrs.field(default=5.0, validator=_non_negative)
-    initial_backoff: float = attrs.field(default=2.0, validator=_non_negative)
-    multiplier: float = attrs.field(default=2.0, validator=_non_negative)
-    max_backoff: float = attrs.field(default=300.0, validator=_non_negative)
-    max_failures: int = attrs.field(default=5, validator=_non_negative)
-    failure_window: float = attrs.field(default=900.0, validator=_non_negative)
-    max_parked_records: int = attrs.field(default=100_000, validator=_non_negative)
+    deadline: float = attrs.field(default=5.0, validator=_bounded("deadline", float))
+    initial_backoff: float = attrs.field(default=2.0, validator=_bounded("initial_backoff", float))
+    multiplier: float = attrs.field(default=2.0, validator=_bounded("multiplier", float))
+    max_backoff: float = attrs.field(default=300.0, validator=_bounded("max_backoff", float))
+    max_failures: int = attrs.field(default=5, validator=_bounded("max_failures", int))
+    failure_window: float = attrs.field(default=900.0, validator=_bounded("failure_window", float))
+    max_parked_records: int = attrs.field(
+        default=100_000, validator=_bounded("max_parked_records", int)
+    )
     terminal_records: str = attrs.field(
         default="drop", validator=attrs.validators.in_(("drop", "dead_letter"))
     )

@@ -15,6 +15,10 @@ QUEUE_BYTES = 256 * 2**20
 DESTINATION_QUEUE_RECORDS = 262_144
 DESTINATION_QUEUE_BYTES = 512 * 2**20
 
+#: Bytes a ClickHouse destination holds buffered or in flight before its
+#: ``submit`` waits (``Batching.max_buffered_bytes``).
+DESTINATION_BUFFER_BYTES = 256 * 2**20
+
 #: Single-record submits coalesced into one batch at most.
 COALESCE_RECORDS = 4096
 

@@ -67,7 +67,7 @@ class SlotSpec:
             raise ConfigError(f"SlotSpec dtype {self.dtype!r} is not a numpy dtype") from exc
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ProcessorSpec:
     """A registered processor: its function and the layouts it reads and writes."""
 
@@ -186,11 +186,11 @@ def stateless_processor(
     def decorate(fn: F) -> F:
         registry.register(
             ProcessorSpec(
-                name,
-                fn,
-                ProcessorKind.STATELESS,
-                input,
-                output,
+                name=name,
+                fn=fn,
+                kind=ProcessorKind.STATELESS,
+                input=input,
+                output=output,
                 needs_thread=needs_thread,
                 samples=samples,
             )
@@ -234,19 +234,19 @@ def stateful_processor(
     def decorate(fn: F) -> F:
         registry.register(
             ProcessorSpec(
-                name,
-                fn,
-                ProcessorKind.STATEFUL,
-                input,
-                output,
-                key,
-                key_range,
-                slot,
-                merge,
-                finish,
-                finalize,
-                needs_thread,
-                samples,
+                name=name,
+                fn=fn,
+                kind=ProcessorKind.STATEFUL,
+                input=input,
+                output=output,
+                key=key,
+                key_range=key_range,
+                slot=slot,
+                merge=merge,
+                finish=finish,
+                finalize=finalize,
+                needs_thread=needs_thread,
+                samples=samples,
             )
         )
         return fn

@@ -49,11 +49,18 @@ class UnmatchedSample:
     refusals: tuple[Refusal, ...]
 
 
+#: What one batch left for one hook: its last sampled descriptors and, per
+#: declining route, which of them it declined and why.
+_Entry = tuple[npt.NDArray[np.void], tuple[tuple[str, npt.NDArray[np.bool_], str], ...]]
+
+
 class RefusalLog:
     """The last ``per_hook`` unmatched records of each hook, with their refusals
     (at most ``max_hooks`` hooks: the one noted longest ago is forgotten first).
 
-    Written on the routing loop, read from any thread (``/status``)."""
+    Written on the routing loop, read from any thread (``/status``).  A batch
+    stores a few descriptor rows and masks; the samples are built when read.
+    """
 
     def __init__(self, *, per_hook: int = 8, max_hooks: int = 256) -> None:
         if per_hook < 1 or max_hooks < 1:
@@ -61,7 +68,8 @@ class RefusalLog:
         self.per_hook = per_hook
         self.max_hooks = max_hooks
         self._lock = threading.Lock()
-        self._by_hook: dict[str, deque[UnmatchedSample]] = {}
+        self._by_hook: dict[int, deque[_Entry]] = {}
+        self._hook_name: Callable[[int], str] | None = None
 
     def note(
         self,
@@ -74,48 +82,74 @@ class RefusalLog:
         the routes that declined each of them."""
         if not len(unmatched):
             return
+        self._hook_name = hook_name
         ids = descriptors["output_id"][unmatched]
-        samples: list[UnmatchedSample] = []
-        for output_id in np.unique(ids).tolist():
-            picked = unmatched[ids == output_id][-self.per_hook :]
-            refused = [
-                (route, np.isin(picked, positions), reason) for route, positions, reason in declines
+        first = int(ids[0])
+        if len(ids) == 1 or not (ids != first).any():  # the usual case: one hook
+            groups = [(first, unmatched[-self.per_hook :])]
+        else:
+            groups = [
+                (int(output_id), unmatched[ids == output_id][-self.per_hook :])
+                for output_id in np.unique(ids)
             ]
-            hook = hook_name(int(output_id))
-            rows = descriptors[picked]
-            for n, row in enumerate(rows):
-                samples.append(
-                    UnmatchedSample(
-                        hook=hook,
-                        key=int(row["key"]),
-                        step=int(row["step"]),
-                        seq=int(row["seq"]),
-                        timestamp_ns=int(row["timestamp_ns"]),
-                        refusals=tuple(
-                            Refusal(route, one_line(reason))
-                            for route, mask, reason in refused
-                            if mask[n]
-                        ),
-                    )
-                )
+        entries = [
+            (
+                output_id,
+                (
+                    descriptors[picked],
+                    tuple(
+                        (route, np.isin(picked, positions), reason)
+                        for route, positions, reason in declines
+                    ),
+                ),
+            )
+            for output_id, picked in groups
+        ]
         with self._lock:
-            for sample in samples:
-                queue = self._by_hook.pop(sample.hook, None)
+            for output_id, entry in entries:
+                queue = self._by_hook.pop(output_id, None)
                 if queue is None:
                     queue = deque(maxlen=self.per_hook)
-                self._by_hook[sample.hook] = queue  # most recently noted last
-                queue.append(sample)
+                self._by_hook[output_id] = queue  # most recently noted last
+                queue.append(entry)
             while len(self._by_hook) > self.max_hooks:
                 del self._by_hook[next(iter(self._by_hook))]
 
     def recent(self, hook: str | None = None) -> list[UnmatchedSample]:
         """The sampled records of ``hook`` (all hooks when None), oldest first."""
-        with self._lock:
-            if hook is not None:
-                return list(self._by_hook.get(hook, ()))
-            return [s for queue in self._by_hook.values() for s in queue]
+        if hook is None:
+            return [s for samples in self.by_hook().values() for s in samples]
+        return self.by_hook().get(hook, [])
 
     def by_hook(self) -> dict[str, list[UnmatchedSample]]:
-        """Every hook's sample, oldest first (a detached copy)."""
+        """Every hook's sample, oldest first (built now, detached)."""
         with self._lock:
-            return {hook: list(queue) for hook, queue in self._by_hook.items()}
+            held = {output_id: list(queue) for output_id, queue in self._by_hook.items()}
+        hook_name = self._hook_name
+        if hook_name is None:
+            return {}
+        return {
+            hook_name(output_id): _samples(hook_name(output_id), entries)[-self.per_hook :]
+            for output_id, entries in held.items()
+        }
+
+
+def _samples(hook: str, entries: list[_Entry]) -> list[UnmatchedSample]:
+    samples = []
+    for rows, refused in entries:
+        for n, row in enumerate(rows):
+            samples.append(
+                UnmatchedSample(
+                    hook=hook,
+                    key=int(row["key"]),
+                    step=int(row["step"]),
+                    seq=int(row["seq"]),
+                    timestamp_ns=int(row["timestamp_ns"]),
+                    refusals=tuple(
+                        Refusal(route, one_line(reason))
+                        for route, mask, reason in refused
+                        if mask[n]
+                    ),
+                )
+            )
+    return samples

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from taproute.routing import InvalidInput, Records, stateless_processor
+from taproute.routing import (
+    InvalidInput,
+    Records,
+    SlotSpec,
+    stateful_processor,
+    stateless_processor,
+)
 from tests.processors import NORM
 
 #: Rows `chain.spray` emits per call (all derived from the call's last record).
@@ -36,3 +42,25 @@ def picky_odd(records: Records) -> np.ndarray:
     if np.any(rows["seq"] % 2 == 1):
         raise InvalidInput("odd seq")
     return np.array(rows)
+
+
+def _total_row(state, key: int) -> np.ndarray:
+    row = np.zeros(1, dtype=NORM.dtype)
+    row["key"] = key
+    row["seq"] = -1
+    row["norm"] = state.slots[key, 0]
+    return row
+
+
+@stateful_processor(
+    "chain.norm_total",
+    key=lambda d: d["key"] % 16,
+    key_range=16,
+    slot=SlotSpec((1,), "float64"),
+    input="norm",
+    output="norm",
+    finalize=_total_row,
+)
+def norm_total(records: Records, keys: np.ndarray, state) -> None:
+    """Per key, the sum of the norms it was given; one row when the key completes."""
+    np.add.at(state.slots[:, 0], keys, records.rows()["norm"])

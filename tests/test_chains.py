@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
 
 import tests.chain_processors  # noqa: F401 - registers chain.double, chain.spray
 from taproute.actors import open_routing_sink
@@ -19,6 +20,7 @@ from taproute.routing.causal import CausalLimits, root_hex, root_ids
 from taproute.routing.errors import RerouteRefused
 from taproute.service import CaptureSink, DeadLetterStore
 from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
 from tests.chain_processors import SPRAY_ROWS
 from tests.conftest import vec_batch
@@ -285,6 +287,15 @@ def test_a_chain_from_a_config_file_runs_and_its_limits_come_from_the_file(
     assert len(rows) == 10  # 5 norms, then the same 5 doubled, in one table
     assert sorted(r["norm"] for r in rows) == pytest.approx(sorted(norms + [2 * n for n in norms]))
     assert snap.causal.derived == 5 and snap.routes["doubled"].processed == 5
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap))
+    scraped = generate_latest(registry).decode()
+    assert 'taproute_causal_records_total{verdict="accepted"} 5.0' in scraped
+    assert 'taproute_causal_records_total{verdict="refused_depth"} 0.0' in scraped
+    assert (
+        'taproute_route_derived_records_total{destination="ch",mode="stateless",route="norms"} 5.0'
+        in scraped
+    )
 
 
 def test_a_cycle_in_a_config_file_is_refused_unless_allowed(tmp_path, chdb_transport):
@@ -351,3 +362,50 @@ async def test_exact_accounting_with_chains_failures_and_refusals(tmp_path):
     store.close()
     rows.clear()
     raw.clear()
+
+
+async def test_a_stateful_route_keys_derived_records_by_request_and_its_finals_chain_on():
+    hooks, q = hooks_with_q()
+    rows, finals = CaptureSink(), CaptureSink()
+    config = RoutingConfig(
+        [
+            stateless("norms", Q, "test.norms", then=("totals",)),
+            Route(
+                "totals",
+                "route:norms",
+                "rows",
+                mode="stateful",
+                processor="chain.norm_total",
+                then=("finals",),
+            ),
+            Route("finals", "route:totals", "finals"),
+        ]
+    )
+    async with open_routing_sink(
+        config, SCHEMA, {"rows": rows, "finals": finals}, unmatched="drop", hooks=hooks
+    ) as sink:
+        await sink.submit(vec_batch(q, 3, keys=[1, 1, 2]))
+        await sink.complete(1, 2)
+        await sink.flush()
+        snap = sink.snapshot()
+        traced = sink.trace("route:totals")
+    norms = rows.rows("norms")
+    batches = finals.record_batches  # one per completed key
+    got = np.concatenate([b.payload.view(NORM.dtype) for b in batches])
+    assert got["key"].tolist() == [1, 2]
+    assert got["norm"].tolist() == pytest.approx(
+        [float(norms["norm"][0] + norms["norm"][1]), float(norms["norm"][2])]
+    )
+    # A completion's final rows are a new root (the completion), depth 1.
+    assert all(b.lineage is not None for b in batches)
+    assert [d for b in batches for d in b.lineage.depths.tolist()] == [1, 1]
+    assert len({r for b in batches for r in b.lineage.roots.tolist()}) == 2
+    assert snap.routes["totals"].processed == 3 and snap.routes["totals"].derived == 2
+    assert snap.causal.derived == 3 + 2
+    assert [(v.route, v.verdict) for v in traced.verdicts] == [
+        ("norms", "not_reached"),
+        ("totals", "not_reached"),
+        ("finals", "match"),
+    ]
+    rows.clear()
+    finals.clear()

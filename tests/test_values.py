@@ -64,10 +64,42 @@ def test_route_fields_are_checked_into_config_errors(fields, message):
     assert str(caught.value).startswith(message)
 
 
-@pytest.mark.parametrize("value", [-1, float("nan"), "soon"])
+@pytest.mark.parametrize("value", [-1, float("nan"), "soon", 10**6])
 def test_failure_policy_fields_are_checked_into_config_errors(value):
-    with pytest.raises(ConfigError, match=r"failure policy: deadline must be >= 0"):
+    with pytest.raises(ConfigError, match=r"failure policy: deadline must be a finite number in "):
         FailurePolicy(deadline=value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"multiplier": 0.5},
+            "failure policy: multiplier must be a finite number in [1, 10], got 0.5",
+        ),
+        (
+            {"max_failures": 1.5},
+            "failure policy: max_failures must be an int in [0, 1000], got 1.5",
+        ),
+        (
+            {"failure_window": float("inf")},
+            "failure policy: failure_window must be a finite number in [0, 2592000], got inf",
+        ),
+    ],
+)
+def test_failure_policy_holds_the_bounds_a_config_file_states(fields, message):
+    """In Python as in a file (``LIMITS`` takes them from the class's module):
+    a multiplier under 1 would shrink the backoff; a fractional failure count
+    means nothing."""
+    with pytest.raises(ConfigError) as caught:
+        FailurePolicy(**fields)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("make", [FailurePolicy, Batching, Retry])
+def test_many_field_settings_are_keyword_only(make):
+    with pytest.raises(TypeError, match="positional"):
+        make(1.0)
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,8 @@ import attrs
 from cattrs.errors import ClassValidationError
 
 from taproute.actors import RoutingSink
-from taproute.routing.checks import Limit
 from taproute.routing.errors import ConfigError, TaprouteError
-from taproute.routing.failures import log_failure
+from taproute.routing.failures import FAILURE_POLICY_LIMITS, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Layout
 from taproute.routing.routes import Route, RoutingConfig
@@ -130,7 +129,7 @@ class ServiceConfig:
 
     def with_call_timeout(self, seconds: float) -> ServiceConfig:
         """This config with every route's processor deadline set to ``seconds``."""
-        problem = Limit(0, 86_400).problem(seconds)
+        problem = FAILURE_POLICY_LIMITS["deadline"].problem(seconds)
         if problem is not None:
             raise ConfigFileError(self.source, [f"--call-timeout {problem}"])
         routes = tuple(

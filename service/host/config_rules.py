@@ -37,7 +37,7 @@ from cattrs.v import format_exception
 
 from taproute.routing.checks import Limit
 from taproute.routing.errors import ConfigError, TaprouteError
-from taproute.routing.failures import FailurePolicy
+from taproute.routing.failures import FAILURE_POLICY_LIMITS, FailurePolicy
 from taproute.routing.layout import Column
 from taproute.routing.routes import ROUTE_LIMITS, Route
 from taproute.service.host.http import HttpConfig
@@ -59,22 +59,12 @@ class ValueProblem(ValueError):
     """One value of a file is wrong; the message says expected vs found."""
 
 
-_DAY = 86_400.0
-
 #: Bounds of every number a config file may set, per value class and field.
 #: Wide enough for any real deployment, narrow enough that a typo can't take
 #: the process down (memory, a spinning core, an impossible socket).
 LIMITS: dict[type, dict[str, Limit]] = {
     Route: dict(ROUTE_LIMITS),
-    FailurePolicy: {
-        "deadline": Limit(0, _DAY),
-        "initial_backoff": Limit(0, _DAY),
-        "multiplier": Limit(1, 10),
-        "max_backoff": Limit(0, _DAY),
-        "max_failures": Limit(0, 1_000),
-        "failure_window": Limit(0, 30 * _DAY),
-        "max_parked_records": Limit(0, 2**32),
-    },
+    FailurePolicy: dict(FAILURE_POLICY_LIMITS),
     Column: {"shape": Limit(1, 2**31)},
     Batching: dict(BATCHING_LIMITS),
     Retry: dict(RETRY_LIMITS),

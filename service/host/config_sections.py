@@ -10,6 +10,7 @@ import attrs
 
 from taproute.routing.causal import CAUSAL_LIMITS, CausalLimits
 from taproute.routing.checks import Limit
+from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS
 from taproute.service.host.config_rules import add_limits
 
 
@@ -29,8 +30,8 @@ class RoutingOptions:
 class IngressOptions:
     """Bounds of the runtime's ingress and what a full ingress does to producers."""
 
-    capacity_records: int = 65_536
-    capacity_bytes: int = 256 * 2**20
+    capacity_records: int = QUEUE_RECORDS
+    capacity_bytes: int = QUEUE_BYTES
     when_full: Literal["block", "reject"] = "block"
 
 

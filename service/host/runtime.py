@@ -477,7 +477,11 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
 
     def _snapshot_in_loop(self) -> ServiceSnapshot:
         observable = self._observable
-        sink = RouterSnapshot({}, {}, 0, 0) if observable is None else observable.snapshot()
+        sink = (
+            RouterSnapshot(routes={}, destinations={}, unmatched_forwarded=0, unmatched_dropped=0)
+            if observable is None
+            else observable.snapshot()
+        )
         failure = self._latch.failure or (
             None if self._reports_failure is None else self._reports_failure.failure
         )

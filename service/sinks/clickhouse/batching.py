@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 
 from taproute.routing.checks import Limit, Validator
-from taproute.routing.limits import capped_backoff
+from taproute.routing.limits import DESTINATION_BUFFER_BYTES, capped_backoff
 
 _DAY = 86_400.0
 
@@ -37,7 +37,7 @@ def _retry(field: str, kind: type[int] | type[float]) -> Validator:
     return RETRY_LIMITS[field].check(kind, owner=lambda _: "Retry")
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Batching:
     """When a table's buffer is inserted: at ``max_rows`` rows, ``max_bytes``
     bytes, or ``linger`` seconds after its first row, whichever comes first
@@ -50,11 +50,11 @@ class Batching:
     linger: float = attrs.field(default=1.0, validator=_batching("linger", float))
     inserts_in_flight: int = attrs.field(default=2, validator=_batching("inserts_in_flight", int))
     max_buffered_bytes: int = attrs.field(
-        default=256 * 2**20, validator=_batching("max_buffered_bytes", int)
+        default=DESTINATION_BUFFER_BYTES, validator=_batching("max_buffered_bytes", int)
     )
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Retry:
     """Capped exponential backoff for transient insert errors."""
 
