@@ -2,14 +2,17 @@
 
 - append: ``Spool.append`` of whole batches then one fsync (``flush()``), vs
   a plain sequential ``os.write`` of the same payload bytes then one fsync,
-  same disk, same run (the limit: the spool adds framing and a checksum);
+  same disk, same run (the limit: the spool adds framing, descriptors and a
+  checksum); bytes/s of payload;
 - drain: a spool of batches delivered into chDB by a ``SpoolingSink``
-  (``spool="always"``, one insert per batch, clock stopped when the spool is
-  empty) vs ``ClickHouseSink.insert_now`` of the same batches straight from
-  memory (the same inserts, no disk);
-- forward: submit + ``flush()`` of the same batches through ``SpoolingSink``
-  in modes ``off`` / ``outage`` / ``always`` over a healthy destination that
-  copies each batch's payload (records/s).
+  (``spool="always"``, grouped inserts of up to ``group_bytes``, clock
+  stopped when the spool is empty) vs ``ClickHouseSink.insert_now`` of the
+  same batches straight from memory in the same groups (the same inserts,
+  no disk);
+- forward: submit + ``flush()`` + full delivery of the same batches into chDB
+  through a ClickHouse sink with default batching, wrapped in a
+  ``SpoolingSink`` in modes ``off`` / ``outage`` / ``always`` over a healthy
+  destination (records/s; clock stopped when every row is inserted).
 
 Targets (issue #12): append >= 0.8x the plain write; ``outage`` costs
 nothing measurable while healthy (>= 0.9x ``off``).
@@ -21,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,7 @@ from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.spooling import SpoolingSink
 
 FLOATS = 256  # 1 KiB payload per record
+GROUP_BYTES = 16 << 20  # SpoolingSink's default drain group
 SCHEMA = RecordSchema([Layout("act", [("values", "Array(Float32)", (FLOATS,))])])
 
 
@@ -96,45 +100,42 @@ def plain_write_rate(root: Path, batches: Sequence[RecordBatch]) -> float:
     return timed_rate(nbytes, body)
 
 
-class CopySink:
-    """A healthy destination that touches every payload byte (a copy)."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    async def submit(self, batch: RecordBatch) -> None:  # type: ignore[override]
-        np.copy(batch.payload)
-        self.records += len(batch)
-
-    async def flush(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-
-def forward_rate(root: Path, mode: str, batches: Sequence[RecordBatch]) -> float:
+def forward_rate(
+    root: Path, mode: str, batches: Sequence[RecordBatch], make_sink: Callable[[], ClickHouseSink]
+) -> float:
     records = sum(len(b) for b in batches)
     directory = fresh(root / f"fwd-{mode}")
 
     async def body() -> float:
-        inner = CopySink()
+        inner = make_sink()
         spool = None if mode == "off" else Spool.open(SpoolConfig(directory=directory))
         sink = SpoolingSink("bench", inner, spool, mode=mode)  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
-            started = time.perf_counter()  # from the first submit to all delivered
+            started = time.perf_counter()  # from the first submit to every row inserted
             for b in batches:
                 await sink.submit(b)
             await sink.flush()
-            if mode != "off":
-                await sink.wait_delivered()
+            await sink.wait_delivered()
             elapsed = time.perf_counter() - started
             await sink.close()
-        assert inner.records == records
+        assert sum(c.records for c in inner.counters.values()) == records
         return elapsed
 
     return records / trio.run(body)
+
+
+def groups(batches: Sequence[RecordBatch], group_bytes: int) -> list[list[RecordBatch]]:
+    """The batches cut into consecutive groups of up to ``group_bytes`` (as a drain does)."""
+    out: list[list[RecordBatch]] = [[]]
+    size = 0
+    for b in batches:
+        if out[-1] and size + b.nbytes > group_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(b)
+        size += b.nbytes
+    return out
 
 
 def main() -> None:
@@ -174,7 +175,11 @@ def main() -> None:
 
             async def body() -> float:
                 spooling = SpoolingSink(
-                    "bench", inner, Spool.open(SpoolConfig(directory=directory)), mode="always"
+                    "bench",
+                    inner,
+                    Spool.open(SpoolConfig(directory=directory)),
+                    mode="always",
+                    group_bytes=GROUP_BYTES,
                 )
                 async with trio.open_nursery() as nursery:
                     started = time.perf_counter()  # recovery starts draining at run()
@@ -192,8 +197,8 @@ def main() -> None:
             inner = sink()
 
             async def body() -> None:
-                for i, b in enumerate(batches):
-                    await inner.insert_now([b], f"direct-{rounds['n']}-{i}")
+                for i, group in enumerate(groups(batches, GROUP_BYTES)):
+                    await inner.insert_now(group, f"direct-{rounds['n']}-{i}")
 
             return timed_rate(records, lambda: trio.run(body))
 
@@ -203,9 +208,9 @@ def main() -> None:
                 "plain_write": lambda: plain_write_rate(root, batches),
                 "drain": drain,
                 "direct_insert": direct,
-                "forward_off": lambda: forward_rate(root, "off", batches),
-                "forward_outage": lambda: forward_rate(root, "outage", batches),
-                "forward_always": lambda: forward_rate(root, "always", batches),
+                "forward_off": lambda: forward_rate(root, "off", batches, sink),
+                "forward_outage": lambda: forward_rate(root, "outage", batches, sink),
+                "forward_always": lambda: forward_rate(root, "always", batches, sink),
             },
             repeat=args.repeat,
         )
@@ -255,6 +260,8 @@ def main() -> None:
             "payload_bytes_per_record": FLOATS * 4,
             "repeat": args.repeat,
             "fsync": "once per run (flush)",
+            "drain_group_bytes": GROUP_BYTES,
+            "forward_destination": "ClickHouseSink on chDB, default Batching",
         },
         quick=args.quick,
         comparisons=[append, drain_cmp, outage, always],

@@ -39,19 +39,18 @@ def die() -> None:
 
 def arm(kill_at: str) -> None:
     if kill_at == "append":
-        real_write = spool_log._write_all
+        real_frame = spool_log._write_frame
         frames = {"n": 0}
 
-        def write(fd: int, data: bytes | memoryview) -> None:
-            view = memoryview(data).cast("B")
-            if bytes(view[:4]) == spool_log.MAGIC:
-                frames["n"] += 1
-            if frames["n"] == 3 and len(view) > 16:
-                real_write(fd, view[: len(view) // 2])
+        def write_frame(fd: int, buffers: list[memoryview]) -> None:
+            frames["n"] += 1
+            if frames["n"] == 3:  # half of the third frame reaches the file
+                data = b"".join(bytes(b) for b in buffers)
+                spool_log._write_all(fd, data[: len(data) // 2])
                 die()
-            real_write(fd, view)
+            real_frame(fd, buffers)
 
-        spool_log._write_all = write  # type: ignore[assignment]
+        spool_log._write_frame = write_frame  # type: ignore[assignment]
     real_insert = ChdbTransport.insert
     inserts = {"n": 0}
 

@@ -114,7 +114,7 @@ class Spool:
         self._changed = trio.Event()  # set on every append and ack
         self._lock = trio.Lock()  # one writer at a time
         self._last_sync = clock()
-        self._unsynced = True  # the first sync also makes the directory's files durable
+        self._unsynced = False  # nothing appended or acknowledged since the last sync
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
         # Until the first group is read: a previous run's group in flight was a
         # single frame unless an intent names more (see read_group).
