@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import trio
 import trio.testing
 
-from taproute.routing import HookRegistry
+from taproute.routing import HookRegistry, RowBatch
 from taproute.service.sinks.clickhouse import Batching
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
-from tests.test_spool_outage import FaultyTransport, stored
+from tests.test_spool_outage import FaultyTransport, Refused, stored
 from tests.test_spool_outage import backend as backend
 from tests.test_spool_outage import clock as clock
 
@@ -154,3 +155,77 @@ async def test_a_destination_behind_spills_to_the_spool_and_drains_back_in_order
     assert c.spool.frames == 0 and c.spool.acked_records == c.spilled_records
     # The spilled frames drained as grouped inserts, not one insert per batch.
     assert slow.inserts < 40
+
+
+class TableFaults(FaultyTransport):
+    """Faults of one table only: the ``norm`` rows table is unreachable while
+    ``rows_down``, and refuses a block holding a seq in ``refuse_rows``."""
+
+    def __init__(self, inner, *, refuse_rows=()):
+        super().__init__(inner)
+        self.rows_down = False
+        self.refuse_rows = set(refuse_rows)
+
+    def insert(self, table, data, *, dedup_token):
+        if table.endswith("_norm"):
+            if self.rows_down:
+                with self._lock:
+                    self.unreachable += 1
+                raise ConnectionRefusedError("rows table unreachable (injected)")
+            if self.refuse_rows & set(data.column("seq").to_pylist()):
+                raise Refused("Code: 53. DB::Exception: TYPE_MISMATCH (injected)")
+        super().insert(table, data, dedup_token=dedup_token)
+
+
+def norm_rows(seq_start: int, n: int) -> RowBatch:
+    rows = np.zeros(n, SCHEMA.layout("norm").dtype)
+    rows["seq"] = np.arange(seq_start, seq_start + n)
+    rows["norm"] = 1.0
+    return RowBatch(route="norms", layout_name="norm", rows=rows)
+
+
+async def test_a_group_stored_in_one_table_but_not_the_other_is_never_written_twice(
+    backend, tmp_path, clock
+):
+    # Each group holds raw records (table raw_vec) and rows (table norm): the
+    # raw part is stored, then the rows part fails (unreachable for a minute,
+    # and one row refused).  The retries and the split never store a raw
+    # record twice, and only the refused row is dead-lettered.
+    hooks = HookRegistry()
+    hooks.bind("q", layout="vec")
+    faults = TableFaults(backend.transport, refuse_rows={45})
+    inner = backend.sink(SCHEMA, transport=faults, raw=["vec"], rows=["norm"], hooks=hooks)
+    dead: list = []
+
+    async def dead_letter(batch, reason):
+        dead.append((batch, reason))
+
+    sink = SpoolingSink(
+        "ch",
+        inner,
+        Spool.open(SpoolConfig(directory=tmp_path / "spool"), clock=trio.current_time),
+        mode="always",
+        backoff=Backoff(initial=0.5, maximum=5.0),
+        dead_letter=dead_letter,
+        clock=trio.current_time,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        faults.rows_down = True
+        for i in range(12):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+            await sink.submit(norm_rows(i * 4, 4))
+            await trio.sleep(5.0)
+        assert not sink.health.healthy and faults.unreachable > 1
+        faults.rows_down = False
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (48, 48)  # raw: every record once, though retried
+    rows = backend.query("SELECT count() AS n, uniqExact(seq) AS u FROM {p}_norm").to_pylist()
+    assert rows == [{"n": 47, "u": 47}]
+    ((batch, reason),) = dead
+    assert isinstance(batch, RowBatch) and list(batch.rows["seq"]) == [45]
+    assert "TYPE_MISMATCH" in reason
+    c = sink.snapshot()
+    assert c.accepted_records == 96 == c.delivered_records + c.refused_records
+    assert c.refused_records == 1 and sink.failure is None
