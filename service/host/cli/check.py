@@ -49,7 +49,7 @@ def stale_spools(config: ServiceConfig, older_than: float) -> list[str]:
     """A warning per destination whose spool holds a batch older than ``older_than`` s."""
     import time
 
-    from taproute.service.sinks.spool.log import inspect
+    from taproute.service.sinks.spool.inspection import inspect
 
     lines = []
     for name, dest in config.destinations.items():

@@ -7,23 +7,25 @@ ClickHouse writes each buffered block once (within the table's
 deduplication window; a table without one is refused at construction unless
 ``require_deduplication=False`` accepts duplicates).  A block that still fails after the
 retry budget is not written: the failure is latched and raised by the next
-``submit``/``flush``/``close``, never swallowed.
+``submit``/``flush``/``close``, never swallowed.  An owner with its own
+durable queue (a spooling destination) may take failed blocks over instead
+(``hand_over_failures``) and insert batches itself (``insert_now``).
 
-Settings live in ``batching.py``, Arrow conversion in ``columns.py``; this
-module (a little over 400 lines) is the sink's one lifecycle: buffers, the
-linger timer, insert tasks and their counters share state a split would expose.
+Settings live in ``batching.py``, Arrow conversion in ``columns.py``, the
+split by table in ``tables.py``; this module (about 450 lines) is the sink's
+one lifecycle: buffers, the linger timer, insert tasks, hand-over and their
+counters share state a split would expose.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import pyarrow as pa
 import trio
 
@@ -35,12 +37,14 @@ from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
 from taproute.service.sinks.clickhouse.deduplication import check_deduplication
+from taproute.service.sinks.clickhouse.handover import FailedBlockHandler, PartlyInserted
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     TableSpec,
     check_table,
     raw_table_spec,
     rows_table_spec,
+    split_by_table,
 )
 from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
 
@@ -58,25 +62,6 @@ class TableCounters:
     errors: int = 0
     buffered_rows: int = 0
     in_flight_rows: int = 0
-
-
-#: Takes over a sealed block whose insert failed, instead of this sink's own
-#: retries and latch: called with (batches, token, error) where ``token`` is
-#: the one the block was tried with (``insert_now(batches, token)`` repeats
-#: that try exactly).  A handler that raises latches the sink.
-FailedBlockHandler = Callable[[list[Batch], str, BaseException], Awaitable[None]]
-
-
-class PartlyInserted(Exception):
-    """An ``insert_now`` of several tables stored some and failed on the next.
-
-    ``rest`` are the batches (parts, by table) not stored; ``cause`` is the error.
-    """
-
-    def __init__(self, rest: list[Batch], cause: BaseException) -> None:
-        super().__init__(f"{len(rest)} part(s) not inserted: {type(cause).__name__}: {cause}")
-        self.rest = rest
-        self.cause = cause
 
 
 class _Buffer:
@@ -279,38 +264,7 @@ class ClickHouseSink:
             self._add(table, part, None if isinstance(part, RowBatch) else part.retain())
 
     def _by_table(self, batch: Batch) -> list[tuple[str, Batch]]:
-        """``batch`` split by destination table (raw records by layout), all
-        checked before any is taken: a layout this sink does not write is refused."""
-        if isinstance(batch, RowBatch):
-            spec = self._rows.get(batch.layout_name)
-            if spec is None:
-                raise ConfigError(
-                    f"ClickHouseSink got rows of layout {batch.layout_name!r} from route "
-                    f"{batch.route!r}; it writes rows of {sorted(self._rows)}"
-                )
-            return [(spec.name, batch)]
-        if len(batch) == 0:
-            return []
-        layout_ids = batch.descriptors["layout_id"]
-        first = int(layout_ids[0])
-        if bool(np.all(layout_ids == first)):
-            split: list[tuple[int, Batch]] = [(first, batch)]
-        else:
-            split = [
-                (int(lid), batch.select(np.flatnonzero(layout_ids == lid)))
-                for lid in np.unique(layout_ids)
-            ]
-        parts = []
-        for layout_id, part in split:
-            spec = self._raw.get(layout_id)
-            if spec is None:
-                raise ConfigError(
-                    f"ClickHouseSink got raw records of layout "
-                    f"{self.schema.by_id(layout_id).name!r}; it writes raw "
-                    f"{sorted(self.schema.by_id(i).name for i in self._raw)}"
-                )
-            parts.append((spec.name, part))
-        return parts
+        return split_by_table(batch, self._raw, self._rows, self.schema)
 
     def _add(self, table: str, batch: Batch, hold: Retained | None) -> None:
         buffer = self._buffers[table]

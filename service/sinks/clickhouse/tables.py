@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 
 import attrs
+import numpy as np
 
+from taproute.routing.batch import Batch, RowBatch
 from taproute.routing.errors import ConfigError
 from taproute.routing.layout import Layout
+from taproute.routing.schema import RecordSchema
 
 
 class SchemaMismatch(ConfigError):
@@ -111,3 +114,41 @@ def check_table(spec: TableSpec, found: list[tuple[str, str]]) -> None:
                 f"table {spec.name!r}: column {column.name!r} expected {column.type}, "
                 f"found {actual}"
             )
+
+
+def split_by_table(
+    batch: Batch, raw: dict[int, TableSpec], rows: dict[str, TableSpec], schema: RecordSchema
+) -> list[tuple[str, Batch]]:
+    """``batch`` split by destination table (raw records by layout id in ``raw``,
+    rows by layout name in ``rows``), all checked before any is taken: a
+    layout the sink does not write is refused."""
+    if isinstance(batch, RowBatch):
+        spec = rows.get(batch.layout_name)
+        if spec is None:
+            raise ConfigError(
+                f"ClickHouseSink got rows of layout {batch.layout_name!r} from route "
+                f"{batch.route!r}; it writes rows of {sorted(rows)}"
+            )
+        return [(spec.name, batch)]
+    if len(batch) == 0:
+        return []
+    layout_ids = batch.descriptors["layout_id"]
+    first = int(layout_ids[0])
+    if bool(np.all(layout_ids == first)):
+        split: list[tuple[int, Batch]] = [(first, batch)]
+    else:
+        split = [
+            (int(lid), batch.select(np.flatnonzero(layout_ids == lid)))
+            for lid in np.unique(layout_ids)
+        ]
+    parts = []
+    for layout_id, part in split:
+        spec = raw.get(layout_id)
+        if spec is None:
+            raise ConfigError(
+                f"ClickHouseSink got raw records of layout "
+                f"{schema.by_id(layout_id).name!r}; it writes raw "
+                f"{sorted(schema.by_id(i).name for i in raw)}"
+            )
+        parts.append((spec.name, part))
+    return parts

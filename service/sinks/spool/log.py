@@ -47,7 +47,7 @@ MAGIC = b"TRSF"
 #: magic, crc32, sequence, written (ns since the epoch), body length
 HEADER = struct.Struct("<4sIQQQ")
 _CHECKED = struct.Struct("<QQQ")
-_ACK = struct.Struct("<QI")
+ACK = struct.Struct("<QI")
 _INTENT = struct.Struct("<QQI")
 SUFFIX = ".seg"
 
@@ -184,8 +184,8 @@ class SegmentLog:
             raw = path.read_bytes()
         except FileNotFoundError:
             return 0
-        if len(raw) == _ACK.size:
-            seq, crc = _ACK.unpack(raw)
+        if len(raw) == ACK.size:
+            seq, crc = ACK.unpack(raw)
             if zlib.crc32(struct.pack("<Q", seq)) == crc:
                 return int(seq)
         # A damaged ack file: replay everything still on disk (the
@@ -335,7 +335,7 @@ class SegmentLog:
         if self.intent is not None and self.intent[1] <= self.acked:
             self.intent = None
         tmp = self.directory / "ack.tmp"
-        tmp.write_bytes(_ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
+        tmp.write_bytes(ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
         os.replace(tmp, self.directory / "ack")
         for path, last in list(self.segments.items()):
             if last <= self.acked and path != self._active:
@@ -381,46 +381,4 @@ class SegmentLog:
             self._lock_fd = None
 
 
-@attrs.frozen
-class Inspection:
-    """What a spool directory holds, read without changing it (for ``check``)."""
-
-    frames: int
-    bytes: int
-    oldest_written_ns: int | None
-
-
-def inspect(directory: Path) -> Inspection:
-    """Count the unacknowledged frames of a spool directory, read-only.
-
-    A damaged tail is not counted (opening the spool truncates it).
-    """
-    directory = Path(directory)
-    acked = 0
-    try:
-        raw = (directory / "ack").read_bytes()
-        if len(raw) == _ACK.size:
-            seq, crc = _ACK.unpack(raw)
-            if zlib.crc32(struct.pack("<Q", seq)) == crc:
-                acked = int(seq)
-    except FileNotFoundError:
-        pass
-    frames = size = 0
-    oldest: int | None = None
-    for path in sorted(directory.glob("*" + SUFFIX)):
-        data = path.read_bytes()
-        offset = 0
-        while len(data) - offset >= HEADER.size:
-            magic, crc, seq, written, length = HEADER.unpack_from(data, offset)
-            end = offset + HEADER.size + length
-            if magic != MAGIC or end > len(data):
-                break
-            if seq > acked:
-                frames += 1
-                size += end - offset
-                oldest = written if oldest is None else min(oldest, written)
-            offset = end
-    return Inspection(frames, size, oldest)
-
-
-__all__ = ["Damage", "Entry", "Inspection", "SegmentLog", "SpoolLocked", "inspect"]
+__all__ = ["ACK", "HEADER", "MAGIC", "SUFFIX", "Damage", "Entry", "SegmentLog", "SpoolLocked"]
