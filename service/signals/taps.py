@@ -31,9 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from taproute.service.host.runtime import RecordRuntime
-    from taproute.service.host.service import RecordService
 
-    Runtime = RecordRuntime | RecordService
+    Runtime = RecordRuntime  # a RecordService is one
 
 
 class _Handles:
