@@ -118,3 +118,48 @@ def test_check_warns_about_a_spool_older_than_ten_minutes(tmp_path, chdb_transpo
     out = capsys.readouterr().out
     assert "WARNING: destination 'ch': spool" in out
     assert "1 undelivered batch group(s)" in out and "20 minutes old" in out
+
+
+def test_a_full_blocking_spool_holds_a_capture_no_longer_than_max_block(tmp_path):
+    # The destination is down and its spool full with when_full="block" and
+    # no timeout: it stops taking batches, its mailbox and then ingress fill.
+    # A capture (offer_batch) still returns within max_block, the records it
+    # could not queue counted as shed, and nothing latches.
+    from taproute.native import make_descriptors
+
+    inner = DownSink(expect=10**9)
+    spooling = SpoolingSink(
+        "cap",
+        inner,
+        Spool.open(SpoolConfig(directory=tmp_path / "spool", quota_bytes=1000)),
+        backoff=Backoff(initial=0.01, maximum=0.05),
+        drain_on_close=0.0,
+    )
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "layers.*", "cap")]),
+        SCHEMA,
+        {"cap": lambda: spooling},
+        unmatched="drop",
+        destination_capacity=64,
+    )
+    runtime = create_record_runtime(record_sink=sink, capacity_records=64, max_block=0.05)
+    q = runtime.bind_hook("layers.0.q", layout="vec")
+    taken = refused = 0
+    longest = 0.0
+    for i in range(60):
+        desc = make_descriptors(q, 16, count=8, layout_ids=SCHEMA.layout_id("vec"))
+        started = time.monotonic()
+        if runtime.offer_batch(desc, np.full((8, 4), i, np.float32)):
+            taken += 8
+        else:
+            refused += 8
+        longest = max(longest, time.monotonic() - started)
+    counters = runtime.counters()
+    assert refused > 0 and counters.ingress.shed == refused
+    assert longest < 5.0  # bounded by max_block (0.05 s), with room for a loaded machine
+    assert runtime.failure is None
+    spool = spooling.snapshot().spool
+    assert spool.appended_batches == 1 and spool.bytes > 0  # the rest wait for room
+    inner.down = False  # the destination recovers: room again, everything taken drains
+    runtime.close(timeout=60)
+    assert inner.records == taken
