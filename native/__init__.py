@@ -7,8 +7,11 @@
 - :class:`BufferLease`: lease counting of shared read-only record buffers.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
+- :func:`stamped_copy`, :func:`gather_ranges`: a capture hook's descriptors
+  and packed payload, one call each.
 """
 
+from taproute.native._capture import gather_ranges, stamped_copy
 from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
@@ -48,8 +51,10 @@ __all__ = [
     "check_descriptors",
     "check_field",
     "check_int64",
+    "gather_ranges",
     "make_descriptors",
     "owner_of",
     "partition_keys",
     "scatter_add",
+    "stamped_copy",
 ]

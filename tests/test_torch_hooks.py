@@ -23,6 +23,8 @@ def small_encoder() -> nn.TransformerEncoder:
 
 
 def test_hooks_capture_each_sequence_as_a_record_and_return_buffers():
+    """Through a host buffer pool (the path CUDA outputs take; here on CPU
+    with ``cpu_outputs=True``): buffers go back to the pool when released."""
     model = small_encoder()
     cap = CaptureSink()
     sink = RoutingSink(
@@ -31,7 +33,7 @@ def test_hooks_capture_each_sequence_as_a_record_and_return_buffers():
         {"cap": cap},
         unmatched="drop",
     )
-    pool = HostBufferPool()
+    pool = HostBufferPool(pin=False, cpu_outputs=True)
     outputs: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.layers):
         layer.linear2.register_forward_hook(
@@ -68,6 +70,27 @@ def test_hooks_capture_each_sequence_as_a_record_and_return_buffers():
     assert pool.outstanding == 2  # the capture sink still holds both buffers
     cap.clear()
     assert pool.outstanding == 0 and pool.allocated == 2
+
+
+def test_cpu_outputs_are_copied_into_fresh_arrays_not_the_pool():
+    """By default a CPU output is copied into a fresh array (no pool buffer):
+    the record owns its bytes, the module's output tensor is not aliased."""
+    model = small_encoder()
+    cap = CaptureSink()
+    pool = HostBufferPool(pin=False)
+    outputs: list[torch.Tensor] = []
+    model.layers[0].linear2.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+    with create_record_runtime(record_sink=cap, schema=SCHEMA) as runtime:
+        bind_modules(runtime, model, "layers.0.linear2", layout="acts", pool=pool)
+        with torch.inference_mode(), capture_context([1, 2, 3]):
+            model(torch.randn(3, 5, 32))
+        runtime.flush()
+    (batch,) = cap.record_batches
+    (output,) = outputs
+    assert pool.allocated == 0 and pool.outstanding == 0
+    assert not np.shares_memory(batch.payload, output.numpy())
+    assert not batch.payload.flags.writeable
+    np.testing.assert_array_equal(batch.payload.view(np.float32), output.numpy().reshape(-1))
 
 
 def test_binding_needs_a_variable_array_layout_and_matching_modules():

@@ -1,9 +1,10 @@
 """Bind capture hooks to a model's modules: one record per sequence per call.
 
 ``bind_module(runtime, module, name, layout=...)`` registers a forward hook
-that copies the module's output into a reusable host buffer (pinned on CUDA,
-copied non-blocking, submitted once the copy is complete) and submits one
-record per sequence of the batch under ``name``'s output_id.  Which request
+that copies the module's output to host memory (a CUDA output into a reusable
+pinned buffer, copied non-blocking, submitted once the copy is complete; a
+CPU output into a fresh array: see :mod:`~taproute.service.capture.host_copy`)
+and submits one record per sequence of the batch under ``name``'s output_id.  Which request
 each row belongs to, which of its positions are real and the decode step come
 from the :func:`~taproute.service.capture.context.capture_context` the server
 sets around its forward pass.
@@ -24,14 +25,17 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from taproute.native import make_descriptors
+from taproute.native import BufferLease, make_descriptors, stamped_copy
+from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
-from taproute.service.capture.context import _CONTEXT
+from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch, warn_capture
 from taproute.service.capture.extract import (
+    RecordPlan,
     Select,
     by_row,
     check_cast,
@@ -40,14 +44,25 @@ from taproute.service.capture.extract import (
     plan,
     torch_dtype,
 )
+from taproute.service.capture.host_copy import numpy_view_dtype, to_host
 from taproute.service.capture.pool import HostBufferPool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch
 
 OnError = Literal["detach", "raise"]
+
+#: A record plan as each call uses it: token shape, the records' offsets and
+#: lengths in the source, the bytes they cover, and the descriptor template
+#: for a packed payload and for one laid out as the source.
+Planned = tuple[
+    tuple[int, ...] | None,
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    int,
+    npt.NDArray[np.void],
+    npt.NDArray[np.void],
+]
 
 
 class CaptureTarget(Protocol):
@@ -61,9 +76,7 @@ class CaptureTarget(Protocol):
 
     def bind_hook(self, name: str, *, layout: str | None = None) -> int: ...
 
-    def offer_batch(
-        self, descriptors: Any, payload: Any, release: Callable[[], object] | None = None
-    ) -> bool: ...
+    def offer_captured(self, batch: RecordBatch) -> bool: ...
 
     def count_dropped(self, hook: str, reason: str, records: int) -> None: ...
 
@@ -185,72 +198,112 @@ def bind_module(
     hooks = runtime.hooks
     pool = pool or HostBufferPool()
     binding = HookBinding(name, output_id)
-    checked: set[torch.dtype] = set()
+    checked: set[torch.dtype] = {dst}
     shape_noted: list[tuple[int, ...] | None] = []
+    plain = select is None
+    tensor_type = torch.Tensor
+    as_numpy = numpy_view_dtype(dst)
 
-    def capture(output: Any, context: Any) -> None:
-        """Copy and submit one call's records; CaptureError when impossible."""
-        picked = pick(output, select, hook=name)
-        tensor = by_row(picked, context, hook=name, token_major=token_major)
-        if tensor.dtype not in checked:
-            check_cast(tensor.dtype, dst, hook=name, layout=layout, narrow=narrow)
-            checked.add(tensor.dtype)
-        tensor = tensor.detach()
-        if tensor.dtype != dst:
+    def capture(output: Any, context: CaptureContext) -> None:
+        """Copy and submit one call's records; CaptureError when impossible.
+
+        Kept to a handful of Python operations per call (it runs on the
+        model's thread inside the forward pass): what depends only on the
+        output's shape and the context is planned once per forward pass.
+        """
+        if not plain or type(output) is not tensor_type:
+            output = pick(output, select, hook=name)
+        tensor = by_row(output, context, hook=name, token_major=token_major).detach()
+        owned = False
+        if tensor.dtype is not dst:
+            if tensor.dtype not in checked:
+                check_cast(tensor.dtype, dst, hook=name, layout=layout, narrow=narrow)
+                checked.add(tensor.dtype)
             tensor = tensor.to(dst)  # exact (checked above) or narrowing on purpose
+            owned = True
         token_axis = token_major or tensor.dim() >= 3
         # One plan per output shape and context, shared by every hook of the
         # forward pass (a gathered, non-run mask needs a fresh source each call).
-        plan_key = (tensor.shape, dst, token_axis, layout_id)
+        plan_key = (tensor.shape, token_axis, layout_id)
         cached = context.plans.get(plan_key) if context.runs else None
         if cached is None:
             records = plan(tensor, context, hook=name, token_axis=token_axis)
-            template = make_descriptors(
-                output_id,
-                records.lengths,
-                offsets=records.offsets,
-                layout_ids=layout_id,
-                keys=context.key_array,
-                steps=context.step,
-            )
-            token_shape, source = records.token_shape, records.source
+            cached = _templates(records, context)
+            if records.source is not tensor:
+                tensor, owned = records.source, True
             if context.runs:
-                context.plans[plan_key] = (token_shape, template)
-        else:
-            token_shape, template = cached
-            source = tensor
-        if not shape_noted:
-            shape_noted.append(token_shape)
-            hooks.set_token_shape(output_id, token_shape)
-        elif shape_noted[0] is not None and shape_noted[0] != token_shape:
-            # Records of one hook share one token shape; when it varies, say
-            # none (flat shapes) rather than a shape older records don't have.
-            shape_noted[0] = None
-            hooks.set_token_shape(output_id, None)
-        nbytes = source.numel() * source.element_size()
-        buffer = pool.take(nbytes)
-        host = buffer[:nbytes].view(dst).view(source.shape)
-        host.copy_(source, non_blocking=source.is_cuda)
-        if source.is_cuda:
-            torch.cuda.current_stream(source.device).synchronize()  # the D2H copy is complete
-        descriptors = template.copy()
-        descriptors["output_id"] = output_id
-        descriptors["timestamp_ns"] = time.time_ns()
+                context.plans[plan_key] = cached
+        token_shape, offsets, lengths, covered, packed, in_source = cached
+        if not shape_noted or shape_noted[0] != token_shape:
+            _note_shape(token_shape)
+        payload, release, is_packed = to_host(
+            tensor,
+            pool,
+            owned=owned,
+            as_numpy=as_numpy,
+            offsets=offsets,
+            lengths=lengths,
+            covered=covered,
+        )
+        # Descriptors made here from the plan are right by construction: the
+        # batch is offered as it is, without the intake's check.
+        batch = RecordBatch(
+            stamped_copy(packed if is_packed else in_source, output_id, time.time_ns()),
+            payload,
+            BufferLease(release),
+            covered,
+        )
         try:
-            queued = runtime.offer_batch(
-                descriptors, buffer.numpy()[:nbytes], lambda: pool.give_back(buffer)
-            )
+            queued = runtime.offer_captured(batch)
         except BaseException:
-            pool.give_back(buffer)  # refused: the runtime never took it
+            if release is not None:
+                release()  # refused: the runtime never took it
             raise
         if not queued:
-            pool.give_back(buffer)
+            if release is not None:
+                release()
             runtime.count_dropped(name, MAX_BLOCK, len(context.keys))
             binding._warn_once(
                 MAX_BLOCK,
                 f"hook {name!r}: ingress stayed full longer than max_block; records shed "
                 "(counted as dropped, reason 'max_block')",
             )
+
+    def _templates(records: RecordPlan, context: CaptureContext) -> Planned:
+        """What a plan gives every call with the same shape and context."""
+        in_source = make_descriptors(
+            output_id,
+            records.lengths,
+            offsets=records.offsets,
+            layout_ids=layout_id,
+            keys=context.key_array,
+            steps=context.step,
+        )
+        packed = make_descriptors(
+            output_id,
+            records.lengths,
+            layout_ids=layout_id,
+            keys=context.key_array,
+            steps=context.step,
+        )
+        return (
+            records.token_shape,
+            records.offsets,
+            records.lengths,
+            records.covered,
+            packed,
+            in_source,
+        )
+
+    def _note_shape(token_shape: tuple[int, ...] | None) -> None:
+        if not shape_noted:
+            shape_noted.append(token_shape)
+            hooks.set_token_shape(output_id, token_shape)
+        elif shape_noted[0] is not None:
+            # Records of one hook share one token shape; when it varies, say
+            # none (flat shapes) rather than a shape older records don't have.
+            shape_noted[0] = None
+            hooks.set_token_shape(output_id, None)
 
     def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         context = _CONTEXT.get()

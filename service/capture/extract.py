@@ -182,13 +182,19 @@ class RecordPlan:
     """Which bytes of ``source`` (copied whole, contiguous) each record holds.
 
     ``token_shape`` is the shape of one position's values (records hold
-    ``[tokens, *token_shape]``), or None when the output has no token axis.
+    ``[tokens, *token_shape]``), or None when the output has no token axis;
+    ``covered`` is the bytes the records cover together.
     """
 
     source: torch.Tensor
     offsets: npt.NDArray[np.int64]
     lengths: npt.NDArray[np.int64]
     token_shape: tuple[int, ...] | None
+    covered: int = attrs.field()
+
+    @covered.default
+    def _sum_lengths(self) -> int:
+        return int(self.lengths.sum())
 
 
 def plan(

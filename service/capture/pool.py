@@ -15,12 +15,18 @@ class HostBufferPool:
 
     ``take`` returns a free buffer of at least ``nbytes`` (allocating one when
     none is free); ``give_back`` makes it reusable.  Thread-safe.
+
+    Capture hooks copy device (CUDA) outputs into a pool's buffers.  CPU
+    outputs get fresh arrays from the allocator instead (faster inside a
+    forward pass: its memory is still in cache), unless ``cpu_outputs`` is
+    set: then they are copied into this pool's buffers too.
     """
 
-    def __init__(self, *, pin: bool | None = None) -> None:
+    def __init__(self, *, pin: bool | None = None, cpu_outputs: bool = False) -> None:
         import torch
 
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.cpu_outputs = cpu_outputs
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._lock = threading.Lock()
         self.allocated = 0

@@ -327,6 +327,22 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             return True
         return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
 
+    def offer_captured(self, batch: RecordBatch) -> bool:
+        """``offer_batch`` for a batch a capture hook built itself.
+
+        Its descriptors come from the hook's record plan (bound output_id,
+        the layout's id, ranges inside the copied buffer), right by
+        construction, so it is queued without the intake's check: that pass
+        would run on the model's thread, and nothing checks it later (the
+        routing sink takes the runtime's batches as checked).  The capture
+        tests run the intake's check over every kind of batch a hook builds.
+        Same ``max_block`` bound and result as :meth:`offer_batch`.
+        """
+        if self.max_block is None:
+            self._ingress.put_batch(batch, defer_wake=True)
+            return True
+        return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
+
     def count_dropped(self, hook: str, reason: str, records: int) -> None:
         """Count ``records`` of ``hook`` a producer dropped before submitting (``reason``)."""
         self._ingress.count_dropped(hook, reason, records)

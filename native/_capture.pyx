@@ -1,0 +1,92 @@
+# cython: language_level=3
+"""The tail of a capture hook in two native calls: its payload and its descriptors.
+
+A capture hook plans once per output shape and capture context which bytes
+of the output each record holds; every call then needs those bytes packed
+into a fresh buffer (:func:`gather_ranges`) and a fresh descriptor array with
+its own output_id and capture time (:func:`stamped_copy`).  Each is one call
+here instead of several Python operations on the model's thread.
+"""
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint32_t
+from libc.string cimport memcpy
+
+include "_descriptor.pxi"
+
+cnp.import_array()
+
+from taproute.native.descriptor import DESCRIPTOR_DTYPE
+
+cdef object _DTYPE = DESCRIPTOR_DTYPE
+cdef object _UINT8 = np.dtype(np.uint8)
+cdef object _empty = np.empty
+
+
+def stamped_copy(cnp.ndarray template, uint32_t output_id, int64_t timestamp_ns):
+    """A new, read-only copy of ``template`` with every record's ``output_id``
+    and ``timestamp_ns`` set.
+
+    ``template`` must be a 1-D, C-contiguous array of ``DESCRIPTOR_DTYPE``
+    (ValueError otherwise); the other fields are copied as they are.
+    """
+    if (
+        cnp.PyArray_NDIM(template) != 1
+        or not cnp.PyArray_IS_C_CONTIGUOUS(template)
+        or (<object> cnp.PyArray_DESCR(template) is not _DTYPE and template.dtype != _DTYPE)
+    ):
+        raise ValueError(
+            "stamped_copy needs a 1-D C-contiguous array of DESCRIPTOR_DTYPE, got "
+            f"{template.dtype} with shape {(<object> template).shape}"
+        )
+    cdef Py_ssize_t i, n = cnp.PyArray_DIM(template, 0)
+    # A byte copy: numpy's own copy of a structured dtype goes field by field.
+    cdef cnp.ndarray out = _empty(n, _DTYPE)
+    cdef Descriptor* d = <Descriptor*> cnp.PyArray_DATA(out)
+    memcpy(d, cnp.PyArray_DATA(template), n * sizeof(Descriptor))
+    for i in range(n):
+        d[i].output_id = output_id
+        d[i].timestamp_ns = timestamp_ns
+    cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
+    return out
+
+
+def gather_ranges(
+    const unsigned char[::1] source,
+    const int64_t[::1] offsets,
+    const int64_t[::1] lengths,
+    int64_t total,
+):
+    """``source[offsets[i] : offsets[i] + lengths[i]]`` for every ``i``, back to
+    back in a new read-only ``uint8`` array of ``total`` bytes.
+
+    Every range must lie inside ``source`` and the lengths must add up to
+    ``total`` (ValueError otherwise, before anything is copied).  The copy
+    keeps the GIL: it is short, and releasing it inside a forward pass would
+    let another thread take it from the model.
+    """
+    cdef Py_ssize_t i, n = offsets.shape[0]
+    cdef Py_ssize_t size = source.shape[0]
+    cdef int64_t sum = 0, off, length
+    if lengths.shape[0] != n:
+        raise ValueError(f"{n} offsets but {lengths.shape[0]} lengths")
+    for i in range(n):
+        off = offsets[i]
+        length = lengths[i]
+        if off < 0 or length < 0 or off > size or length > size - off:
+            raise ValueError(
+                f"range {i} [{off}, {off} + {length}) is outside the {size}-byte source"
+            )
+        sum += length
+    if sum != total:
+        raise ValueError(f"the ranges cover {sum} bytes, not {total}")
+    cdef cnp.ndarray out = _empty(total, _UINT8)
+    cdef unsigned char* dst = <unsigned char*> cnp.PyArray_DATA(out)
+    cdef int64_t at = 0
+    for i in range(n):
+        if lengths[i]:
+            memcpy(dst + at, &source[offsets[i]], lengths[i])
+        at += lengths[i]
+    cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
+    return out

@@ -1,0 +1,185 @@
+"""From a captured output to host bytes: the packed CPU copy, the pooled path
+device outputs take (run here on CPU with ``cpu_outputs=True``), and the
+native calls under them.
+
+Hooks offer their batches without the intake's check (``offer_captured``):
+every batch they build must pass that check anyway, whatever the output's
+shape, padding, dtype or path, and hold exactly the real positions' values.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from taproute.native import make_descriptors
+from taproute.native._capture import gather_ranges, stamped_copy
+from taproute.routing import Layout, RecordSchema
+from taproute.routing.validation import check_batch
+from taproute.service import CaptureSink, create_record_runtime
+from taproute.service.capture import HostBufferPool, bind_module, capture_context
+
+F32 = Layout("f32", [("values", "Array(Float32)")])
+BF16 = Layout("bf16", [("values", "Array(BFloat16)")])
+SCHEMA = RecordSchema([F32, BF16])
+
+
+class Emit(nn.Module):
+    """Returns the tensor it is given (the capture sees exactly that output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _mask(rows: int, positions: int, kind: str) -> torch.Tensor:
+    mask = torch.ones(rows, positions, dtype=torch.long)
+    if kind == "right":
+        mask[::2, positions // 2 :] = 0
+    elif kind == "left":
+        mask[1::2, : positions // 3] = 0
+    elif kind == "holes":
+        mask[:, 1::3] = 0
+    return mask
+
+
+def _expected(x: torch.Tensor, mask: torch.Tensor | None, token_axis: bool) -> list[np.ndarray]:
+    """Each row's real positions, taken independently of taproute."""
+    rows = []
+    for i in range(x.shape[0]):
+        row = x[i]
+        if token_axis and mask is not None:
+            row = row[mask[i].bool()]
+        rows.append(row.contiguous())
+    return rows
+
+
+def _capture(x, *, mask=None, layout="f32", pool=None):
+    sink = CaptureSink()
+    module = Emit()
+    with create_record_runtime(record_sink=sink, schema=SCHEMA) as runtime:
+        bind_module(
+            runtime,
+            module,
+            "emit",
+            layout=layout,
+            pool=pool,
+            on_error="raise",
+        )
+        with torch.inference_mode(), capture_context(list(range(x.shape[0])), attention_mask=mask):
+            module(x)
+            module(x)  # the second call takes the cached plan
+        runtime.flush()
+        bound = len(runtime.hooks)
+    return sink, bound
+
+
+CASES = [
+    ("3d, every position", (4, 6, 5), None, "f32"),
+    ("3d, right padding", (4, 6, 5), "right", "f32"),
+    ("3d, left padding", (4, 6, 5), "left", "f32"),
+    ("3d, holes (gathered)", (4, 6, 5), "holes", "f32"),
+    ("4d, right padding", (4, 6, 2, 3), "right", "f32"),
+    ("2d rows", (4, 7), None, "f32"),
+    ("bf16, left padding", (4, 6, 5), "left", "bf16"),
+]
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled"])
+@pytest.mark.parametrize(
+    ("shape", "mask_kind", "layout"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_every_captured_batch_passes_the_intake_check_and_holds_the_real_positions(
+    shape, mask_kind, layout, pooled
+):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if layout == "bf16" else torch.float32
+    x = torch.randn(*shape).to(dtype)
+    mask = None if mask_kind is None else _mask(shape[0], shape[1], mask_kind)
+    pool = HostBufferPool(pin=False, cpu_outputs=True) if pooled else None
+    sink, bound = _capture(x, mask=mask, layout=layout, pool=pool)
+    expected = _expected(x, mask, token_axis=x.dim() >= 3)
+    numpy_dtype = ml_dtypes.bfloat16 if layout == "bf16" else np.float32
+    assert len(sink.record_batches) == 2
+    for batch in sink.record_batches:
+        covered = check_batch(
+            batch.descriptors,
+            len(batch.payload),
+            bound_ids=bound,
+            schema=SCHEMA,
+            hook_name=lambda _: "emit",
+        )
+        assert covered == batch.nbytes == sum(e.numel() * e.element_size() for e in expected)
+        if not pooled:  # the CPU path copies the real positions only, back to back
+            assert len(batch.payload) == covered
+            assert (
+                batch.descriptors["offset"].tolist()
+                == np.concatenate([[0], np.cumsum(batch.descriptors["length"])[:-1]]).tolist()
+            )
+        assert not batch.payload.flags.writeable and not batch.descriptors.flags.writeable
+        for row, want in enumerate(expected):
+            got = batch.payload_of(row).view(numpy_dtype)
+            want_np = (
+                want.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                if layout == "bf16"
+                else want.numpy()
+            )
+            assert got.tobytes() == want_np.reshape(-1).tobytes()
+    if pooled:
+        assert pool.outstanding == 2  # the capture sink still holds both buffers
+        sink.clear()
+        assert pool.outstanding == 0
+
+
+def test_a_non_contiguous_output_is_captured_in_c_order():
+    torch.manual_seed(0)
+    base = torch.randn(6, 4, 5)
+    x = base.transpose(0, 1)  # (4, 6, 5), not contiguous
+    assert not x.is_contiguous()
+    mask = _mask(4, 6, "left")
+    sink, _ = _capture(x, mask=mask)
+    for batch in sink.record_batches:
+        for row, want in enumerate(_expected(x, mask, token_axis=True)):
+            assert batch.payload_of(row).tobytes() == want.numpy().tobytes()
+
+
+def test_a_cast_output_covering_every_byte_is_taken_without_a_second_copy():
+    x = torch.randn(3, 4, 5, dtype=torch.bfloat16)
+    sink, _ = _capture(x)  # bf16 -> Float32: exact, made by the capture itself
+    for batch in sink.record_batches:
+        assert len(batch.payload) == x.numel() * 4
+        np.testing.assert_array_equal(batch.payload.view(np.float32), x.float().numpy().reshape(-1))
+
+
+# -- the native calls -----------------------------------------------------------
+
+
+def test_gather_ranges_packs_the_ranges_and_refuses_what_does_not_fit():
+    source = np.arange(100, dtype=np.uint8)
+    out = gather_ranges(source, np.array([10, 50, 0]), np.array([3, 2, 0]), 5)
+    assert out.tolist() == [10, 11, 12, 50, 51] and not out.flags.writeable
+    with pytest.raises(ValueError, match=r"range 0 \[99, 99 \+ 2\) is outside the 100-byte"):
+        gather_ranges(source, np.array([99]), np.array([2]), 2)
+    with pytest.raises(ValueError, match="outside"):
+        gather_ranges(source, np.array([-1]), np.array([2]), 2)
+    with pytest.raises(ValueError, match="the ranges cover 2 bytes, not 3"):
+        gather_ranges(source, np.array([0]), np.array([2]), 3)
+    with pytest.raises(ValueError, match="2 offsets but 1 lengths"):
+        gather_ranges(source, np.array([0, 1]), np.array([2]), 2)
+
+
+def test_stamped_copy_sets_output_id_and_time_and_keeps_the_rest():
+    template = make_descriptors(3, [4, 8, 12], keys=[7, 8, 9], steps=2, layout_ids=1)
+    out = stamped_copy(template, 42, 123456789)
+    assert out.tolist() != template.tolist()
+    assert (out["output_id"] == 42).all() and (out["timestamp_ns"] == 123456789).all()
+    for field in ("layout_id", "key", "step", "seq", "offset", "length"):
+        assert out[field].tolist() == template[field].tolist()
+    assert (template["output_id"] == 3).all()  # the template is untouched
+    assert not out.flags.writeable
+    with pytest.raises(ValueError, match="needs a 1-D C-contiguous array of DESCRIPTOR_DTYPE"):
+        stamped_copy(np.zeros(3), 1, 2)
+    with pytest.raises(ValueError, match="needs a 1-D C-contiguous"):
+        stamped_copy(template[::2], 1, 2)
