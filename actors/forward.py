@@ -7,7 +7,9 @@ from taproute.routing.batch import RecordBatch
 
 
 class ForwardRoute(RouteActor):
-    """Hands batches to the destination as they are: no copy, no actor hop of its own.
+    """Hands batches to the destination as they are: no copy, no actor hop of its own
+    (a route that narrows Float32 records to BFloat16 hands on a narrowed copy
+    of those, see :mod:`taproute.routing.narrowing`).
 
     A record counts as processed (and emitted) once the destination's sink
     took it; one the sink refused is failed instead, never both, so
@@ -17,9 +19,11 @@ class ForwardRoute(RouteActor):
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         # A destination actor never waits on a route, so waiting here cannot
         # close a cycle: ``wait`` only matters for routes with mailboxes.
-        await self.destination.deliver(self.name, batch)
-        if self.chain is not None:
-            self.counters.derived += await self.chain.records(batch)
+        narrowing = self.planned.narrowing
+        for part in [batch] if narrowing is None else narrowing.apply(batch):
+            await self.destination.deliver(self.name, part)
+            if self.chain is not None:
+                self.counters.derived += await self.chain.records(part)
 
     def taken(self, records: int) -> None:
         """The destination's sink took ``records`` of this route's records."""

@@ -24,6 +24,7 @@ from taproute.routing.errors import (
     raise_collected,
 )
 from taproute.routing.layout import Layout
+from taproute.routing.narrowing import Narrowing
 from taproute.routing.processors import REGISTRY, ProcessorKind, ProcessorRegistry, ProcessorSpec
 from taproute.routing.routes import DERIVED_PREFIX, Route, RouteMode, RoutingConfig
 from taproute.routing.schema import RecordSchema
@@ -43,6 +44,8 @@ class PlannedRoute:
     pattern: re.Pattern[str] = attrs.field(repr=False)
     #: Names of the routes whose output this route takes (chains).
     derived_from: frozenset[str] = frozenset()
+    #: A forward route's narrowing (None: its records go on as they are).
+    narrowing: Narrowing | None = None
 
     @property
     def name(self) -> str:
@@ -194,7 +197,8 @@ def _plan_route(
     # No hook output (the route only takes other routes' output): match no hook.
     pattern = re.compile("|".join(f"(?:{translate(o)})" for o in hooks) or "(?!)")
     if route.mode is RouteMode.FORWARD:
-        return PlannedRoute(index, route, None, None, None, pattern)
+        narrowing = Narrowing.build(route.narrow, schema, where=where) if route.narrow else None
+        return PlannedRoute(index, route, None, None, None, pattern, narrowing=narrowing)
     assert route.processor is not None  # Route checks this
     try:
         spec = registry.get(route.processor)

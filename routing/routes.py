@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import numpy as np
@@ -37,6 +38,19 @@ Predicate = Callable[[npt.NDArray[np.void]], "npt.ArrayLike | tuple[npt.ArrayLik
 
 def _to_outputs(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _to_narrow(value: Mapping[str, str]) -> Mapping[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"narrow must map source layouts to their BFloat16 twins, got {type(value).__name__}"
+        )
+    for source, target in value.items():
+        if not isinstance(source, str) or not isinstance(target, str) or not source or not target:
+            raise ConfigError(
+                f"narrow maps layout names to layout names, got {source!r}: {target!r}"
+            )
+    return types.MappingProxyType(dict(value))
 
 
 def _route(route: Route) -> str:
@@ -99,8 +113,20 @@ class Route:
     then: tuple[str, ...] = attrs.field(
         default=(), converter=_to_outputs, validator=_then, kw_only=True
     )
+    #: Forward routes: Float32 layouts whose records the destination gets
+    #: rounded to BFloat16, as ``{source layout: its BFloat16 twin}``
+    #: (see :mod:`taproute.routing.narrowing`).
+    narrow: Mapping[str, str] = attrs.field(
+        factory=dict, converter=_to_narrow, hash=False, kw_only=True
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.narrow and self.mode is not RouteMode.FORWARD:
+            raise ConfigError(
+                f"route {self.name!r}: narrow applies to the raw records a forward route "
+                f"hands on, not to a {self.mode.value} route (its processor's output layout "
+                "decides its types)"
+            )
         if self.mode is RouteMode.FORWARD and self.processor is not None:
             raise ConfigError(
                 f"route {self.name!r}: a forward route takes no processor "
