@@ -63,6 +63,7 @@ from taproute.routing.producer import Producer
 from taproute.routing.refusals import Decline, RefusalLog
 from taproute.routing.root_ledger import RootLedger
 from taproute.routing.routes import RoutingConfig
+from taproute.routing.samples import SampleTraces, trace_samples
 from taproute.routing.schema import RecordSchema
 
 if TYPE_CHECKING:
@@ -498,6 +499,42 @@ class RoutingSink(Producer[RouterSnapshot]):
         if not any(v.verdict == "match" for v in result.verdicts):
             result.recent_unmatched.extend(self.refusals.recent(hook))
         return result
+
+    def trace_candidate(
+        self,
+        config: RoutingConfig,
+        hook: str,
+        *,
+        default_destination: str | None = None,
+        unmatched: Unmatched | None = None,
+        registry: ProcessorRegistry | None = None,
+        **fields: Any,
+    ) -> TraceResult:
+        """:meth:`trace` against ``config``, a candidate not applied: checked as a
+        reload would check it (every problem raised), routed with this sink's
+        hooks and destinations; the result's ``generation`` reads ``"candidate"``."""
+        from taproute.routing.trace import trace_descriptor, traced_descriptor
+
+        current = self._gen.plan
+        plan = RoutePlan(
+            config,
+            self.schema,
+            destinations=self._available,
+            default_destination=(
+                current.default_destination if default_destination is None else default_destination
+            ),
+            unmatched=current.unmatched if unmatched is None else unmatched,
+            registry=self._registry if registry is None else registry,
+            bound_names=self.hooks.names(),
+        )
+        descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
+        return trace_descriptor(plan, hook, descriptors, generation="candidate")
+
+    def trace_samples(self, *, now_ns: int | None = None, bind: bool = False) -> SampleTraces:
+        """Trace every sample the running generation's processors and predicates
+        offer (see :mod:`taproute.routing.samples`), in route order; ``now_ns``:
+        the clock the samplers get (default: now)."""
+        return trace_samples(self._gen.plan, self.trace, self.hooks, now_ns=now_ns, bind=bind)
 
     @property
     def causal_ledger(self) -> RootLedger:

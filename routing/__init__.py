@@ -56,7 +56,14 @@ from taproute.routing.processors import (
 )
 from taproute.routing.records import Records
 from taproute.routing.routes import Route, RouteMode, RoutingConfig
-from taproute.routing.samples import OffersSamples, Sample, SampleContext, route_samples
+from taproute.routing.samples import (
+    OffersSamples,
+    Sample,
+    SampleContext,
+    SampleTrace,
+    SampleTraces,
+    route_samples,
+)
 from taproute.routing.schema import RecordSchema, SizeRule
 from taproute.routing.sink import RecordSink
 from taproute.routing.validation import check_batch, check_rows
@@ -67,6 +74,8 @@ __all__ = [
     "Sample",
     "SampleContext",
     "route_samples",
+    "SampleTrace",
+    "SampleTraces",
     "Batch",
     "Column",
     "ConfigError",

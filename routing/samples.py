@@ -21,8 +21,11 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from taproute.routing.errors import TaprouteError
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.plan import RoutePlan
-from taproute.routing.routes import Route
+from taproute.routing.routes import DERIVED_PREFIX, Route
+from taproute.routing.trace import TraceResult
 
 #: Characters that make a route output a glob pattern rather than a hook name.
 _GLOB = re.compile(r"[*?\[]")
@@ -115,6 +118,54 @@ def route_samples(
                 continue
             samples.extend(RouteSample(route.name, source, s) for s in offered)
     return samples, failed
+
+
+@attrs.frozen
+class SampleTrace:
+    """One offered sample and its trace (``refused``: why it could not be
+    traced, as submission would refuse it: an unbound hook, a bad layout)."""
+
+    route: str
+    source: str
+    sample: Sample
+    result: TraceResult | None
+    refused: str | None = None
+
+
+@attrs.frozen
+class SampleTraces:
+    """Every sample a configuration's routes offer, traced, and the samplers that failed."""
+
+    samples: list[SampleTrace]
+    failed: list[SamplerFailed]
+
+
+def trace_samples(
+    plan: RoutePlan,
+    trace: Callable[..., TraceResult],
+    hooks: HookRegistry,
+    *,
+    now_ns: int | None = None,
+    bind: bool = False,
+) -> SampleTraces:
+    """Collect the plan's samples (:func:`route_samples`) and ``trace`` each one
+    (a sink's ``trace``).  ``bind``: bind a sample's hook first when it is not
+    bound (a candidate built from a file binds what its producer would); a
+    sample the trace refuses is kept with the reason."""
+    offered, failed = route_samples(plan, hooks.names(), now_ns=now_ns)
+    traced: list[SampleTrace] = []
+    for offer in offered:
+        sample = offer.sample
+        if bind and hooks.id_of(sample.hook) is None and not sample.hook.startswith(DERIVED_PREFIX):
+            hooks.bind(sample.hook)
+        try:
+            result = trace(sample.hook, **trace_fields(sample))
+        except (TaprouteError, LookupError, TypeError, ValueError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+            traced.append(SampleTrace(offer.route, offer.source, sample, None, refused))
+        else:
+            traced.append(SampleTrace(offer.route, offer.source, sample, result))
+    return SampleTraces(traced, failed)
 
 
 def trace_fields(sample: Sample) -> dict[str, int]:

@@ -226,7 +226,9 @@ def test_cli_trace_prints_verdicts(tmp_path, chdb_transport, capsys):
     assert out[2].split() == ["raw", "not_reached", "->", "ch"]
     assert out[3].strip() == "=> ch"
     assert main(["trace", "--config", str(path), "--hook", "mlp.0"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].strip() == "=> dropped"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].strip() == "=> dropped"
+    assert lines[-1] == f"  traced: candidate configuration {path} (not applied)"
 
 
 def test_reroute_goes_only_to_the_failed_route_once_and_refuses_what_it_cannot_do(tmp_path):

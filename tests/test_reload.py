@@ -386,3 +386,56 @@ async def test_reloads_under_load_lose_and_duplicate_nothing(autojump_clock, see
     for key, seq in SCRIPT.log:
         per_key.setdefault(key, []).append(seq)
     assert all(seqs == sorted(seqs) for seqs in per_key.values())
+
+
+# -- chains across a reload --------------------------------------------------------
+
+
+async def test_a_reload_keeps_the_limits_of_roots_in_flight_pinned(mock_clock):
+    """One sink, two generations: a root whose first derived record was accepted
+    under generation 1's limits keeps them; a new root gets generation 2's."""
+    import tests.chain_processors  # noqa: F401 - registers chain.spray
+    from taproute.routing import RecordBatch
+    from taproute.routing.causal import CausalLimits
+
+    hooks, q = hooks_with_q()
+    fanout = CaptureSink()
+
+    def config(per_minute: int) -> RoutingConfig:
+        spray = Route(
+            "spray", Q, "rows", mode="stateless", processor="chain.spray", failure_policy=SLOW_RETRY
+        )
+        return RoutingConfig(
+            [spray, Route("fanout", "route:spray", "fanout")],
+            causal_limits=CausalLimits(per_root_per_minute=per_minute),
+        )
+
+    pinned = vec_batch(q, 1, keys=[1])
+    fresh = vec_batch(q, 1, keys=[2])
+
+    def copy(batch: RecordBatch) -> RecordBatch:
+        return RecordBatch.from_buffer(batch.descriptors, batch.payload)
+
+    async with open_routing_sink(
+        config(10),
+        SCHEMA,
+        {"rows": CaptureSink(), "fanout": fanout},
+        unmatched="drop",
+        hooks=hooks,
+        causal_clock=trio.current_time,
+    ) as sink:
+        await sink.submit(copy(pinned))
+        await sink.flush()
+        assert fanout.records == 10
+        mock_clock.jump(60)  # the next UTC minute: rate capacity is back
+        assert await sink.reload(config(50)) == 2
+        await sink.submit(copy(pinned))
+        await sink.flush()
+        assert fanout.records == 10 + 10  # the root in flight keeps its 10 per minute
+        await sink.submit(copy(fresh))
+        await sink.flush()
+        assert fanout.records == 10 + 10 + 50  # a new root gets the new generation's
+        snap = sink.snapshot()
+    assert snap.causal.pinned_roots == 2 and snap.generation == 2
+    assert snap.causal.limits == CausalLimits(per_root_per_minute=50)
+    fanout.clear()

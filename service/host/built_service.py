@@ -32,9 +32,12 @@ class BuiltService:
     dead_letters: DeadLetterStore | None
 
     def start(self) -> RecordService:
-        """Start the service: ingress as configured, HTTP if configured."""
+        """Start the service: ingress as configured, HTTP if configured; it
+        reloads from the config file on ``POST /reload`` (``service.reloader``)."""
+        from taproute.service.host.reload import ConfigReloader  # it imports the config
+
         ingress = self.config.ingress
-        return create_record_runtime(
+        service = create_record_runtime(
             record_sink=self.sink,
             capacity_records=ingress.capacity_records,
             capacity_bytes=ingress.capacity_bytes,
@@ -42,6 +45,8 @@ class BuiltService:
             http=self.http,
             dead_letters=self.dead_letters,
         )
+        service.reloader = ConfigReloader(service, self.config)
+        return service
 
     def close(self) -> None:
         """Close the dead-letter store."""

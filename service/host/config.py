@@ -222,9 +222,27 @@ class ServiceConfig:
                 store.close()
             if isinstance(exc, ConfigFileError):
                 raise
-            problems = [f"{_key(where)}: {message}" for message, where in exc.located()]
-            raise ConfigFileError(self.source, problems) from None
+            raise ConfigFileError(self.source, plan_problems(exc)) from None
         return BuiltService(config=self, sink=sink, http=self.http, dead_letters=store)
+
+    def candidate_sink(self) -> RoutingSink:
+        """The routing sink this file describes, to trace as a candidate: built and
+        checked (processors imported), never run; no directory, store or
+        destination is opened or created.  Problems raise :class:`ConfigFileError`."""
+        self.import_processors()
+        schema = self.schema()
+        try:
+            return RoutingSink(
+                self.routing_config(),
+                schema,
+                self.destination_factories(schema, None),
+                self.routing.default_destination,
+                unmatched=self.routing.unmatched,
+            )
+        except ConfigFileError:
+            raise
+        except ConfigError as exc:
+            raise ConfigFileError(self.source, plan_problems(exc)) from None
 
     def check_destinations(self) -> list[str]:
         """Build every destination once (checking its tables) and close it again.
@@ -244,6 +262,11 @@ class ServiceConfig:
             )
             sink.transport.close()
         return lines
+
+
+def plan_problems(error: ConfigError) -> list[str]:
+    """A routing sink's build problems as a config file's lines (key path: message)."""
+    return [f"{_key(where)}: {message}" for message, where in error.located()]
 
 
 def _key(where: str | None) -> str:

@@ -30,6 +30,7 @@ from taproute.service.ops.endpoints import (
     DEFAULT_MAX_BODY_BYTES,
     dead_letter_routes,
     json_error,
+    reload_route,
     trace_route,
 )
 
@@ -69,11 +70,14 @@ def build_app(
     controls: DeadLetterControls | None = None,
     trace: Callable[..., Any] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    reload: Callable[[], int] | None = None,
+    token: str | None = None,
 ) -> Starlette:
     """The ASGI app over a snapshot function (and the operator controls, if given).
 
     Every refusal, Starlette's own 404 and 405 included, is a 4xx with the
-    JSON body ``{"error": "..."}``; a bug answers a JSON 500.
+    JSON body ``{"error": "..."}``; a bug answers a JSON 500.  With ``reload``,
+    ``POST /reload`` calls it (``token``: the bearer token it requires).
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
@@ -113,6 +117,8 @@ def build_app(
         routes += dead_letter_routes(controls)
     if trace is not None:
         routes.append(trace_route(trace, max_body_bytes))
+    if reload is not None:
+        routes.append(reload_route(reload, token))
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},

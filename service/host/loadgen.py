@@ -3,8 +3,11 @@ given rate for a given time, serving HTTP, with a progress line."""
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 import attrs
@@ -21,6 +24,8 @@ from taproute.service.host.config import (
 )
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.http import HttpConfig
+from taproute.service.host.reload import ConfigReloader
+from taproute.service.host.service import RecordService
 
 
 def synthetic_payload(
@@ -51,8 +56,12 @@ def run_load(
     duration: float,
     seed: int = 0,
     out: TextIO = sys.stdout,
+    call_timeout: float | None = None,
 ) -> ServiceSnapshot:
-    """Submit ``rate`` records/s for ``duration`` seconds; return the final counters."""
+    """Submit ``rate`` records/s for ``duration`` seconds; return the final counters.
+
+    SIGHUP reloads the config file (``call_timeout``: the ``--call-timeout``
+    to apply to it again); the outcome is printed on its own line."""
     if not config.producer.hooks:
         raise ConfigFileError(
             config.source, ["producer.hooks: [[producer.hooks]] names no hook to generate for"]
@@ -66,11 +75,18 @@ def run_load(
             payload, record = synthetic_payload(schema.layout(hook.layout), hook, rng)
             feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
         print(f"serving {', '.join(f'{u}/metrics' for u in runtime.http_urls)}", file=out)
+        reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
+        runtime.reloader = reloader
+        hangup = threading.Event()
+        restore = _on_hangup(hangup)
         started = time.monotonic()
         submitted = 0
         seq = 0
         next_report = started + 0.5
         while (now := time.monotonic()) - started < duration:
+            if hangup.is_set():
+                hangup.clear()
+                _reload(reloader, runtime, out)
             due = rate * (now - started)
             if submitted >= due:
                 time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
@@ -90,11 +106,35 @@ def run_load(
             if now >= next_report:
                 _progress(out, now - started, duration, submitted, runtime.counters())
                 next_report = now + 0.5
+        restore()
         runtime.flush()
         counters = runtime.counters()
         _progress(out, duration, duration, submitted, counters)
         print(file=out)
     return counters
+
+
+def _on_hangup(flag: threading.Event) -> Callable[[], None]:
+    """Set ``flag`` on SIGHUP (main thread only); returns what puts the old handler back."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: flag.set())
+
+    def restore() -> None:
+        signal.signal(signal.SIGHUP, previous)
+
+    return restore
+
+
+def _reload(reloader: ConfigReloader, service: RecordService, out: TextIO) -> None:
+    """Reload from the file; say what happened on a line of its own."""
+    try:
+        number = reloader()
+    except ConfigFileError as exc:
+        print(f"\nreload refused (generation {service.generation} goes on):\n{exc}", file=out)
+    else:
+        print(f"\nreloaded {reloader.config.source}: generation {number}", file=out)
+    out.flush()
 
 
 def _serving(built: BuiltService) -> BuiltService:

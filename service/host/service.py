@@ -19,6 +19,7 @@ inherited, never restated) with two independent pieces composed around it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -33,6 +34,7 @@ from taproute.service.host.ingress import WhenFull
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
+from taproute.service.ops.endpoints import NoReloader
 
 
 class RecordService(RecordRuntime):
@@ -69,6 +71,10 @@ class RecordService(RecordRuntime):
             if dead_letters is None
             else DeadLetterControls(dead_letters, self, None if http is None else http.token)
         )
+        #: What ``POST /reload`` runs: re-reads the service's config file and
+        #: reloads from it, returning the new generation (a service built from
+        #: a config file has one; see ``taproute.service.host.reload``).
+        self.reloader: Callable[[], int] | None = None
 
     async def _serve_http(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """A loop task: serve the endpoint until the runtime stops its loop."""
@@ -78,10 +84,21 @@ class RecordService(RecordRuntime):
             controls=self.controls,
             trace=self._trace,
             max_body_bytes=self.http.max_body_bytes,
+            reload=self._reload_from_source,
+            token=self.http.token,
         )
         async with trio.open_nursery() as nursery:
             self.http_urls = await nursery.start(serve_http, app, self.http)
             task_status.started()
+
+    def _reload_from_source(self) -> int:
+        reloader = self.reloader
+        if reloader is None:
+            raise NoReloader(
+                "this service was not started from a config file: reload it from Python "
+                "with service.reload(config)"
+            )
+        return reloader()
 
     # -- operator controls ---------------------------------------------------
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from taproute.routing.errors import IngressFull, RerouteRefused, TaprouteError
+from taproute.routing.errors import ConfigError, IngressFull, RerouteRefused, TaprouteError
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
@@ -69,19 +69,62 @@ def _parse_json(body: bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+def bearer_refusal(token: str | None, request: Request) -> JSONResponse | None:
+    """Why a mutating request is refused (403: no token configured; 401: no or
+    a wrong ``Authorization: Bearer`` header), or None when it may go on."""
+    if token is None:
+        return json_error(403, "mutating endpoints are disabled: no token is configured")
+    # Compared as bytes: a header may carry any latin-1 byte, and
+    # compare_digest refuses non-ASCII str.
+    given = request.headers.get("authorization", "").encode("latin-1")
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        return json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
+    return None
+
+
+class NoReloader(TaprouteError, LookupError):
+    """The service has no configuration file to reload from."""
+
+
+def reload_route(reload: Callable[[], int], token: str | None) -> Route:
+    """``POST /reload`` (bearer token): reload the service from its config file.
+
+    200 ``{"generation": n}`` once the new generation routes; 422 with every
+    problem (``{"error": ..., "problems": [...]}``) when the file is refused,
+    the running generation going on; 404 when the service has no file.
+    """
+
+    async def endpoint(request: Request) -> JSONResponse:
+        refused = bearer_refusal(token, request)
+        if refused is not None:
+            return refused
+        try:
+            number = await trio.to_thread.run_sync(reload)
+        except NoReloader as exc:
+            return json_error(404, str(exc))
+        except ConfigError as exc:
+            problems = getattr(exc, "problems", None) or [
+                message if where is None else f"{where}: {message}"
+                for message, where in exc.located()
+            ]
+            return JSONResponse(
+                {
+                    "error": "reload refused; the running generation goes on",
+                    "problems": problems,
+                },
+                status_code=422,
+            )
+        return JSONResponse({"generation": number})
+
+    return Route("/reload", endpoint, methods=["POST"])
+
+
 def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
     """``/dead-letters`` (list, show) and its skip / reroute mutations (bearer token)."""
     store = controls.store
 
     def authorized(request: Request) -> JSONResponse | None:
-        if controls.token is None:
-            return json_error(403, "mutating endpoints are disabled: no token is configured")
-        # Compared as bytes: a header may carry any latin-1 byte, and
-        # compare_digest refuses non-ASCII str.
-        given = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(given, f"Bearer {controls.token}".encode()):
-            return json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
-        return None
+        return bearer_refusal(controls.token, request)
 
     def letter_id(request: Request) -> int | JSONResponse:
         raw = request.path_params["letter_id"]

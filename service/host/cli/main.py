@@ -57,7 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     trace_target = trace_parser.add_mutually_exclusive_group(required=True)
     trace_target.add_argument("--config", type=Path)
     trace_target.add_argument("--url", help="a running service: trace with its routes and hooks")
-    trace_parser.add_argument("--hook", required=True)
+    trace_parser.add_argument("--hook")
+    trace_parser.add_argument(
+        "--samples",
+        action="store_true",
+        help="trace each sample record the config's processors and predicates offer",
+    )
     for field in ("key", "step", "seq", "timestamp_ns", "length"):
         trace_parser.add_argument(f"--{field.replace('_', '-')}", dest=field, type=arguments.int64)
     trace_parser.add_argument("--layout", help="the record's layout (default: the hook's)")
@@ -100,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"dead-letters {args.action} takes no --route (list and reroute do)")
         if args.action == "reroute" and args.url is None and args.config is None:
             parser.error("dead-letters reroute needs --config (or --url)")
+    if args.command == "trace":
+        if args.samples and (args.url is not None or args.hook is not None):
+            parser.error("trace --samples takes --config only (the samples are its routes')")
+        if not args.samples and args.hook is None:
+            parser.error("trace needs --hook (or --samples with --config)")
     try:
         return _dispatch(args)
     except ExceptionGroup as group:  # raised from a task of the service's loop
@@ -125,6 +135,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             for name in ("key", "step", "seq", "timestamp_ns", "length")
             if getattr(args, name) is not None
         }
+        if args.samples:
+            return trace.trace_samples(args.config)
         if args.url is not None:
             return trace.trace_remote(args.url, args.hook, fields, layout=args.layout)
         return trace.trace(args.config, args.hook, fields, layout=args.layout)

@@ -27,7 +27,7 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
         config = config.with_call_timeout(call_timeout)
     http = config.http if config.http is not None else HttpConfig()
     _check_listen(config, http)
-    counters = run_load(config, rate=rate, duration=duration)
+    counters = run_load(config, rate=rate, duration=duration, call_timeout=call_timeout)
     for route in counters.routes.values():
         print(
             f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "

@@ -1,6 +1,11 @@
 """``taproute trace``: where a record of a hook would go, and why (a dry run),
 against a config file or a running service (``--url``: its ``POST /trace``,
-which also returns the service's recent unmatched records of the hook)."""
+which also returns the service's recent unmatched records of the hook).
+
+A config file is traced as a *candidate*: built and checked, never applied,
+nothing opened or created; ``--samples`` traces each sample record its
+routes' processors and predicates offer.  Every trace says which
+configuration it traced (a candidate, or the running generation's number)."""
 
 from __future__ import annotations
 
@@ -28,12 +33,39 @@ def trace(path: Path, hook: str, fields: dict[str, int], *, layout: str | None =
     config = load_config(path)
     if layout is None:
         layout = next((h.layout for h in config.producer.hooks if h.name == hook), None)
-    with config.build() as built:
-        if not hook.startswith(DERIVED_PREFIX):  # derived hooks are the router's own
-            built.sink.bind_hook(hook, layout=layout)
-        result = built.sink.trace(hook, layout=layout, **fields)
-    _print(hook, fields, attrs.asdict(result))
+    sink = config.candidate_sink()
+    if not hook.startswith(DERIVED_PREFIX):  # derived hooks are the router's own
+        sink.bind_hook(hook, layout=layout)
+    result = attrs.evolve(sink.trace(hook, layout=layout, **fields), generation="candidate")
+    _print(hook, fields, attrs.asdict(result), f"candidate configuration {path} (not applied)")
     return 0
+
+
+def trace_samples(path: Path) -> int:
+    """Trace every sample record the config's routes offer (their processors'
+    and predicates' samplers), as a candidate; 1 if a sampler failed."""
+    config = load_config(path)
+    sink = config.candidate_sink()
+    for hook in config.producer.hooks:
+        sink.bind_hook(hook.name, layout=hook.layout)
+    traced = sink.trace_samples(bind=True)
+    for item in traced.samples:
+        sample = item.sample
+        fields = {"key": sample.key, "step": sample.step, "seq": sample.seq}
+        print(
+            f"sample {sample.name} (route {item.route}, {item.source}): {sample.hook} "
+            + " ".join(
+                f"{k}={v}" for k, v in {**fields, "timestamp_ns": sample.timestamp_ns}.items()
+            )
+        )
+        if item.result is None:
+            print(f"  refused: {item.refused}")
+        else:
+            _verdicts(sample.hook, attrs.asdict(item.result))
+    for failed in traced.failed:
+        print(f"sampler of route {failed.route} ({failed.source}) failed: {failed.error}")
+    print(f"traced: candidate configuration {path} (not applied), {len(traced.samples)} sample(s)")
+    return 1 if traced.failed else 0
 
 
 def trace_remote(url: str, hook: str, fields: dict[str, int], *, layout: str | None = None) -> int:
@@ -61,12 +93,17 @@ def trace_remote(url: str, hook: str, fields: dict[str, int], *, layout: str | N
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         raise CommandError(f"cannot reach {url}: {reason}") from None
-    _print(hook, fields, result)
+    _print(hook, fields, result, f"generation {result.get('generation')} (running at {url})")
     return 0
 
 
-def _print(hook: str, fields: dict[str, int], result: dict[str, Any]) -> None:
+def _print(hook: str, fields: dict[str, int], result: dict[str, Any], traced: str) -> None:
     print(f"trace {hook} {' '.join(f'{k}={v}' for k, v in fields.items())}".rstrip())
+    _verdicts(hook, result)
+    print(f"  traced: {traced}")
+
+
+def _verdicts(hook: str, result: dict[str, Any]) -> None:
     for verdict in result["verdicts"]:
         reason = f"  ({verdict['reason']})" if verdict["reason"] else ""
         print(

@@ -1,0 +1,232 @@
+"""Reloading a service from its config file: SIGHUP on a real ``taproute run``
+process, the authenticated ``POST /reload``, and what a reload refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from taproute.routing import RoutingConfig
+from taproute.service import CaptureSink, HttpConfig, RoutingSink, create_record_runtime
+from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.host.reload import ConfigReloader
+from tests.processors import SCHEMA
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAYOUTS = """
+processors = ["tests.processors"]
+
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[layouts]]
+name = "norm"
+columns = [
+  { name = "key", type = "Int64" },
+  { name = "seq", type = "Int64" },
+  { name = "norm", type = "Float32" },
+]
+"""
+
+TAIL = """
+[destinations.ch]
+path = "@DATA@"
+raw = ["vec"]
+rows = ["norm"]
+
+[routing]
+unmatched = "drop"
+
+[http]
+port = @PORT@
+token = "s3cret"
+
+[[producer.hooks]]
+name = "layers.0.q"
+layout = "vec"
+batch = 8
+"""
+
+RAW = """
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+"""
+
+NORMS = """
+[[routes]]
+name = "norms"
+outputs = ["layers.*"]
+mode = "stateless"
+processor = "test.norms"
+destination = "ch"
+"""
+
+BROKEN = """
+[[routes]]
+name = "norms"
+outputs = ["layers.*"]
+mode = "stateless"
+processor = "no.such.processor"
+destination = "ch"
+
+[[routes]]
+name = "elsewhere"
+outputs = ["layers.*"]
+destination = "nowhere"
+"""
+
+
+def config_text(tmp_path: Path, routes: str, *, port: int = 0) -> str:
+    tail = TAIL.replace("@DATA@", str(tmp_path / "data")).replace("@PORT@", str(port))
+    return LAYOUTS + routes + tail
+
+
+class Output:
+    """A child's stdout, read as it comes; ``wait_for`` blocks until a pattern shows."""
+
+    def __init__(self, stream) -> None:
+        self.text = ""
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            with self._cond:
+                self.text += chunk.decode(errors="replace")
+                self._cond.notify_all()
+        with self._cond:
+            self.text += "\n<EOF>"
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, start: int = 0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        with self._cond:
+            found = self._cond.wait_for(
+                lambda: regex.search(self.text, start) or "<EOF>" in self.text, timeout=120
+            )
+            match = regex.search(self.text, start)
+        assert found and match, f"{pattern!r} never showed; output:\n{self.text}"
+        return match
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, token: str | None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, data=b"", method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_sighup_reloads_a_running_taproute_run(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "taproute.service.host.cli", "run", "--config", str(path),
+         "--rate", "400", "--duration", "600"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out = Output(child.stdout)
+        url = out.wait_for(r"serving (http://\S+)/metrics").group(1)
+        status = get_json(f"{url}/status")
+        assert status["generation"] == 1 and list(status["routes"]) == ["raw"]
+
+        path.write_text(config_text(tmp_path, RAW + NORMS))
+        child.send_signal(signal.SIGHUP)
+        done = out.wait_for(r"reloaded \S+: generation (\d+)")
+        assert done.group(1) == "2"
+        status = get_json(f"{url}/status")
+        assert status["generation"] == 2 and list(status["routes"]) == ["raw", "norms"]
+
+        # A file with problems: every one listed, the running generation goes on.
+        path.write_text(config_text(tmp_path, RAW + BROKEN, port=1))
+        child.send_signal(signal.SIGHUP)
+        refused = out.wait_for(r"reload refused[^\n]*\n((?:.*\n){3})", done.end())
+        lines = refused.group(1)
+        assert "http: differs from the running configuration" in lines
+        assert "routes[1]: route 'norms': unknown processor 'no.such.processor'" in lines
+        assert "routes[2]: route 'elsewhere': unknown destination 'nowhere'" in lines
+        assert get_json(f"{url}/status")["generation"] == 2
+
+        # The same over HTTP: refused without the token, then applied with it.
+        path.write_text(config_text(tmp_path, NORMS))
+        assert post(f"{url}/reload", None)[0] == 401
+        assert post(f"{url}/reload", "wrong")[0] == 401
+        assert get_json(f"{url}/status")["generation"] == 2
+        code, body = post(f"{url}/reload", "s3cret")
+        assert (code, body) == (200, {"generation": 3})
+        status = get_json(f"{url}/status")
+        assert status["generation"] == 3 and list(status["routes"]) == ["norms"]
+        path.write_text(config_text(tmp_path, BROKEN))
+        code, body = post(f"{url}/reload", "s3cret")
+        assert code == 422
+        assert any("unknown processor 'no.such.processor'" in p for p in body["problems"])
+        assert get_json(f"{url}/status")["generation"] == 3
+    finally:
+        child.send_signal(signal.SIGINT)
+        child.wait(timeout=120)
+
+
+def test_reload_endpoint_is_refused_without_a_configured_token(tmp_path):
+    sink = RoutingSink(
+        RoutingConfig([]),
+        SCHEMA,
+        {"out": CaptureSink()},
+        "out",
+    )
+    with create_record_runtime(record_sink=sink, http=HttpConfig(port=0)) as service:
+        service.reloader = lambda: 99  # would answer, were the call allowed
+        code, body = post(f"{service.http_urls[0]}/reload", "anything")
+        assert code == 403 and "no token is configured" in body["error"]
+        assert service.counters().generation == 1
+
+
+def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW))
+    config = load_config(path)
+    with config.build() as built, built.start() as service:
+        reloader = ConfigReloader(service, config)
+        text = config_text(tmp_path, BROKEN, port=9999).replace("batch = 8", "batch = 4")
+        path.write_text(text)
+        with pytest.raises(ConfigFileError) as caught:
+            reloader()
+        assert caught.value.problems == [
+            "http: differs from the running configuration; a reload applies routes, "
+            "[routing] and processors only (restart to apply http)",
+            "producer: differs from the running configuration; a reload applies routes, "
+            "[routing] and processors only (restart to apply producer)",
+            "routes[0]: route 'norms': unknown processor 'no.such.processor'; registered: "
+            + caught.value.problems[2].split("registered: ", 1)[1],
+            "routes[1]: route 'elsewhere': unknown destination 'nowhere'; given ['ch']",
+        ]
+        assert service.counters().generation == 1
+        path.write_text(config_text(tmp_path, RAW + NORMS))
+        assert reloader() == 2
+        assert list(service.counters().routes) == ["raw", "norms"]
