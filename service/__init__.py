@@ -31,6 +31,9 @@ from taproute.routing import (
     RouteMode,
     RoutingConfig,
     RowBatch,
+    Sample,
+    SampleContext,
+    SampleTraces,
     SlotSpec,
     stateful_processor,
     stateless_processor,
@@ -46,6 +49,7 @@ from taproute.routing.root_ledger import RootLedger
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.metrics import SnapshotCollector
+from taproute.service.host.reload import ConfigReloader
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterStore
@@ -140,6 +144,10 @@ __all__ = [
     "SchemaMismatch",
     "ServiceSnapshot",
     "SnapshotCollector",
+    "Sample",
+    "SampleContext",
+    "SampleTraces",
+    "ConfigReloader",
     "SlotSpec",
     "create_record_runtime",
     "make_descriptors",

@@ -45,6 +45,8 @@ TAIL = """
 path = "@DATA@"
 raw = ["vec"]
 rows = ["norm"]
+raw_table = "@PREFIX@_raw_{layout}"
+rows_table = "@PREFIX@_{layout}"
 
 [routing]
 unmatched = "drop"
@@ -90,8 +92,14 @@ destination = "nowhere"
 """
 
 
-def config_text(tmp_path: Path, routes: str, *, port: int = 0) -> str:
-    tail = TAIL.replace("@DATA@", str(tmp_path / "data")).replace("@PORT@", str(port))
+def config_text(tmp_path: Path, routes: str, *, port: int = 0, data: Path | None = None) -> str:
+    """The file; ``data``: the chDB directory (in this process: the session's one,
+    chDB holds one per process; tables are prefixed by the test's directory name)."""
+    tail = (
+        TAIL.replace("@DATA@", str(data or tmp_path / "data"))
+        .replace("@PORT@", str(port))
+        .replace("@PREFIX@", re.sub(r"\W", "_", tmp_path.name))
+    )
     return LAYOUTS + routes + tail
 
 
@@ -207,13 +215,15 @@ def test_reload_endpoint_is_refused_without_a_configured_token(tmp_path):
         assert service.counters().generation == 1
 
 
-def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_path):
+def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_path, chdb_transport):
+    data = chdb_transport.path
     path = tmp_path / "router.toml"
-    path.write_text(config_text(tmp_path, RAW))
+    path.write_text(config_text(tmp_path, RAW, data=data))
     config = load_config(path)
     with config.build() as built, built.start() as service:
         reloader = ConfigReloader(service, config)
-        text = config_text(tmp_path, BROKEN, port=9999).replace("batch = 8", "batch = 4")
+        text = config_text(tmp_path, BROKEN, port=9999, data=data)
+        text = text.replace("batch = 8", "batch = 4")
         path.write_text(text)
         with pytest.raises(ConfigFileError) as caught:
             reloader()
@@ -227,6 +237,30 @@ def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_pat
             "routes[1]: route 'elsewhere': unknown destination 'nowhere'; given ['ch']",
         ]
         assert service.counters().generation == 1
-        path.write_text(config_text(tmp_path, RAW + NORMS))
+        path.write_text(config_text(tmp_path, RAW + NORMS, data=data))
         assert reloader() == 2
         assert list(service.counters().routes) == ["raw", "norms"]
+
+
+def test_a_reload_applies_the_call_timeout_the_service_started_with(tmp_path, chdb_transport):
+    """``taproute run --call-timeout`` overrides every route's deadline; a file
+    reloaded under SIGHUP gets the same override (its routes' own deadlines
+    otherwise come from their failure_policy)."""
+    path = tmp_path / "router.toml"
+    data = chdb_transport.path
+    path.write_text(config_text(tmp_path, RAW, data=data))
+    config = load_config(path).with_call_timeout(0.25)
+    with config.build() as built, built.start() as service:
+        reloader = ConfigReloader(service, config, call_timeout=0.25)
+        path.write_text(
+            config_text(tmp_path, RAW + NORMS + "failure_policy = { deadline = 9.0 }\n", data=data)
+        )
+        assert reloader() == 2
+        deadlines = {p.name: p.route.failure_policy.deadline for p in built.sink.plan.routes}
+        assert deadlines == {"raw": 0.25, "norms": 0.25}
+        path.write_text(
+            config_text(tmp_path, RAW + NORMS + "failure_policy = { deadline = 9.0 }\n", data=data)
+        )
+        assert ConfigReloader(service, config)() == 3  # no override: the file's own
+        deadlines = {p.name: p.route.failure_policy.deadline for p in built.sink.plan.routes}
+        assert deadlines["norms"] == 9.0
