@@ -12,7 +12,9 @@
 - forward: submit + ``flush()`` + full delivery of the same batches into chDB
   through a ClickHouse sink with default batching, wrapped in a
   ``SpoolingSink`` in modes ``off`` / ``outage`` / ``always`` over a healthy
-  destination (records/s; clock stopped when every row is inserted).
+  destination (records/s; clock stopped when every row is inserted), and
+  the same runs' records per CPU-second of the whole process (less
+  sensitive than wall time to other processes on shared cores).
 
 Targets (issue #12): append >= 0.8x the plain write; ``outage`` costs
 nothing measurable while healthy (>= 0.9x ``off``).
@@ -29,7 +31,16 @@ from pathlib import Path
 
 import numpy as np
 import trio
-from harness import arguments, comparison, fmt, interleave, target, timed_rate, write_result
+from harness import (
+    arguments,
+    comparison,
+    fmt,
+    interleave,
+    summary,
+    target,
+    timed_rate,
+    write_result,
+)
 
 from taproute.native import make_descriptors
 from taproute.routing import HookRegistry, Layout, RecordBatch, RecordSchema
@@ -100,11 +111,18 @@ def plain_write_rate(root: Path, batches: Sequence[RecordBatch]) -> float:
     return timed_rate(nbytes, body)
 
 
+#: Records per CPU-second (the whole process: the loop, insert threads, chDB)
+#: of each forward run, by mode, in call order (the first call is warm-up).
+FORWARD_CPU: dict[str, list[float]] = {}
+
+
 def forward_rate(
     root: Path, mode: str, batches: Sequence[RecordBatch], make_sink: Callable[[], ClickHouseSink]
 ) -> float:
+    """Records/s (wall) of one forward run; records per CPU-second go to FORWARD_CPU."""
     records = sum(len(b) for b in batches)
     directory = fresh(root / f"fwd-{mode}")
+    cpu: list[float] = []
 
     async def body() -> float:
         inner = make_sink()
@@ -113,16 +131,20 @@ def forward_rate(
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
             started = time.perf_counter()  # from the first submit to every row inserted
+            cpu_started = time.process_time()
             for b in batches:
                 await sink.submit(b)
             await sink.flush()
             await sink.wait_delivered()
             elapsed = time.perf_counter() - started
+            cpu.append(time.process_time() - cpu_started)
             await sink.close()
         assert sum(c.records for c in inner.counters.values()) == records
         return elapsed
 
-    return records / trio.run(body)
+    rate = records / trio.run(body)
+    FORWARD_CPU.setdefault(mode, []).append(records / cpu[0])
+    return rate
 
 
 def groups(batches: Sequence[RecordBatch], group_bytes: int) -> list[list[RecordBatch]]:
@@ -249,7 +271,25 @@ def main() -> None:
         peer_label="off",
         unit="records/s",
     )
+    cpu = {mode: summary(samples[1:]) for mode, samples in FORWARD_CPU.items()}  # no warm-up
+    outage_cpu = comparison(
+        'forward path CPU: spool="outage" (healthy) vs "off"',
+        cpu["outage"],
+        cpu["off"],
+        taproute_label="outage",
+        peer_label="off",
+        unit="records per CPU-second",
+    )
+    always_cpu = comparison(
+        'forward path CPU: spool="always" vs "off"',
+        cpu["always"],
+        cpu["off"],
+        taproute_label="always",
+        peer_label="off",
+        unit="records per CPU-second",
+    )
     a, o = append["ratio"]["median"], outage["ratio"]["median"]
+    oc = outage_cpu["ratio"]["median"]
     write_result(
         "spool",
         title="Spool: append, drain, forward-path cost",
@@ -264,12 +304,18 @@ def main() -> None:
             "forward_destination": "ClickHouseSink on chDB, default Batching",
         },
         quick=args.quick,
-        comparisons=[append, drain_cmp, outage, always],
+        comparisons=[append, drain_cmp, outage, always, outage_cpu, always_cpu],
         targets=[
             target("append >= 0.8x plain write", a >= 0.8, f"{fmt(a)}x"),
             target('"outage" >= 0.9x "off" while healthy', o >= 0.9, f"{fmt(o)}x"),
+            target(
+                '"outage" >= 0.9x "off" while healthy (CPU per record)', oc >= 0.9, f"{fmt(oc)}x"
+            ),
         ],
-        raw={name: summary["samples"] for name, summary in figures.items()},
+        raw={
+            **{name: s["samples"] for name, s in figures.items()},
+            **{f"forward_{mode}_cpu": s["samples"] for mode, s in cpu.items()},
+        },
     )
 
 

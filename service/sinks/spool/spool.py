@@ -116,9 +116,6 @@ class Spool:
         self._last_sync = clock()
         self._unsynced = False  # nothing appended or acknowledged since the last sync
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
-        # Until the first group is read: a previous run's group in flight was a
-        # single frame unless an intent names more (see read_group).
-        self._opened = bool(log.entries)
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
     @classmethod
@@ -267,10 +264,9 @@ class Spool:
         consecutive frames up to ``max_bytes`` (at least one), ending before
         a frame whose token was fixed before spooling (that one goes alone).
 
-        A group of several frames is recorded (``intent``) before it is
-        returned, and after a restart the first group is exactly the one a
-        previous run recorded (without a record: the first frame alone, as a
-        previous run's last try was): its token (``spool-<id>-<first>-<last>``,
+        Every group is recorded (``intent``) before it is returned, and after
+        a restart the first group is exactly the one a previous run recorded
+        and had not acknowledged: its token (``spool-<id>-<first>-<last>``,
         or the frame's own) then names the same rows, so a repeat is
         recognised.
         """
@@ -278,13 +274,11 @@ class Spool:
         entries: list[Entry] = []
         size = 0
         intent = log.intent
-        limit = 1 if self._opened and intent is None else _GROUP_FRAMES
-        self._opened = False
         for entry in log.entries:
             if intent is not None:
                 if entry.seq > intent[1]:
                     break
-            elif entries and (size + entry.size > max_bytes or len(entries) >= limit):
+            elif entries and (size + entry.size > max_bytes or len(entries) >= _GROUP_FRAMES):
                 break
             entries.append(entry)
             size += entry.size
@@ -310,8 +304,8 @@ class Spool:
             token = token or self.token(first)
         else:
             token = f"spool-{log.spool_id}-{first}-{last}"
-            if intent is None:
-                log.intend(first, last)
+        if intent is None:
+            log.intend(first, last)
         return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
 
     async def ack(self, seq: int) -> None:
