@@ -300,10 +300,8 @@ class Spool:
             if fixed is not None:
                 break
         first, last = entries[0].seq, entries[taken - 1].seq
-        if taken == 1:
-            token = token or self.token(first)
-        else:
-            token = f"spool-{log.spool_id}-{first}-{last}"
+        single = token or self.token(first)
+        token = single if taken == 1 else f"spool-{log.spool_id}-{first}-{last}"
         if intent is None:
             log.intend(first, last)
         return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
