@@ -5,6 +5,8 @@
 - :func:`partition_keys`: key -> owner partitioning of a stateful route.
 - :func:`check_descriptors` (and its verdict codes): one-pass batch validation.
 - :class:`BufferLease`: lease counting of shared read-only record buffers.
+- :class:`RootTable`: the causal limits' per-root table (pinned limits, count
+  per minute), admitting a batch of derived records in one C loop.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
 - :func:`stamped_copy`, :func:`gather_ranges`: a capture hook's descriptors
@@ -15,6 +17,7 @@ from taproute.native._capture import gather_ranges, stamped_copy
 from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
+from taproute.native._roots import RootTable
 from taproute.native._state import scatter_add
 from taproute.native._validate import (
     NOT_A_PAYLOAD_LAYOUT,
@@ -46,6 +49,7 @@ __all__ = [
     "BufferLease",
     "DescriptorFieldError",
     "LeaseError",
+    "RootTable",
     "RouteTable",
     "StateRegion",
     "check_descriptors",

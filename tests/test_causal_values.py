@@ -195,3 +195,24 @@ def test_ledger_matches_a_per_record_reference_model_through_growth_and_minutes(
             if pinned[root] == current and counts[root][0] < minute:
                 del pinned[root], counts[root]
     assert len(ledger) == len(pinned) and len(ledger) > 0
+
+
+def test_the_native_root_table_checks_its_arguments():
+    from taproute.native import RootTable
+
+    table = RootTable(4)
+    one = np.array([1], np.int64)
+    limits = np.array([32], np.int64), np.array([128], np.int64)
+    with pytest.raises(ValueError, match="1 roots but 2 depths"):
+        table.admit(one, np.array([1, 1], np.int32), 0, 0, *limits)
+    with pytest.raises(ValueError, match="pin 1 outside the 1 limits given"):
+        table.admit(one, np.array([1], np.int32), 0, 1, *limits)
+    with pytest.raises(ValueError):
+        table.admit(
+            one, np.array([1], np.int32), 0, 0, np.array([32], np.int64), np.empty(0, np.int64)
+        )
+    verdicts, _, _ = table.admit(
+        np.arange(100, dtype=np.int64), np.ones(100, np.int32), 0, 0, *limits
+    )
+    assert verdicts.tolist() == [0] * 100 and len(table) == 100  # grown past its capacity
+    assert table.entry(5) == (0, 1, 0) and table.entry(1000) is None

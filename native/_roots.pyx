@@ -1,0 +1,181 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The root table of the causal limits: per root, its pinned limits and how
+many derived records its current minute accepted.
+
+An open-addressing hash table (linear probing, at most half full) over
+64-bit root ids.  :meth:`RootTable.admit` judges a batch of derived records
+in order, one C loop: a record deeper than its root's pinned depth is
+refused (spending nothing), one past its root's rate for the minute is
+refused, the rest are accepted and counted (a root seen for the first time
+is pinned with the limits in force).  Pins are small indices into the
+caller's list of limits (``max_depths[pin]``, ``per_minutes[pin]``).
+
+Compiled without bounds checks: every entry point checks its arguments.
+"""
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint64_t
+
+cnp.import_array()
+
+cdef uint64_t _MIX = 0x9E3779B97F4A7C15ULL
+
+
+cdef inline Py_ssize_t _home(int64_t root, uint64_t mask) nogil:
+    return <Py_ssize_t>((((<uint64_t>root) * _MIX) >> 32) & mask)
+
+
+cdef class RootTable:
+    """Roots -> (minute, count in that minute, pin index), at most half full."""
+
+    cdef object _used_arr, _keys_arr, _minute_arr, _count_arr, _pin_arr
+    cdef uint8_t[::1] _used
+    cdef int64_t[::1] _keys
+    cdef int64_t[::1] _minute
+    cdef int64_t[::1] _count
+    cdef int16_t[::1] _pin
+    cdef Py_ssize_t _size
+    cdef uint64_t _mask
+
+    def __cinit__(self, Py_ssize_t capacity=1024):
+        cdef Py_ssize_t size = 16
+        while size < 2 * capacity:
+            size *= 2
+        self._alloc(size)
+
+    cdef _alloc(self, Py_ssize_t size):
+        self._used_arr = np.zeros(size, dtype=np.uint8)
+        self._keys_arr = np.zeros(size, dtype=np.int64)
+        self._minute_arr = np.zeros(size, dtype=np.int64)
+        self._count_arr = np.zeros(size, dtype=np.int64)
+        self._pin_arr = np.zeros(size, dtype=np.int16)
+        self._used = self._used_arr
+        self._keys = self._keys_arr
+        self._minute = self._minute_arr
+        self._count = self._count_arr
+        self._pin = self._pin_arr
+        self._mask = <uint64_t>(size - 1)
+        self._size = 0
+
+    def __len__(self):
+        return self._size
+
+    cdef Py_ssize_t _find(self, int64_t root) nogil:
+        cdef Py_ssize_t at = _home(root, self._mask)
+        while self._used[at]:
+            if self._keys[at] == root:
+                return at
+            at = <Py_ssize_t>((at + 1) & self._mask)
+        return -1
+
+    cdef Py_ssize_t _claim(self, int64_t root) nogil:
+        cdef Py_ssize_t at = _home(root, self._mask)
+        while self._used[at]:
+            at = <Py_ssize_t>((at + 1) & self._mask)
+        self._used[at] = 1
+        self._keys[at] = root
+        self._size += 1
+        return at
+
+    cdef _rebuild(self, Py_ssize_t size, uint8_t[::1] keep):
+        """Re-insert the kept entries into a table of ``size`` slots."""
+        cdef uint8_t[::1] used = self._used
+        cdef int64_t[::1] keys = self._keys
+        cdef int64_t[::1] minute = self._minute
+        cdef int64_t[::1] count = self._count
+        cdef int16_t[::1] pin = self._pin
+        cdef Py_ssize_t i, at, n = used.shape[0]
+        # The old arrays stay alive through the memoryviews above.
+        self._alloc(size)
+        for i in range(n):
+            if used[i] and keep[i]:
+                at = self._claim(keys[i])
+                self._minute[at] = minute[i]
+                self._count[at] = count[i]
+                self._pin[at] = pin[i]
+
+    def entry(self, int64_t root):
+        """``(minute, count, pin)`` of ``root``, or None."""
+        cdef Py_ssize_t at = self._find(root)
+        if at < 0:
+            return None
+        return int(self._minute[at]), int(self._count[at]), int(self._pin[at])
+
+    def admit(
+        self,
+        const int64_t[::1] roots,
+        const int32_t[::1] depths,
+        int64_t minute,
+        int16_t current,
+        const int64_t[::1] max_depths,
+        const int64_t[::1] per_minutes,
+    ):
+        """Judge derived records in order; returns ``(verdicts, max_depth,
+        per_minute)``: per record 0 accepted, 1 too deep, 2 over rate, and the
+        bounds it was judged by.  Accepted records are counted in ``minute``."""
+        cdef Py_ssize_t n = roots.shape[0]
+        if depths.shape[0] != n:
+            raise ValueError(f"{n} roots but {depths.shape[0]} depths")
+        cdef Py_ssize_t pins = max_depths.shape[0]
+        if per_minutes.shape[0] != pins or not 0 <= current < pins:
+            raise ValueError(f"pin {current} outside the {pins} limits given")
+        verdicts_arr = np.zeros(n, dtype=np.uint8)
+        depth_arr = np.empty(n, dtype=np.int64)
+        rate_arr = np.empty(n, dtype=np.int64)
+        cdef uint8_t[::1] verdicts = verdicts_arr
+        cdef int64_t[::1] bound_depth = depth_arr
+        cdef int64_t[::1] bound_rate = rate_arr
+        cdef Py_ssize_t i, at
+        cdef int16_t pin
+        cdef int64_t used
+        # Room for every record to be a new root: the table never fills.
+        if 2 * (self._size + n) > <Py_ssize_t>(self._mask + 1):
+            size = <Py_ssize_t>(self._mask + 1)
+            while 2 * (self._size + n) > size:
+                size *= 2
+            self._rebuild(size, np.ones(self._mask + 1, dtype=np.uint8))
+        for i in range(n):
+            at = self._find(roots[i])
+            pin = current if at < 0 else self._pin[at]
+            if pin < 0 or pin >= pins:
+                raise ValueError(f"a root is pinned with limits {pin}, not among the {pins} given")
+            bound_depth[i] = max_depths[pin]
+            bound_rate[i] = per_minutes[pin]
+            if depths[i] > max_depths[pin]:
+                verdicts[i] = 1
+                continue
+            used = 0
+            if at >= 0 and self._minute[at] == minute:
+                used = self._count[at]
+            if used >= per_minutes[pin]:
+                verdicts[i] = 2
+                continue
+            if at < 0:
+                at = self._claim(roots[i])
+                self._pin[at] = current
+            self._minute[at] = minute
+            self._count[at] = used + 1
+        return verdicts_arr, depth_arr, rate_arr
+
+    def sweep(self, int64_t minute, int16_t current, const int64_t[::1] retention):
+        """Forget roots whose minute passed and that are pinned with ``current``,
+        and roots pinned otherwise idle past ``retention[pin]`` minutes."""
+        cdef Py_ssize_t i, size = <Py_ssize_t>(self._mask + 1)
+        cdef Py_ssize_t pins = retention.shape[0]
+        keep_arr = np.ones(size, dtype=np.uint8)
+        cdef uint8_t[::1] keep = keep_arr
+        cdef bint any_forgotten = False
+        cdef int16_t pin
+        for i in range(size):
+            if not self._used[i]:
+                continue
+            pin = self._pin[i]
+            if pin == current:
+                keep[i] = self._minute[i] >= minute
+            elif 0 <= pin < pins:
+                keep[i] = self._minute[i] + retention[pin] >= minute
+            if not keep[i]:
+                any_forgotten = True
+        if any_forgotten:
+            self._rebuild(size, keep)
