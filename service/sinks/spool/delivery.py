@@ -157,7 +157,7 @@ class Delivery:
             return _records(batches)
         rest = list(getattr(error, "rest", batches))  # PartlyInserted: the parts not stored
         delivered = _records(batches) - _records(rest)
-        if _records(rest) == 1:
+        if _records(rest) <= 1:  # a single record (or an empty batch) is refused as it is
             await self.refuse(rest, error)
             return delivered
         left, right = halves(rest)
