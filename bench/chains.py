@@ -14,7 +14,9 @@ interleaved:
   ``flush()`` returns;
 - thread + ``queue.Queue`` of batches (bounded): a consumer thread runs
   stage 1, copies, stage 2, copies, per batch;
-- bare: the same calls in a loop, no framework: the floor.
+- bare: the same calls in a loop, no framework: the floor;
+- taproute without a chain: two routes fanned out from the hook, the same
+  number of processor calls and deliveries: what chaining itself costs.
 
 A table adds what the causal limits' root ledger costs per batch alone
 (admitting 1024 derived records of new roots, and of roots already known).
@@ -136,6 +138,34 @@ def taproute_run(batches: list, keep: bool = False) -> tuple[float, list[np.ndar
     return rate, second.seen
 
 
+def fanout_run(batches: list) -> float:
+    """taproute without a chain: two routes take the captured records (stage 1
+    twice), so the run makes the same number of processor calls and deliveries
+    as the chain; the difference is what chaining itself costs."""
+    first, second = KeepingSink(False), KeepingSink(False)
+    config = RoutingConfig(
+        [
+            Route("norms", "vectors", "first", mode="stateless", processor="bench.chain_norms"),
+            Route("again", "vectors", "second", mode="stateless", processor="bench.chain_norms"),
+        ]
+    )
+    sink = RoutingSink(config, SCHEMA, {"first": first, "second": second}, unmatched="drop")
+    n = sum(len(k) for k, _ in batches)
+    with create_record_runtime(record_sink=sink) as runtime:
+        h = runtime.bind_hook("vectors", layout="vec")
+        prepared = [
+            (make_descriptors(h, WIDTH * 4, count=len(k), layout_ids=0, keys=k), v)
+            for k, v in batches
+        ]
+
+        def body() -> None:
+            for desc, payload in prepared:
+                runtime.submit_batch(desc, payload)
+            runtime.flush()
+
+        return timed_rate(n, body)
+
+
 def thread_run(batches: list, keep: bool = False) -> tuple[float, list[np.ndarray]]:
     inbox: queue.Queue[tuple[np.ndarray, np.ndarray] | None] = queue.Queue(maxsize=64)
     first, second = Copier(), Copier()
@@ -215,6 +245,7 @@ def main() -> None:
     got = interleave(
         {
             "taproute, chain of 2 routes": lambda: taproute_run(batches)[0],
+            "taproute, 2 routes fanned out (no chain)": lambda: fanout_run(batches),
             "thread + queue, 2 stages": lambda: thread_run(batches)[0],
             "bare functions": lambda: bare_run(batches)[0],
         },
@@ -233,6 +264,16 @@ def main() -> None:
         )
         for peer_name in ("thread + queue, 2 stages", "bare functions")
     ]
+    fanned = got["taproute, 2 routes fanned out (no chain)"]
+    chained = got["taproute, chain of 2 routes"]
+    overhead = {
+        "title": "what chaining costs: the chain against the same calls fanned out",
+        "columns": ["variant", "median records/s", "min", "max"],
+        "rows": [
+            [name, f"{s['median']:,.0f}", f"{s['min']:,.0f}", f"{s['max']:,.0f}"]
+            for name, s in (("chain of 2 routes", chained), ("2 routes fanned out", fanned))
+        ],
+    }
     table = {
         "title": f"root ledger: admitting {PER_BATCH} derived records (100k roots held)",
         "columns": ["roots", "median us", "min us", "max us"],
@@ -245,7 +286,9 @@ def main() -> None:
     notes = [
         f"taproute's chain ran at {t:,.0f} records/s, "
         f"{t / got['thread + queue, 2 stages']['median']:.2f}x the thread + queue peer and "
-        f"{t / got['bare functions']['median']:.2f}x the bare functions; the root ledger "
+        f"{t / got['bare functions']['median']:.2f}x the bare functions, "
+        f"{t / fanned['median']:.2f}x taproute making the same calls without a chain; "
+        "the root ledger "
         f"admitted a batch of new roots in {ledger['new roots']['median']:.0f} us "
         f"({ledger['new roots']['median'] * 1e3 / PER_BATCH:.0f} ns per record)."
     ]
@@ -256,7 +299,7 @@ def main() -> None:
         params={"records": args.records, "per_batch": PER_BATCH, "width": WIDTH},
         quick=args.quick,
         comparisons=comparisons,
-        tables=[table],
+        tables=[overhead, table],
         notes=notes,
         raw={"samples": got, "ledger": ledger},
     )
