@@ -141,3 +141,18 @@ def test_cli_trace_against_a_running_service_prints_refusals_and_recent_unmatche
     assert lines[7].startswith("    key=3 step=3 seq=3: evens (odd step")
     assert "trace refused (400)" in err and "'mlp.9' was never bound" in err
     out.clear()
+
+
+def test_the_refusal_sample_is_bounded_per_hook_and_in_hooks():
+    from taproute.native import make_descriptors
+    from taproute.routing.refusals import RefusalLog
+
+    log = RefusalLog(per_hook=2, max_hooks=2)
+    names = {0: "a", 1: "b", 2: "c"}.__getitem__
+    for hook in (0, 1, 0, 2):  # "b" is the hook noted longest ago when "c" arrives
+        d = make_descriptors(hook, 0, count=3, seqs=[10 * hook, 10 * hook + 1, 10 * hook + 2])
+        log.note(d, np.arange(3), [("r", np.array([1]), "why\nnot")], names)
+    samples = log.by_hook()
+    assert sorted(samples) == ["a", "c"]
+    assert [s.seq for s in samples["a"]] == [1, 2]
+    assert [[(r.route, r.reason) for r in s.refusals] for s in samples["c"]] == [[("r", "why")], []]
