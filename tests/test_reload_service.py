@@ -223,7 +223,9 @@ def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_pat
     with config.build() as built, built.start() as service:
         reloader = ConfigReloader(service, config)
         text = config_text(tmp_path, BROKEN, port=9999, data=data)
-        text = text.replace("batch = 8", "batch = 4")
+        text = text.replace("batch = 8", "batch = 4").replace(
+            '"tests.processors"]', '"tests.processors", "tests.no_such_module"]'
+        )
         path.write_text(text)
         with pytest.raises(ConfigFileError) as caught:
             reloader()
@@ -232,8 +234,10 @@ def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_pat
             "[routing] and processors only (restart to apply http)",
             "producer: differs from the running configuration; a reload applies routes, "
             "[routing] and processors only (restart to apply producer)",
+            "processors[1]: cannot import processor module 'tests.no_such_module': "
+            "ModuleNotFoundError: No module named 'tests.no_such_module'",
             "routes[0]: route 'norms': unknown processor 'no.such.processor'; registered: "
-            + caught.value.problems[2].split("registered: ", 1)[1],
+            + caught.value.problems[3].split("registered: ", 1)[1],
             "routes[1]: route 'elsewhere': unknown destination 'nowhere'; given ['ch']",
         ]
         assert service.counters().generation == 1

@@ -75,7 +75,10 @@ class ConfigReloader:
             if self.call_timeout is not None:
                 candidate = candidate.with_call_timeout(self.call_timeout)
             problems = fixed_section_problems(self.config, candidate)
-            candidate.import_processors()
+            try:
+                candidate.import_processors()
+            except ConfigFileError as exc:  # listed with the rest (its routes then fail too)
+                problems += exc.problems
             generation: Generation | None = None
             try:
                 generation = self._sink.prepare(
