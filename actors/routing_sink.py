@@ -18,8 +18,8 @@ route; forward routes hand it to their destination actor inline, the others
 queue it in their mailboxes.  A full mailbox makes ``submit`` wait.
 
 The routes belong to a configuration *generation* (``generation.py``):
-:meth:`RoutingSink.reload` builds the next one beside the running one and
-swaps it in between two batches.
+:meth:`RoutingSink.reload` (``reloading.py``) builds the next one beside the
+running one and swaps it in between two batches.
 
 Dead letters' copies take their own path (``reroute.py``); a Trio program
 runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
@@ -32,45 +32,43 @@ from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
 from taproute.actors.chain import CausalGate, link_chains
-from taproute.actors.counters import RouteCounters, RouterSnapshot
+from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
-from taproute.actors.generation import Generation, link, prepare_generation, run_route
+from taproute.actors.generation import Generation
 from taproute.actors.inflight import InFlight
 from taproute.actors.owners import StatefulRoute
+from taproute.actors.reloading import Reloading
 from taproute.actors.reroute import Rerouter
 from taproute.actors.route_actor import RouteActor
-from taproute.actors.topology import build_topology, route_actors
+from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED
 from taproute.routing.batch import Batch, RecordBatch
-from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed, at
+from taproute.routing.errors import RoutingFailure, SinkClosed
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
-from taproute.routing.plan import RoutePlan, Unmatched
+from taproute.routing.plan import Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
-from taproute.routing.producer import Producer
 from taproute.routing.refusals import Decline, RefusalLog
 from taproute.routing.root_ledger import RootLedger
 from taproute.routing.routes import RoutingConfig
-from taproute.routing.samples import SampleTraces, trace_samples
 from taproute.routing.schema import RecordSchema
 
 if TYPE_CHECKING:
     from taproute.routing.trace import TraceResult
 
 
-class RoutingSink(Producer[RouterSnapshot]):
+class RoutingSink(Reloading):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
     Construction checks everything (unknown processor, destination or layout,
@@ -168,23 +166,6 @@ class RoutingSink(Producer[RouterSnapshot]):
         self._close_inputs = trio.Event()
         self._stopped = trio.Event()
 
-    # -- hook binding ------------------------------------------------------
-
-    @property
-    def plan(self) -> RoutePlan:
-        """The running generation's route plan."""
-        return self._gen.plan
-
-    @property
-    def config(self) -> RoutingConfig:
-        """The running generation's routes."""
-        return self._gen.config
-
-    @property
-    def generation(self) -> int:
-        """The number of the generation routing new records (1 until a reload)."""
-        return self._gen.number
-
     # -- lifecycle ---------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -234,130 +215,6 @@ class RoutingSink(Producer[RouterSnapshot]):
         await self._close_inputs.wait()
         for route in self._gen.routes:
             route.close()
-
-    async def _run_route(
-        self, actor: RouteActor, *, task_status: Any = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        await run_route(
-            actor,
-            current=lambda: self._gen.number,
-            in_flight=self._in_flight,
-            latch=self._latch,
-            retiring=self._retiring,
-            task_status=task_status,
-        )
-
-    # -- generations ---------------------------------------------------------
-
-    def prepare(
-        self,
-        config: RoutingConfig,
-        *,
-        default_destination: str | None = None,
-        unmatched: Unmatched | None = None,
-        registry: ProcessorRegistry | None = None,
-    ) -> Generation:
-        """Build and check the next generation beside the running one (any thread;
-        nothing runs): every check construction makes, all problems in one
-        error, each at its location.  ``default_destination``/``unmatched``
-        (None: as now) and ``registry`` (None: the sink's) as at construction;
-        routes may use any destination the sink was given (one not running yet
-        is started at the swap).  :meth:`swap` applies it."""
-        current = self._gen.plan
-        return prepare_generation(
-            config,
-            self.schema,
-            available=self._available,
-            default_destination=(
-                current.default_destination if default_destination is None else default_destination
-            ),
-            unmatched=current.unmatched if unmatched is None else unmatched,
-            registry=self._registry if registry is None else registry,
-            hooks=self.hooks,
-            build=self._build_routes,
-        )
-
-    def _build_routes(self, plan: RoutePlan) -> list[RouteActor]:
-        """A reload's route actors, inert, with their chains under this sink's gate."""
-        routes = route_actors(
-            plan,
-            self._available,
-            latch=self._latch,
-            in_flight=self._in_flight,
-            on_failure=self._on_failure,
-            hooks=self.hooks,
-            give_up_log=self.give_up_log,
-            copy_of=self._rerouter.copy_of,
-        )
-        link_chains(plan, routes, self.hooks, self.schema, self.causal)
-        return routes
-
-    async def swap(self, generation: Generation) -> int:
-        """Route new batches under ``generation`` (from :meth:`prepare`), between
-        two batches; returns its number.  Batches accepted before finish under
-        the generation that accepted them; what its routes park is handed on
-        when they have drained (see ``generation.py``)."""
-        async with self._lock:
-            try:
-                self._check_open()
-                await self._start_destinations(generation.plan.destinations_used)
-            except BaseException:
-                generation.detach()
-                raise
-            old = self._gen
-            generation.number = old.number + 1
-            # New roots get the new limits; roots in flight keep those pinned
-            # in the ledger when their first derived record was accepted.
-            self.causal.limits = generation.config.causal_limits
-            link(generation, old)
-            for actor in generation.routes:
-                actor.generation = generation.number
-            self._gen = generation
-            self._rerouter.routes = generation.by_name
-            old.detach()
-            for actor in old.routes:
-                self._last[actor.name, actor.destination.name] = actor
-                if not actor.tasks_done:  # a forward route has no tasks: nothing to drain
-                    self._in_flight.add()  # until it drained and handed over (run_route)
-                    self._retiring.append(actor)
-                actor.retire()
-            assert self._nursery is not None
-            for actor in generation.routes:
-                self._nursery.start_soon(self._run_route, actor)
-        return generation.number
-
-    async def _start_destinations(self, names: list[str]) -> None:
-        """Start the destinations ``names`` that are not running yet (a reload
-        routes to one the first generation did not use); an owned sink is
-        created now, and one that fails to open is a problem at its location."""
-        for name in names:
-            if name in self._destinations:
-                continue
-            actor = self._available[name]
-            try:
-                actor.open(self.hooks)
-            except ConfigError as exc:
-                raise at(exc, f"destinations.{name}") from None
-            assert self._sinks_nursery is not None and self._destinations_nursery is not None
-            if actor.background is not None:
-                await self._sinks_nursery.start(actor.background.run)
-            self._destinations_nursery.start_soon(actor.run)
-            self._destinations[name] = actor
-
-    async def reload(
-        self,
-        config: RoutingConfig,
-        *,
-        default_destination: str | None = None,
-        unmatched: Unmatched | None = None,
-        registry: ProcessorRegistry | None = None,
-    ) -> int:
-        """:meth:`prepare` then :meth:`swap`: returns the new generation's number.
-        A configuration that fails its checks raises them all and changes nothing."""
-        generation = self.prepare(
-            config, default_destination=default_destination, unmatched=unmatched, registry=registry
-        )
-        return await self.swap(generation)
 
     @property
     def running(self) -> bool:
@@ -500,42 +357,6 @@ class RoutingSink(Producer[RouterSnapshot]):
             result.recent_unmatched.extend(self.refusals.recent(hook))
         return result
 
-    def trace_candidate(
-        self,
-        config: RoutingConfig,
-        hook: str,
-        *,
-        default_destination: str | None = None,
-        unmatched: Unmatched | None = None,
-        registry: ProcessorRegistry | None = None,
-        **fields: Any,
-    ) -> TraceResult:
-        """:meth:`trace` against ``config``, a candidate not applied: checked as a
-        reload would check it (every problem raised), routed with this sink's
-        hooks and destinations; the result's ``generation`` reads ``"candidate"``."""
-        from taproute.routing.trace import trace_descriptor, traced_descriptor
-
-        current = self._gen.plan
-        plan = RoutePlan(
-            config,
-            self.schema,
-            destinations=self._available,
-            default_destination=(
-                current.default_destination if default_destination is None else default_destination
-            ),
-            unmatched=current.unmatched if unmatched is None else unmatched,
-            registry=self._registry if registry is None else registry,
-            bound_names=self.hooks.names(),
-        )
-        descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
-        return trace_descriptor(plan, hook, descriptors, generation="candidate")
-
-    def trace_samples(self, *, now_ns: int | None = None, bind: bool = False) -> SampleTraces:
-        """Trace every sample the running generation's processors and predicates
-        offer (see :mod:`taproute.routing.samples`), in route order; ``now_ns``:
-        the clock the samplers get (default: now)."""
-        return trace_samples(self._gen.plan, self.trace, self.hooks, now_ns=now_ns, bind=bind)
-
     @property
     def causal_ledger(self) -> RootLedger:
         """The roots and their pinned limits (the same for every generation of
@@ -647,12 +468,3 @@ class RoutingSink(Producer[RouterSnapshot]):
             unmatched_samples=self.refusals.by_hook(),
             generation=self._gen.number,
         )
-
-    def _route_snapshot(self, actor: RouteActor) -> RouteCounters:
-        """``actor``'s counters; the queue depth includes what earlier generations'
-        routes counting in the same counters still hold."""
-        snap = actor.snapshot()
-        earlier = sum(
-            m.records for r in self._retiring if r.counters is actor.counters for m in r.mailboxes
-        )
-        return attrs.evolve(snap, queue_depth=snap.queue_depth + earlier) if earlier else snap
