@@ -177,6 +177,38 @@ def test_a_widening_cast_is_exact_and_narrowing_needs_narrow():
         )
 
 
+def test_fp16_outputs_go_to_float32_exactly_or_to_bfloat16_only_when_narrowed():
+    """ClickHouse has no Float16 column: an fp16 output is stored as Float32
+    (exact) or, by the layout's choice and with narrow=True, as BFloat16."""
+    x = torch.randn(2, 3, 4).half()
+    ident = nn.Identity()
+    with runtime() as rt:
+        bind_module(rt, ident, "fp16", layout="acts", on_error="raise")
+        with capture_context([1, 2]):
+            ident(x)
+        rt.flush()
+        got = as_float32(rt.record_sink.record_batches[0].payload).reshape(2, 3, 4)
+        np.testing.assert_array_equal(got, x.float().numpy())
+    bf16 = RecordSchema([Layout("half", [("values", "Array(BFloat16)")])])
+    ident = nn.Identity()
+    with create_record_runtime(record_sink=CaptureSink(), schema=bf16) as rt:
+        bind_module(rt, ident, "fp16", layout="half", on_error="raise")
+        with (
+            capture_context([1, 2]),
+            pytest.raises(CaptureError, match=r"torch.float16 would be cast to torch.bfloat16"),
+        ):
+            ident(x)
+    ident = nn.Identity()
+    with create_record_runtime(record_sink=CaptureSink(), schema=bf16) as rt:
+        bind_module(rt, ident, "fp16", layout="half", narrow=True, on_error="raise")
+        with capture_context([1, 2]):
+            ident(x)
+        rt.flush()
+        payload = np.asarray(rt.record_sink.record_batches[0].payload).view(np.uint16)
+        expected = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).ravel()
+        np.testing.assert_array_equal(payload, expected)
+
+
 # -- 4. outputs that are not one tensor ---------------------------------------
 
 
