@@ -37,7 +37,21 @@ Predicate = Callable[[npt.NDArray[np.void]], "npt.ArrayLike | tuple[npt.ArrayLik
 
 
 def _to_outputs(value: str | Iterable[str]) -> tuple[str, ...]:
-    return (value,) if isinstance(value, str) else tuple(value)
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Iterable):
+        raise ConfigError(
+            f"route outputs: expected a name or an iterable of names, found {value!r}"
+        )
+    return tuple(value)
+
+
+def _to_mode(value: RouteMode | str) -> RouteMode:
+    try:
+        return RouteMode(value)
+    except ValueError:
+        expected = ", ".join(repr(mode.value) for mode in RouteMode)
+        raise ConfigError(f"route mode: expected one of {expected}, found {value!r}") from None
 
 
 def _to_narrow(value: Mapping[str, str]) -> Mapping[str, str]:
@@ -96,7 +110,7 @@ class Route:
     destination: str = attrs.field(validator=_name)
     # What a route *is* (name, outputs, destination) may be positional; how it
     # runs is always spelled out.
-    mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=RouteMode, kw_only=True)
+    mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=_to_mode, kw_only=True)
     processor: str | None = attrs.field(default=None, kw_only=True)
     capacity: int = attrs.field(default=QUEUE_RECORDS, validator=_bounded("capacity"), kw_only=True)
     capacity_bytes: int = attrs.field(

@@ -135,7 +135,7 @@ def test_route_shape_errors():
         Route("r", "x", "cap", mode="stateless")
     with pytest.raises(ConfigError, match="workers must be a positive int"):
         Route("r", "x", "cap", workers=0)
-    with pytest.raises(ValueError, match="'sideways' is not a valid RouteMode"):
+    with pytest.raises(ConfigError, match="expected one of 'forward', .*found 'sideways'"):
         Route("r", "x", "cap", mode="sideways")
     with pytest.raises(ConfigError, match="needs a stateful processor, but 'test.norms'"):
         sink_for([Route("r", "x", "cap", mode="stateful", processor="test.norms")])

@@ -99,10 +99,48 @@ raw = "vec"
         load_config(path)
     assert caught.value.problems == [
         "routes[0].workers: expected an integer, found string 'many'",
-        "routes[0]: extra fields found (colour)",
+        "routes[0]: unknown key(s) 'colour'; expected keys: "
+        "name, outputs, destination, mode, processor, capacity, capacity_bytes, workers, "
+        "failure_policy, then",
         "destinations.d.raw: expected an array, found string 'vec'",
     ]
     assert str(caught.value).splitlines() == [f"{path}: {p}" for p in caught.value.problems]
+
+
+def test_choices_and_bounds_name_what_was_expected_and_every_problem(tmp_path):
+    """A misspelt choice names the choices (not cattrs' "invalid value"), and a
+    value past its bounds does not hide its neighbours' problems."""
+    path = write(
+        tmp_path,
+        """
+layouts = []
+[[routes]]
+name = "r"
+outputs = ["x"]
+destination = "d"
+mode = "statless"
+processor = "p"
+failure_policy = { deadline = nan, multiplier = 0.5 }
+[destinations.d]
+path = "x"
+spool = "never"
+[routing]
+unmatched = "dorp"
+[ingress]
+when_full = true
+""",
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "routes[0].mode: expected one of 'forward', 'stateless', 'stateful', "
+        "found string 'statless'",
+        "routes[0].failure_policy.multiplier: must be in [1, 10], found 0.5",
+        "routes[0].failure_policy.deadline: expected a finite number, found nan",
+        "destinations.d.spool: expected one of 'outage', 'always', 'off', found string 'never'",
+        "routing.unmatched: expected one of 'default', 'drop', found string 'dorp'",
+        "ingress.when_full: expected one of 'block', 'reject', found boolean True",
+    ]
 
 
 def test_unreadable_and_malformed_files(tmp_path):
@@ -417,8 +455,11 @@ def test_what_is_not_data_cannot_be_set_from_a_file(tmp_path):
     with pytest.raises(ConfigFileError) as caught:
         load_config(write(tmp_path, text))
     assert caught.value.problems == [
-        "routes[0]: extra fields found (predicate)",
-        "extra fields found (source)",
+        "routes[0]: unknown key(s) 'predicate'; expected keys: "
+        "name, outputs, destination, mode, processor, capacity, capacity_bytes, workers, "
+        "failure_policy, then",
+        "unknown key(s) 'source'; expected keys: layouts, routes, destinations, processors, "
+        "routing, ingress, http, dead_letters, producer",
     ]
 
 

@@ -172,3 +172,16 @@ def test_capped_backoff_is_defined_for_any_number_of_failures():
     # Past ~1,000 failures the power overflows a float: the cap still answers.
     assert capped_backoff(0.001, 2.0, 0.001, 1_100) == 0.001
     assert capped_backoff(2.0, 2.0, 300.0, 10**6) == 300.0
+
+
+def test_a_misspelt_mode_or_outputs_of_the_wrong_type_is_a_config_error():
+    with pytest.raises(
+        ConfigError,
+        match=r"route mode: expected one of 'forward', 'stateless', "
+        r"'stateful', found 'statless'",
+    ):
+        Route("r", "x", "d", mode="statless", processor="p")
+    with pytest.raises(
+        ConfigError, match="route outputs: expected a name or an iterable of names, found 5"
+    ):
+        Route("r", 5, "d")  # type: ignore[arg-type]

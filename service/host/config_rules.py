@@ -18,17 +18,19 @@ by one cattrs converter with three rules on top of cattrs' own:
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import attrs
 import cattrs
 from cattrs.errors import (
     AttributeValidationNote,
     ClassValidationError,
+    ForbiddenExtraKeysError,
     IterableValidationError,
     IterableValidationNote,
 )
@@ -141,6 +143,28 @@ def _sequence(value: object, seq_type: Any) -> Any:
     return tuple(items) if getattr(seq_type, "__origin__", None) is tuple else items
 
 
+def _choices(options: tuple[object, ...]) -> str:
+    return ", ".join(repr(option) for option in options)
+
+
+def _literal(value: object, literal_type: Any) -> Any:
+    options = get_args(literal_type)
+    if value not in options or type(value) not in {type(option) for option in options}:
+        raise ValueProblem(f"expected one of {_choices(options)}, found {_found(value)}")
+    return value
+
+
+def _is_literal(t: Any) -> bool:
+    return get_origin(t) is Literal
+
+
+def _enum(value: object, enum_type: Any) -> Any:
+    options = tuple(member.value for member in enum_type)
+    if type(value) is not type(options[0]) or value not in options:
+        raise ValueProblem(f"expected one of {_choices(options)}, found {_found(value)}")
+    return enum_type(value)
+
+
 def _is_sequence(t: Any) -> bool:
     origin = getattr(t, "__origin__", None)
     return origin is list or (origin is tuple and t.__args__[-1:] == (Ellipsis,))
@@ -169,6 +193,13 @@ def _limit_errors(cls: type, raw: Mapping[str, Any]) -> list[Exception]:
     return errors
 
 
+def _field_of(exc: BaseException) -> str | None:
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            return note.name
+    return None
+
+
 def _structure_attrs(cls: type) -> Callable[[Any, Any], Any]:
     overrides = {name: override(omit=True) for name in OMITTED.get(cls, ())}
     base: Callable[[Any, Any], Any] = make_dict_structure_fn(
@@ -182,6 +213,12 @@ def _structure_attrs(cls: type) -> Callable[[Any, Any], Any]:
             raise ValueProblem(f"expected a table, found {_found(raw)}")
         errors = _limit_errors(cls, raw)
         if errors:
+            try:  # report the other fields' problems too, not only the bounds
+                base(raw, cls)
+            except ClassValidationError as exc:  # field problems; not the class's own check
+                errors.extend(e for e in exc.exceptions if _field_of(e) is not None)
+            except Exception:  # the class's own check of what the bounds refused
+                pass
             raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
         return base(raw, cls)
 
@@ -194,6 +231,10 @@ CONVERTER.register_structure_hook(float, _float)
 CONVERTER.register_structure_hook(bool, _bool)
 CONVERTER.register_structure_hook(str, _str)
 CONVERTER.register_structure_hook_func(_is_sequence, _sequence)
+CONVERTER.register_structure_hook_func(_is_literal, _literal)
+# StrEnum before str: singledispatch follows the MRO, and a StrEnum is a str.
+CONVERTER.register_structure_hook(enum.StrEnum, _enum)
+CONVERTER.register_structure_hook(enum.Enum, _enum)
 CONVERTER.register_structure_hook_factory(attrs.has, _structure_attrs)
 
 
@@ -217,6 +258,14 @@ def _key_path(path: str) -> str:
 def _format(exc: BaseException, type_: type | None) -> str:
     if isinstance(exc, ValueProblem | TaprouteError):
         return str(exc)
+    if isinstance(exc, ForbiddenExtraKeysError):
+        unknown = ", ".join(repr(key) for key in sorted(exc.extra_fields))
+        known = exc.cl.__name__ if exc.cl is not None else "this table"
+        if exc.cl is not None and attrs.has(exc.cl):
+            omitted = OMITTED.get(exc.cl, ())
+            names = [f.name for f in attrs.fields(exc.cl) if f.name not in omitted]
+            known = ", ".join(names)
+        return f"unknown key(s) {unknown}; expected keys: {known}"
     return format_exception(exc, type_)
 
 
