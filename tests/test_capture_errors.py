@@ -95,6 +95,27 @@ def test_lengths_and_mask_must_have_one_row_per_key():
         capture_context(range(2), lengths=[1, -1]).__enter__()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"keys": ["a", "b"]}, r"keys\[0\] = 'a' is not an integer \(str\)"),
+        ({"keys": [1.5, 2]}, r"keys\[0\] = 1.5 is not an integer \(float\)"),
+        ({"keys": [1, 2**64]}, r"keys\[1\] = 18446744073709551616 is outside int64"),
+        ({"keys": 7}, "keys must be a sequence of integers, found int"),
+        ({"keys": [1, 2], "lengths": [3, 2.5]}, r"lengths\[1\] = 2.5 is not an integer"),
+        ({"keys": [1], "step": 1.0}, r"step = 1.0 is not an integer"),
+    ],
+)
+def test_keys_lengths_and_step_must_be_integers_not_truncated_or_parsed(kwargs, message):
+    with pytest.raises(ContextMismatch, match=message):
+        capture_context(**kwargs).__enter__()
+
+
+def test_numpy_and_torch_integer_keys_are_taken():
+    with capture_context(np.arange(3), lengths=torch.tensor([1, 2, 3]), step=np.int64(4)):
+        pass
+
+
 def test_a_mask_narrower_than_the_output_is_an_error():
     model = gpt2()
     with runtime() as rt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
@@ -67,6 +68,33 @@ class CaptureContext:
         return self.counts is not None
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _integers(name: str, values: Any, *, indexed: bool = True) -> tuple[int, ...]:
+    """``values`` as Python ints, each an integer (no float truncated, no string
+    parsed) in int64's range; the error names the argument and the item."""
+    try:
+        items = list(values)
+    except TypeError:
+        raise ContextMismatch(
+            f"capture_context: {name} must be a sequence of integers, found {type(values).__name__}"
+        ) from None
+    out = []
+    for i, value in enumerate(items):
+        where = f"{name}[{i}]" if indexed else name
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise ContextMismatch(
+                f"capture_context: {where} = {value!r} is not an integer ({type(value).__name__})"
+            ) from None
+        if not _INT64[0] <= number <= _INT64[1]:
+            raise ContextMismatch(f"capture_context: {where} = {number} is outside int64")
+        out.append(number)
+    return tuple(out)
+
+
 def build_context(
     keys: Sequence[int],
     *,
@@ -75,12 +103,13 @@ def build_context(
     step: int = 0,
 ) -> CaptureContext:
     """Check and precompute a :class:`CaptureContext` (see :func:`capture_context`)."""
-    key_tuple = tuple(int(k) for k in keys)
+    key_tuple = _integers("keys", keys)
+    (step,) = _integers("step", (step,), indexed=False)
     rows = len(key_tuple)
     if lengths is not None and attention_mask is not None:
         raise CaptureError("capture_context: give lengths or attention_mask, not both")
     if lengths is not None:
-        counts = np.asarray([int(n) for n in lengths], dtype=np.int64)
+        counts = np.asarray(_integers("lengths", lengths), dtype=np.int64)
         if len(counts) != rows:
             raise ContextMismatch(
                 f"capture_context: {len(counts)} lengths for {rows} keys (one length per row)"
