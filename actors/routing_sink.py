@@ -68,6 +68,16 @@ if TYPE_CHECKING:
     from taproute.routing.trace import TraceResult
 
 
+def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
+    """A store's bound ``handle`` given as ``on_failure`` (``DeadLetterStore(p).handle``)
+    names its letters' hooks from this sink's registry, unless it already has one:
+    without names, a letter shows ``#<output_id>`` and no route takes its reroute."""
+    store = getattr(on_failure, "__self__", None)
+    attach = getattr(store, "attach_hooks", None)
+    if callable(attach) and getattr(store, "hooks", hooks) is None:
+        attach(hooks)
+
+
 class RoutingSink(Reloading):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
@@ -108,6 +118,7 @@ class RoutingSink(Reloading):
         self.schema = schema
         self._on_failure = on_failure
         self._registry = registry
+        _name_hooks_of(on_failure, self.hooks)
         #: Every give-up of every route is logged here (rate-limited per route).
         self.give_up_log = GiveUpLog()
         self._in_flight = InFlight()

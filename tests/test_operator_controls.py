@@ -42,6 +42,47 @@ def request(url: str, method: str = "GET", token: str | None = None) -> tuple[in
         return error.code, json.loads(error.read())
 
 
+@pytest.mark.parametrize("given_to", ["on_failure", "runtime"])
+def test_a_store_made_as_the_readme_shows_names_hooks_and_reroutes(tmp_path, given_to):
+    """``DeadLetterStore(path)`` (no ``hooks=``) as ``on_failure=store.handle``, or
+    as the runtime's ``dead_letters``, names its letters' hooks, so a reroute
+    finds the route again (the letter said ``#0`` and every reroute was refused)."""
+    store = DeadLetterStore(tmp_path / "dead.sqlite")
+
+    async def keep(failure: RecordFailure) -> None:  # not the store's bound method
+        await store.handle(failure)
+
+    out = CaptureSink()
+    sink = RoutingSink(
+        RoutingConfig(
+            [Route("r", "*", "out", mode="stateless", processor="fail.invalid_when_broken")]
+        ),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        on_failure=store.handle if given_to == "on_failure" else keep,
+    )
+    SCRIPT.broken = True
+    with create_record_runtime(
+        record_sink=sink, http=HttpConfig(port=0), dead_letters=store
+    ) as runtime:
+        (url,) = runtime.http_urls
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        batch = vec_batch(q, 1)
+        runtime.submit_batch(batch.descriptors, batch.payload)
+        runtime.flush()
+        status, letters = request(f"{url}/dead-letters")
+        assert status == 200 and [d["hook"] for d in letters] == ["layers.0.q"]
+        for bad in ("nan", "inf", "-5"):  # refused, not an empty or a full list
+            status, body = request(f"{url}/dead-letters?older_than={bad}")
+            assert status == 400 and "finite number of seconds" in body["error"]
+        SCRIPT.broken = False
+        assert runtime.reroute(letters[0]["id"]).state == "rerouted"
+        runtime.flush()
+    assert store.get(letters[0]["id"]).state == "rerouted"
+    assert len(out.rows("r")) == 1
+
+
 def test_dead_letter_controls_over_http_need_the_token(tmp_path):
     hooks = HookRegistry()
     store = DeadLetterStore(tmp_path / "dead.sqlite", hooks=hooks)

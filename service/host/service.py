@@ -62,6 +62,8 @@ class RecordService(RecordRuntime):
         self.http_urls: list[str] = []
         #: Where the routing sink's given-up records are kept (for the controls).
         self.dead_letters = dead_letters
+        if dead_letters is not None and dead_letters.hooks is None:
+            dead_letters.attach_hooks(self.hooks)  # letters name their hook, reroutes find it
         # Checked once: a sink that can trace gets the /trace endpoint.
         self._trace = record_sink.trace if isinstance(record_sink, Traceable) else None
         if http is not None:

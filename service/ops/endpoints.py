@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -142,6 +143,10 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             older_than = float(query["older_than"]) if "older_than" in query else None
         except ValueError:
             return json_error(400, f"older_than must be seconds, got {query['older_than']!r}")
+        if older_than is not None and not 0 <= older_than < math.inf:
+            return json_error(
+                400, f"older_than must be a finite number of seconds >= 0, got {older_than}"
+            )
         state = query.get("state", "dead")
         if state not in ("dead", "skipped", "rerouted", "all"):
             return json_error(400, f"state must be dead, skipped, rerouted or all, got {state!r}")
