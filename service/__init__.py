@@ -44,15 +44,25 @@ from taproute.routing.causal import (
     CausalSnapshot,
 )
 from taproute.routing.chains import ChainCycle, ChainError
+from taproute.routing.errors import (
+    ConfigError,
+    PayloadSizeMismatch,
+    PlanErrors,
+    RerouteRefused,
+    RoutingFailure,
+    SinkClosed,
+    UnboundOutputId,
+)
 from taproute.routing.refusals import Refusal, UnmatchedSample
 from taproute.routing.root_ledger import RootLedger
+from taproute.service.host.config import BuiltService, ConfigFileError, load_config
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.http import HttpConfig
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.host.reload import ConfigReloader
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
-from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.ops.dead_letters import DeadLetterNotFound, DeadLetterStore
 from taproute.service.replay import (
     ClickHouseCorpus,
     ClickHouseTable,
@@ -82,6 +92,7 @@ from taproute.service.sinks.clickhouse.readback import (
     load_rows,
 )
 from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
+from taproute.service.sinks.spool.log import SpoolLocked
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 
 __all__ = [
@@ -154,4 +165,18 @@ __all__ = [
     "open_routing_sink",
     "stateful_processor",
     "stateless_processor",
+]
+__all__ += [
+    "BuiltService",
+    "ConfigError",
+    "ConfigFileError",
+    "DeadLetterNotFound",
+    "PayloadSizeMismatch",
+    "PlanErrors",
+    "RerouteRefused",
+    "RoutingFailure",
+    "SinkClosed",
+    "SpoolLocked",
+    "UnboundOutputId",
+    "load_config",
 ]
