@@ -193,3 +193,24 @@ async def test_a_broken_predicate_fails_its_route_only_naming_it():
     (failure,) = failures
     assert failure.route == "odd" and len(failure.records) == 3
     assert "predicate returned shape (1,), expected (3,)" in str(failure.error)
+
+
+class _NotStarted(NullSink):
+    """A background sink handed over as is, its ``run()`` never started."""
+
+    running = False
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+
+def test_a_sink_that_cannot_start_raises_its_own_error_not_a_nursery_group():
+    from taproute.routing import ConfigError
+    from taproute.service import create_record_runtime
+
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "*", "ch")]), SCHEMA, {"ch": _NotStarted()}, unmatched="drop"
+    )
+    with pytest.raises(ConfigError, match="destination 'ch' is a leased sink") as caught:
+        create_record_runtime(record_sink=sink)
+    assert not isinstance(caught.value, BaseExceptionGroup)

@@ -53,6 +53,13 @@ from taproute.service.host.ingress import Control, Ingress, WhenFull
 LoopTask = Callable[..., Awaitable[object]]
 
 
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups (Trio nurseries wrap)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
     """Hosts a record sink on a Trio loop in a dedicated thread: the sync shell
     of the producer surface (:mod:`taproute.routing.producer`).
@@ -160,6 +167,7 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
         try:
             trio.run(self._main)
         except BaseException as exc:  # the loop died: refuse producers, fail waiters
+            exc = _sole(exc)  # a sink refusing to start is its error, not a nursery's group
             error = exc if isinstance(exc, Exception) else RuntimeError(f"loop stopped: {exc!r}")
             if not self._ready.is_set():
                 self._start_error = error
