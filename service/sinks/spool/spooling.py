@@ -14,10 +14,11 @@ Modes (``mode``):
 - ``"outage"`` (default): while the destination is healthy and the spool
   empty, batches take the inner sink's own batched path (the ClickHouse
   sink's rows / bytes / linger buffers), untouched.  A block whose insert
-  fails is handed back (:class:`~.delivery.HandsOverFailures`): unreachable,
-  it goes to the spool under the token it was tried with and new batches
-  follow it there until the spool has drained; refused, it is split until
-  only the refused records are left, which are dead-lettered.  When the
+  fails is handed back (:class:`~.delivery.HandsOverFailures`) and goes to
+  the spool under the token it was tried with, new batches following it
+  there until the spool has drained; the drain loop retries it while the
+  destination is unreachable, and splits it if refused until only the
+  refused records are left, which are dead-lettered.  When the
   inner sink is behind (its backlog past ``spill_at`` of its limit), batches
   go to the spool instead of waiting (*spilled*), and drain back in order.
 - ``"always"``: every batch is appended to the spool before ``submit``
@@ -205,15 +206,14 @@ class SpoolingSink:
             self.counters.shed_records += sum(len(b) for b in batches)
 
     async def _failed_block(self, batches: list[Batch], token: str, error: BaseException) -> None:
-        """The inner sink's block failed: spool it (unreachable) or split it (refused)."""
-        records = sum(len(b) for b in batches)
-        self._in_inner -= records
+        """The inner sink's block failed: spool it under the token it was tried
+        with.  Unreachable, the destination is unhealthy from now; refused,
+        the drain loop splits it (durable first, and never holding up the
+        inner sink's flush while the split's tries wait out an outage)."""
+        self._in_inner -= sum(len(b) for b in batches)
         if self._delivery.transient(error):
             self._delivery.unreachable(error)
-            await self._append(batches, token)
-            return
-        delivered = await self._delivery.settle(batches, token, error)
-        self.counters.delivered_records += delivered
+        await self._append(batches, token)
 
     def _inserted(self, records: int, batches: int) -> None:
         self._in_inner -= records
