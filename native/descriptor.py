@@ -136,6 +136,22 @@ def make_descriptors(
                 break
         else:
             count = 1
+    arguments: dict[str, IntArrayLike | None] = {
+        "output_ids": output_ids,
+        "lengths": lengths,
+        "offsets": offsets,
+        "layout_ids": layout_ids,
+        "keys": keys,
+        "steps": steps,
+        "seqs": seqs,
+        "timestamps_ns": timestamps_ns,
+    }
+    for name, given in arguments.items():
+        if given is not None and np.ndim(given) > 0 and np.shape(given) != (count,):
+            raise DescriptorFieldError(
+                f"make_descriptors: {name} has shape {np.shape(given)}, expected ({count},) "
+                "(one per record) or a scalar"
+            )
     desc = np.zeros(count, dtype=DESCRIPTOR_DTYPE)
     desc["output_id"] = _checked("output_id", output_ids)
     desc["layout_id"] = _checked("layout_id", layout_ids)

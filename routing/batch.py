@@ -29,7 +29,14 @@ def readonly_bytes(buffer: Any) -> Payload:
             raise RecordError("payload array must be C-contiguous (a copy would be silent)")
         view = buffer.reshape(-1).view(np.uint8)
     else:
-        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+        try:
+            raw = memoryview(buffer)
+        except TypeError:
+            raise RecordError(
+                "payload must be bytes-like (bytes, bytearray, memoryview or a numpy array), "
+                f"found {type(buffer).__name__}"
+            ) from None
+        view = np.frombuffer(raw.cast("B"), dtype=np.uint8)
     if view.flags.writeable:
         view = view.view()
         view.flags.writeable = False

@@ -74,8 +74,15 @@ class SizeRule:
 
     def mismatch(self, size: int, *, hook: str) -> PayloadSizeMismatch:
         """The error for a payload of ``size`` bytes that does not fit."""
+        if self.fixed:
+            expected = f"{self.fixed} bytes"
+        elif self.prefix:
+            expected = f"{self.prefix} bytes then a multiple of {self.element}"
+        else:
+            expected = f"a multiple of {self.element} bytes"
         return PayloadSizeMismatch(
-            f"hook {hook!r}: payload of {size} bytes does not fit layout {self.layout!r}"
+            f"hook {hook!r}: payload of {size} bytes does not fit layout {self.layout!r} "
+            f"(expected {expected})"
         )
 
 

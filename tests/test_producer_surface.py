@@ -141,3 +141,55 @@ def test_the_service_object_is_the_runtime_not_a_copy_of_its_methods():
         for name in ("submit", "submit_batch", "offer_batch", "flush", "complete", "snapshot"):
             assert getattr(type(service), name) is getattr(RecordRuntime, name), name
         assert service.counters().routes.keys() == {"raw", "sums"}
+
+
+def test_what_a_producer_hands_in_wrong_is_named_with_what_was_expected():
+    """A payload that is not bytes-like, a size off the layout's rule, and
+    make_descriptors' arrays of the wrong length are refused by name (a str
+    payload raised memoryview's TypeError; a 3-key array for count=2, numpy's
+    broadcast error; a size mismatch did not say what would fit)."""
+    from taproute.routing import PayloadSizeMismatch, RecordError
+
+    with create_record_runtime(record_sink=_sink(NullSink())) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        t = runtime.bind_hook("layers.1.tokens", layout="tokens")
+        with pytest.raises(RecordError, match="payload must be bytes-like .* found str"):
+            runtime.submit(q, "abcd" * 4)
+        with pytest.raises(RecordError, match="payload must be bytes-like .* found list"):
+            runtime.submit_batch(make_descriptors(q, 16), [0.0] * 4)
+        with pytest.raises(PayloadSizeMismatch, match=r"'vec' \(expected 16 bytes\)"):
+            runtime.submit(q, b"x" * 12)
+        with pytest.raises(
+            PayloadSizeMismatch, match=r"'tokens' \(expected 4 bytes then a multiple of 4\)"
+        ):
+            runtime.submit(t, b"x" * 6)
+        runtime.submit(q, np.ones(4, np.float32))  # what was accepted is still delivered
+        runtime.flush()
+        assert runtime.counters().routes["raw"].processed == 1
+    with pytest.raises(DescriptorFieldError, match=r"keys has shape \(3,\), expected \(2,\)"):
+        make_descriptors(0, 16, count=2, keys=np.arange(3))
+
+
+def test_a_flush_that_times_out_says_so():
+    """``flush(timeout=...)`` past its time raises a TimeoutError saying what
+    happened (it was concurrent.futures' bare, empty one)."""
+    import threading
+
+    import trio
+
+    class HeldFlush(NullSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        async def flush(self) -> None:
+            await trio.to_thread.run_sync(self.release.wait)
+            await super().flush()
+
+    held = HeldFlush()
+    with create_record_runtime(record_sink=_sink(held)) as runtime:
+        with pytest.raises(TimeoutError, match=r"flush: not done within 0.05 s"):
+            runtime.flush(timeout=0.05)
+        held.release.set()
+        runtime.flush()
+    assert held.flushes >= 1

@@ -402,7 +402,13 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
         """
         if self._thread is None:
             raise SinkClosed("runtime not started")
-        self._ingress.put_control("flush").result(timeout)
+        try:
+            self._ingress.put_control("flush").result(timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"flush: not done within {timeout} s; what was submitted is still being "
+                "delivered (call flush again to wait for it)"
+            ) from None
 
     # -- key lifecycle (thread-safe; ordered with the records submitted before) --
 
