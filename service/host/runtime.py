@@ -2,9 +2,11 @@
 thread-safe ``submit``, and nothing else.
 
 It owns the thread, the ingress and the record worker that feeds the record
-sink.  What else runs on the same loop (the HTTP endpoint, operator
-controls) is composed around it by :class:`~taproute.service.host.service.RecordService`,
-which is what :func:`~taproute.service.host.service.create_record_runtime` returns.
+sink; the controls ordered with the records (flush, close, keys, reload) are
+:class:`~taproute.service.host.sink_controls.SinkControls`.  What else runs on
+the same loop (the HTTP endpoint, operator controls) is composed around it
+by :class:`~taproute.service.host.service.RecordService`, which is what
+:func:`~taproute.service.host.service.create_record_runtime` returns.
 
 Crossing into Trio costs one ``run_sync_soon`` per wake-up, never one per
 record.  ``submit_batch`` never copies the payload; ``submit`` copies its
@@ -16,8 +18,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
-from contextlib import suppress
 from typing import Any, Self
 
 import trio
@@ -27,12 +27,9 @@ from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
-from taproute.routing.keys import KeyAction, request_keys
+from taproute.routing.keys import KeyAction
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
-from taproute.routing.plan import Unmatched
-from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.producer import Producer
-from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     DescribesRecords,
@@ -47,6 +44,7 @@ from taproute.routing.sink import (
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import Control, Ingress, WhenFull
+from taproute.service.host.sink_controls import SinkControls
 
 #: Something else to host on the runtime's loop: started with ``nursery.start``
 #: before the runtime reports itself running, cancelled once the sink is closed.
@@ -60,7 +58,7 @@ def _sole(exc: BaseException) -> BaseException:
     return exc
 
 
-class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
+class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
     """Hosts a record sink on a Trio loop in a dedicated thread: the sync shell
     of the producer surface (:mod:`taproute.routing.producer`).
 
@@ -232,41 +230,6 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
             finally:
                 self._ingress.done(records, nbytes)
 
-    async def _control(self, control: Control) -> bool:
-        """Run a flush or close; returns True when the worker should stop."""
-        try:
-            self._latch.raise_if_failed()
-            if control.kind == "reload":
-                return await self._reload(control)
-            if control.kind == "flush":
-                await self.record_sink.flush()
-            elif isinstance(control.kind, KeyAction):
-                assert self._keys is not None
-                await self._keys[control.kind](*control.keys)
-            else:
-                await self.record_sink.close()
-        except Exception as exc:
-            failure = self._latch.latch(exc, where=f"record sink {control.kind}")
-            self._ingress.fail(failure)
-            if control.kind == "close":
-                with suppress(Exception):  # already failing; the first error stands
-                    await self.record_sink.close()
-            control.future.set_exception(failure)
-        else:
-            control.future.set_result(None)
-        return control.kind == "close"
-
-    async def _reload(self, control: Control) -> bool:
-        """Swap in a prepared generation; a refusal is the caller's, not a failure."""
-        assert self._reloads is not None
-        try:
-            number = await self._reloads.swap(control.payload)
-        except Exception as exc:
-            control.future.set_exception(exc)
-        else:
-            control.future.set_result(number)
-        return False
-
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""
         self.close(timeout)
@@ -409,89 +372,6 @@ class RecordRuntime(Producer[ServiceSnapshot], ClosesOnExit):
                 f"flush: not done within {timeout} s; what was submitted is still being "
                 "delivered (call flush again to wait for it)"
             ) from None
-
-    # -- key lifecycle (thread-safe; ordered with the records submitted before) --
-
-    def complete(self, *keys: int) -> Future[None]:
-        """Complete ``keys`` after every record of theirs submitted before (see
-        :meth:`RoutingSink.complete`).  Never waits: returns a future done once
-        the completion is queued in order; :meth:`flush` waits for its rows."""
-        return self._key_control(KeyAction.COMPLETE, keys)
-
-    def cancel(self, *keys: int) -> Future[None]:
-        """Cancel ``keys``: their queued records discarded, slots cleared, no finalize."""
-        return self._key_control(KeyAction.CANCEL, keys)
-
-    def reopen(self, *keys: int) -> Future[None]:
-        """Let completed or cancelled ``keys`` take records again."""
-        return self._key_control(KeyAction.REOPEN, keys)
-
-    def _key_control(self, kind: KeyAction, keys: tuple[int, ...]) -> Future[None]:
-        if self._keys is None:
-            raise TypeError(
-                f"{kind}: the record sink {type(self.record_sink).__name__} keeps no keys "
-                "(a RoutingSink does)"
-            )
-        checked = request_keys(keys)
-        if self._thread is None:
-            raise SinkClosed("runtime not started")
-        return self._ingress.put_control(kind, checked)
-
-    # -- configuration generations -------------------------------------------
-
-    def reload(
-        self,
-        config: RoutingConfig,
-        *,
-        default_destination: str | None = None,
-        unmatched: Unmatched | None = None,
-        registry: ProcessorRegistry | None = None,
-        timeout: float | None = None,
-    ) -> int:
-        """Replace the routes by ``config``, a new configuration generation;
-        returns its number.  Any thread but the loop's.
-
-        The generation is built and checked here, beside the running one (every
-        check the sink's construction makes); a configuration with problems
-        raises them all (:class:`~taproute.routing.errors.PlanErrors`, each at
-        its location) and the running generation goes on.  Otherwise it is
-        swapped in in submission order: records submitted before this call
-        finish under the generation that accepted them, later ones route under
-        the new one; records parked for a retry are tried again at once under
-        it (see :meth:`RoutingSink.swap`).  Options as :meth:`RoutingSink.prepare`.
-        """
-        if self._reloads is None:
-            raise TypeError(
-                f"reload: the record sink {type(self.record_sink).__name__} has no "
-                "configuration generations (a RoutingSink does)"
-            )
-        generation = self._reloads.prepare(
-            config, default_destination=default_destination, unmatched=unmatched, registry=registry
-        )
-        return self.swap(generation, timeout=timeout)
-
-    def swap(self, generation: Any, *, timeout: float | None = None) -> int:
-        """Apply a generation the sink prepared (``record_sink.prepare(...)``), in
-        submission order; returns its number (see :meth:`reload`)."""
-        if self._reloads is None:
-            raise TypeError("swap: the record sink has no configuration generations")
-        if self._thread is None:
-            generation.detach()
-            raise SinkClosed("runtime not started")
-        future = self._ingress.put_control("reload", payload=generation)
-        try:
-            number: int = future.result(timeout)
-        except TimeoutError:
-            raise  # still queued: it may yet be swapped in
-        except BaseException:
-            generation.detach()  # never swapped in (idempotent if it was refused there)
-            raise
-        return number
-
-    @property
-    def generation(self) -> int:
-        """The configuration generation routing new records (0: a sink without any)."""
-        return 0 if self._reloads is None else self._reloads.generation
 
     # -- observation -------------------------------------------------------
 
