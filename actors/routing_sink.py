@@ -21,7 +21,8 @@ The routes belong to a configuration *generation* (``generation.py``):
 :meth:`RoutingSink.reload` (``reloading.py``) builds the next one beside the
 running one and swaps it in between two batches.
 
-Dead letters' copies take their own path (``reroute.py``); a Trio program
+Key controls, dead letters' reroutes (their own path: ``reroute.py``) and
+tracing are :class:`~taproute.actors.sink_operations.SinkOperations`; a Trio program
 runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,10 +43,9 @@ from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.generation import Generation
 from taproute.actors.inflight import InFlight
-from taproute.actors.owners import StatefulRoute
-from taproute.actors.reloading import Reloading
 from taproute.actors.reroute import Rerouter
 from taproute.actors.route_actor import RouteActor
+from taproute.actors.sink_operations import SinkOperations
 from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED
@@ -54,7 +54,6 @@ from taproute.routing.errors import RoutingFailure, SinkClosed
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
-from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
 from taproute.routing.plan import Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
@@ -63,9 +62,6 @@ from taproute.routing.refusals import Decline, RefusalLog
 from taproute.routing.root_ledger import RootLedger
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
-
-if TYPE_CHECKING:
-    from taproute.routing.trace import TraceResult
 
 
 def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
@@ -78,7 +74,7 @@ def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
         attach(hooks)
 
 
-class RoutingSink(Reloading):
+class RoutingSink(SinkOperations):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
     Construction checks everything (unknown processor, destination or layout,
@@ -331,86 +327,6 @@ class RoutingSink(Reloading):
             declines.append((gen.routes[index].name, positions, reason))
 
         return narrow(groups, n, verdicts, declined)
-
-    # -- rerouting dead letters ---------------------------------------------------
-
-    def reroute_targets(self, hook: str, route: str) -> None:
-        """Raise :class:`RerouteRefused` unless ``route`` exists and takes ``hook``."""
-        self._rerouter.check_target(hook, route)
-
-    def reroute_from_thread(
-        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
-    ) -> None:
-        """Send a dead letter's copy to ``routes`` only (not through the route
-        table nor predicates), from a thread other than the loop's; returns once
-        the routes took it.  A copy that fails again is linked to ``letter_id``."""
-        token, nursery = self._token, self._nursery
-        if token is None or nursery is None or not self.running:
-            raise SinkClosed("the routing sink is not running; reroute refused")
-        self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id)
-
-    def trace(self, hook: str, **fields: Any) -> TraceResult:
-        """Where a record of ``hook`` with these descriptor fields would go, and why.
-
-        A dry run: route predicates run, nothing else (no processor, no write).
-        What submission would refuse is refused first (an unbound hook; with
-        ``length``, a payload size its ``layout`` does not allow).  A record no
-        route takes comes back with its refusals and this sink's recent
-        unmatched records of the hook.
-        """
-        # The dry-run module stays off the hot path.
-        from taproute.routing.trace import trace_descriptor, traced_descriptor
-
-        descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
-        gen = self._gen
-        result = trace_descriptor(gen.plan, hook, descriptors, generation=gen.number)
-        if not any(v.verdict == "match" for v in result.verdicts):
-            result.recent_unmatched.extend(self.refusals.recent(hook))
-        return result
-
-    @property
-    def causal_ledger(self) -> RootLedger:
-        """The roots and their pinned limits (the same for every generation of
-        this sink; a new sink given it keeps the limits of roots in flight)."""
-        return self.causal.ledger
-
-    # -- key lifecycle -------------------------------------------------------
-
-    async def complete(self, *keys: int) -> None:
-        """End ``keys`` on every stateful route, after the records of theirs
-        submitted before: then each processor's ``finalize`` emits the key's
-        final rows and its slot is cleared.  Later records of those keys are
-        ``terminal`` until :meth:`reopen`.
-
-        Returns once the completion is queued in order; :meth:`flush` waits for
-        it (and its rows) to be done.
-        """
-        await self._key_control(KeyAction.COMPLETE, keys)
-
-    async def cancel(self, *keys: int) -> None:
-        """End ``keys`` on every stateful route now: their records still queued are
-        discarded (counted ``cancelled_records``), their slots cleared without
-        ``finalize``.  Later records of those keys are ``terminal``."""
-        await self._key_control(KeyAction.CANCEL, keys)
-
-    async def reopen(self, *keys: int) -> None:
-        """Let completed or cancelled ``keys`` take records again (a reused id)."""
-        await self._key_control(KeyAction.REOPEN, keys)
-
-    async def _key_control(self, action: KeyAction, keys: tuple[int, ...]) -> None:
-        self._check_open()
-        request = np.array(request_keys(keys), dtype=np.int64)
-        async with self._lock:
-            gen = self._gen
-            if any(isinstance(r, StatefulRoute) and r.planned.derived_from for r in gen.routes):
-                # A stateful route that takes derived records gets them only once
-                # the routes before it processed what was accepted before this
-                # control: wait for that (nothing new is accepted meanwhile), so
-                # a complete does not overtake them either.
-                await self._in_flight.wait_idle()
-            for route in gen.routes:
-                if isinstance(route, StatefulRoute):
-                    await route.key_control(action, request)
 
     async def _unmatched(self, batch: RecordBatch) -> None:
         default = self._gen.default

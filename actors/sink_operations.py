@@ -1,0 +1,122 @@
+"""What operators do to a running routing sink besides routing batches: end
+keys (complete/cancel/reopen), send dead letters' copies back to routes, and
+trace where a record would go.
+
+:class:`SinkOperations` is that part of
+:class:`~taproute.actors.routing_sink.RoutingSink`; the sink sets every
+attribute it uses in its constructor and ``run``.  Key controls take the
+sink's lock, so they are ordered with the batches submitted before them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from taproute.actors.owners import StatefulRoute
+from taproute.actors.reloading import Reloading
+from taproute.routing.errors import SinkClosed
+from taproute.routing.keys import KeyAction, request_keys
+from taproute.routing.refusals import RefusalLog
+from taproute.routing.root_ledger import RootLedger
+
+if TYPE_CHECKING:
+    from taproute.routing.trace import TraceResult
+
+
+class SinkOperations(Reloading):
+    """Key controls, dead letters' reroutes and tracing of a routing sink."""
+
+    #: Recent records no route took, per hook, with each route's refusal.
+    refusals: RefusalLog
+    _token: trio.lowlevel.TrioToken | None
+
+    @property
+    def running(self) -> bool:
+        """True while the sink runs (the sink says)."""
+        raise NotImplementedError
+
+    # -- rerouting dead letters ---------------------------------------------------
+
+    def reroute_targets(self, hook: str, route: str) -> None:
+        """Raise :class:`RerouteRefused` unless ``route`` exists and takes ``hook``."""
+        self._rerouter.check_target(hook, route)
+
+    def reroute_from_thread(
+        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
+    ) -> None:
+        """Send a dead letter's copy to ``routes`` only (not through the route
+        table nor predicates), from a thread other than the loop's; returns once
+        the routes took it.  A copy that fails again is linked to ``letter_id``."""
+        token, nursery = self._token, self._nursery
+        if token is None or nursery is None or not self.running:
+            raise SinkClosed("the routing sink is not running; reroute refused")
+        self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id)
+
+    def trace(self, hook: str, **fields: Any) -> TraceResult:
+        """Where a record of ``hook`` with these descriptor fields would go, and why.
+
+        A dry run: route predicates run, nothing else (no processor, no write).
+        What submission would refuse is refused first (an unbound hook; with
+        ``length``, a payload size its ``layout`` does not allow).  A record no
+        route takes comes back with its refusals and this sink's recent
+        unmatched records of the hook.
+        """
+        # The dry-run module stays off the hot path.
+        from taproute.routing.trace import trace_descriptor, traced_descriptor
+
+        descriptors = traced_descriptor(self.hooks, self.schema, hook, **fields)
+        gen = self._gen
+        result = trace_descriptor(gen.plan, hook, descriptors, generation=gen.number)
+        if not any(v.verdict == "match" for v in result.verdicts):
+            result.recent_unmatched.extend(self.refusals.recent(hook))
+        return result
+
+    @property
+    def causal_ledger(self) -> RootLedger:
+        """The roots and their pinned limits (the same for every generation of
+        this sink; a new sink given it keeps the limits of roots in flight)."""
+        return self.causal.ledger
+
+    # -- key lifecycle -------------------------------------------------------
+
+    async def complete(self, *keys: int) -> None:
+        """End ``keys`` on every stateful route, after the records of theirs
+        submitted before: then each processor's ``finalize`` emits the key's
+        final rows and its slot is cleared.  Later records of those keys are
+        ``terminal`` until :meth:`reopen`.
+
+        Returns once the completion is queued in order; :meth:`flush` waits for
+        it (and its rows) to be done.
+        """
+        await self._key_control(KeyAction.COMPLETE, keys)
+
+    async def cancel(self, *keys: int) -> None:
+        """End ``keys`` on every stateful route now: their records still queued are
+        discarded (counted ``cancelled_records``), their slots cleared without
+        ``finalize``.  Later records of those keys are ``terminal``."""
+        await self._key_control(KeyAction.CANCEL, keys)
+
+    async def reopen(self, *keys: int) -> None:
+        """Let completed or cancelled ``keys`` take records again (a reused id)."""
+        await self._key_control(KeyAction.REOPEN, keys)
+
+    async def _key_control(self, action: KeyAction, keys: tuple[int, ...]) -> None:
+        self._check_open()
+        request = np.array(request_keys(keys), dtype=np.int64)
+        async with self._lock:
+            gen = self._gen
+            if any(isinstance(r, StatefulRoute) and r.planned.derived_from for r in gen.routes):
+                # A stateful route that takes derived records gets them only once
+                # the routes before it processed what was accepted before this
+                # control: wait for that (nothing new is accepted meanwhile), so
+                # a complete does not overtake them either.
+                await self._in_flight.wait_idle()
+            for route in gen.routes:
+                if isinstance(route, StatefulRoute):
+                    await route.key_control(action, request)
+
+
+__all__ = ["SinkOperations"]
