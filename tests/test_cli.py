@@ -158,6 +158,22 @@ def test_bad_ids_tokens_and_unreachable_services_are_one_line(capsys, tmp_path):
     assert store.read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rate", "-5"], "--rate: must be in (0, 1e9] records per second, got -5"),
+        (["--rate", "nan"], "--rate: must be in (0, 1e9] records per second, got nan"),
+        (["--duration", "-1"], "--duration: must be in [0, 86400] seconds, got -1"),
+    ],
+)
+def test_run_refuses_a_rate_or_duration_it_cannot_pace(capsys, tmp_path, argv, message):
+    """A negative rate reached time.sleep and ended in a traceback."""
+    config = tmp_path / "router.toml"
+    config.write_text("")
+    line = one_line_error(capsys, ["run", "--config", str(config), *argv], 2)
+    assert line.endswith(f"{message} (see --help)")
+
+
 def test_offline_reroute_while_the_service_holds_chdb_is_one_line(tmp_path):
     data = tmp_path / "data"
     store = letters_store(tmp_path / "dead.sqlite")

@@ -44,6 +44,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def rate(text: str) -> float:
+    """Records per second: a finite number above 0 (at most a billion)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1e9:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1e9] records per second, got {text}")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error on one line (``taproute dead-letters: error: ...``)."""
 

@@ -45,8 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="drive a configured router with synthetic records, serving HTTP"
     )
     run_parser.add_argument("--config", type=Path, required=True)
-    run_parser.add_argument("--rate", type=float, default=10_000.0, help="records per second")
-    run_parser.add_argument("--duration", type=float, default=10.0, help="seconds")
+    run_parser.add_argument(
+        "--rate", type=arguments.rate, default=10_000.0, help="records per second"
+    )
+    run_parser.add_argument("--duration", type=arguments.seconds, default=10.0, help="seconds")
     run_parser.add_argument(
         "--call-timeout",
         type=arguments.seconds,
@@ -80,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
         "--route", help="list: only this route's letters; reroute: send the copy to this route"
     )
     letters.add_argument("--code")
-    letters.add_argument("--older-than", type=float, help="seconds since the last failure")
+    letters.add_argument(
+        "--older-than", type=arguments.seconds, help="seconds since the last failure"
+    )
     letters.add_argument("--state", default="dead", choices=["dead", "skipped", "rerouted", "all"])
 
     from taproute.service.replay import cli as replay_cli
