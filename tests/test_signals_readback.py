@@ -64,3 +64,16 @@ def test_rows_filters_need_the_columns_the_layout_has(raw):
 
     with pytest.raises(ReadBackError, match="has no 'key' column"):
         load_rows(raw, "whatever", twonn.SIGNALS.outputs[0], key=3)
+
+
+def test_a_missing_table_or_a_hook_that_is_not_a_name_is_a_read_back_error(raw):
+    """Not chDB's UNKNOWN_TABLE exception, nor a TypeError from inside the filter."""
+    from taproute.service.signals import twonn
+
+    with pytest.raises(ReadBackError, match=r"table 'rb_nope' does not exist in chDB at "):
+        load_captures(raw, "rb_nope")
+    with pytest.raises(ReadBackError, match=r"table 'rb_nope' does not exist"):
+        load_rows(raw, "rb_nope", twonn.SIGNALS.outputs[0])
+    with pytest.raises(ReadBackError, match=r"hook must be a name or a glob \(str\), got int"):
+        load_captures(raw, TABLE, hook=5)  # type: ignore[arg-type]
+    assert len(load_captures(raw, TABLE, hook="head", key=0)) == 4

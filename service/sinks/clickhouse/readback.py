@@ -80,6 +80,8 @@ def _where(
 ) -> str:
     """A WHERE clause: ``steps`` is a half-open ``(first, stop)`` range."""
     terms = []
+    if hook is not None and not isinstance(hook, str):
+        raise ReadBackError(f"hook must be a name or a glob (str), got {type(hook).__name__}")
     if hook is not None:
         if any(c in hook for c in "*?["):
             terms.append(f"match(hook, {_literal(_glob_regex(hook))})")
@@ -107,6 +109,13 @@ def _lists(column: pa.ChunkedArray) -> tuple[npt.NDArray[Any], npt.NDArray[np.in
     return flat, offsets
 
 
+def _query(transport: Transport, table: str, sql: str) -> pa.Table:
+    """``sql`` over ``table``, refused by name when the table does not exist."""
+    if transport.describe(table) is None:
+        raise ReadBackError(f"table {table!r} does not exist in {transport.description}")
+    return transport.query(sql)
+
+
 def load_captures(
     transport: Transport,
     table: str,
@@ -125,7 +134,7 @@ def load_captures(
         f"SELECT hook, key, step, seq, `{column}` AS v, `{column}_shape` AS s FROM `{table}`"
         f"{_where(hook=hook, key=key, steps=steps, layer=layer)} ORDER BY hook, key, step, seq"
     )
-    result = transport.query(sql)
+    result = _query(transport, table, sql)
     if result.num_rows == 0:
         return []
     flat, offsets = _lists(result.column("v"))
@@ -184,7 +193,7 @@ def load_rows(
     where = _where(hook=hook, key=key, steps=steps, layer=layer, extra=equal)
     order = f" ORDER BY {order_by}" if order_by else ""
     columns = ", ".join(f"`{n}`" for n in names)
-    result = transport.query(f"SELECT {columns} FROM `{table}`{where}{order}")
+    result = _query(transport, table, f"SELECT {columns} FROM `{table}`{where}{order}")
     rows = np.zeros(result.num_rows, dtype=layout.dtype)
     if result.num_rows == 0:
         return rows
