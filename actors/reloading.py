@@ -108,6 +108,10 @@ class Reloading(Producer[RouterSnapshot]):
         (None: as now) and ``registry`` (None: the sink's) as at construction;
         routes may use any destination the sink was given (one not running yet
         is started at the swap).  :meth:`swap` applies it."""
+        if not isinstance(config, RoutingConfig):
+            raise ConfigError(
+                f"reload takes a RoutingConfig, found {type(config).__name__} {config!r:.80}"
+            )
         current = self._gen.plan
         return prepare_generation(
             config,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from taproute.native import make_descriptors
-from taproute.routing import FailurePolicy, PlanErrors, Route, RoutingConfig
+from taproute.routing import ConfigError, FailurePolicy, PlanErrors, Route, RoutingConfig
 from taproute.service import (
     CaptureSink,
     DeadLetterStore,
@@ -88,3 +88,22 @@ def test_runtime_reload_is_ordered_with_submissions(tmp_path):
     assert sorted(letter.seq for letter in letters) == [10, 11]
     assert {letter.generation for letter in letters} == {2}
     assert {letter.code for letter in letters} == {"handler_panic"}
+
+
+def test_reload_of_something_not_a_routing_config_is_refused_by_name():
+    """A path or a list of routes is refused naming what reload takes (a path
+    was an AttributeError from inside the generation build); the running
+    generation goes on."""
+    out = CaptureSink()
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "*", "out")]), SCHEMA, {"out": out}, unmatched="drop"
+    )
+    with create_record_runtime(record_sink=sink) as runtime:
+        for wrong in ("router.toml", [Route("raw", "*", "out")]):
+            with pytest.raises(ConfigError, match="reload takes a RoutingConfig, found"):
+                runtime.reload(wrong)  # type: ignore[arg-type]
+        q = runtime.bind_hook(Q, layout="vec")
+        submit(runtime, q, range(2))
+        runtime.flush()
+        assert runtime.counters().generation == 1
+        assert runtime.counters().routes["raw"].processed == 2
