@@ -23,6 +23,7 @@ import trio
 from taproute.routing.batch import RecordBatch, Retained
 from taproute.routing.errors import OutputLayoutMismatch
 from taproute.routing.failures import Failed, FailureCode, ProcessorFailed, classify
+from taproute.routing.parking import ParkIds
 from taproute.routing.plan import PlannedRoute
 from taproute.routing.records import Records
 from taproute.routing.validation import check_rows
@@ -46,6 +47,8 @@ class Attempt:
     isolated: bool = False
     scheduled: bool = False  # parked with a retry due (the head of its key, if stateful)
     hold: Retained | None = None
+    #: Per record, its id in the park store once it was parked there (None: not parked).
+    park_ids: ParkIds | None = None
 
     def failed(self, code: FailureCode, error: BaseException, tb: str | None) -> None:
         """Note one more failure."""
@@ -65,16 +68,19 @@ class Attempt:
             keys=None if self.keys is None else self.keys[selection],
             hold=None,
             scheduled=False,
+            park_ids=None if self.park_ids is None else self.park_ids[selection],
         )
 
     def singles(self) -> list[Attempt]:
-        """One fresh attempt per record, in order, marked isolated (no history)."""
-        keys = self.keys
+        """One fresh attempt per record, in order, marked isolated (no history but
+        its park id)."""
+        keys, ids = self.keys, self.park_ids
         return [
             Attempt(
                 self.batch.select(np.array([i])),
                 None if keys is None else keys[i : i + 1],
                 isolated=True,
+                park_ids=None if ids is None else ids[i : i + 1],
             )
             for i in range(len(self.batch))
         ]

@@ -54,9 +54,13 @@ def declared(cls: type, kind: Kind | None = None) -> Iterator[Declared]:
 class RouteCounters:
     """Per route, in records.
 
-    Counts: ``processed`` input records done; ``emitted`` records (forward) or
-    rows (processed) handed to the destination; ``failed`` input records given
-    up; ``retries`` made; ``recovered`` records processed after failing;
+    Counts: ``accepted`` records the route took (a restart's ``restored``
+    parked records included); ``processed`` input records done; ``emitted``
+    records (forward) or rows (processed) handed to the destination; ``failed``
+    input records given up; ``dropped`` discarded and counted (by a cancel,
+    or terminal under the ``drop`` policy); so once nothing is queued,
+    ``accepted = processed + failed + dropped + parked``.  ``retries`` made;
+    ``recovered`` records processed after failing;
     ``declined`` by the route's predicate (``last_decline``: why, last time);
     ``derived``: records of its output that chained routes took again;
     ``failures_by_code``: failed records per failure code (each attempt counts).
@@ -80,6 +84,16 @@ class RouteCounters:
     destination: str
     queue_depth: int = live("taproute_route_queue_depth_records", "Records waiting in mailboxes.")
     backlog: int = live("taproute_route_backlog_records", "Records accepted and not done.")
+    accepted: int = count(
+        "taproute_route_accepted_records", "Records a route took (restored ones included)."
+    )
+    dropped: int = count(
+        "taproute_route_dropped_records",
+        "Records a route dropped and counted (cancelled, terminal with the drop policy).",
+    )
+    restored: int = count(
+        "taproute_route_restored_records", "Parked records a previous run left, taken back."
+    )
     processed: int = count("taproute_route_processed_records", "Input records a route processed.")
     emitted: int = count("taproute_route_emitted_records", "Records or rows a route sent on.")
     failed: int = count(

@@ -19,7 +19,13 @@ from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, Spools
+from taproute.routing.sink import (
+    NamesHooks,
+    RecordSink,
+    RunsInBackground,
+    Spools,
+    WaitsForDelivery,
+)
 
 #: A destination given as a sink is leased; given as a factory, the routing
 #: sink creates it at start and closes it at close.
@@ -41,8 +47,23 @@ Undeliverable = Callable[[str, RecordBatch, BaseException], Awaitable[None]]
 #: Called with (route, batch) for raw records of a route the sink took.
 Taken = Callable[[str, RecordBatch], None]
 
-#: (route name or None for unmatched records, batch)
-DestinationMessage = tuple[str | None, Batch]
+
+@attrs.frozen(eq=False)
+class Settle:
+    """A marker behind a retried parked record's output: once the destination
+    actor reaches it, that output is in the sink; ``forget`` (forgetting the
+    records in the park store) runs once the sink has flushed it."""
+
+    forget: Callable[[], Awaitable[None]]
+
+
+#: (route name or None for unmatched records, batch or settle marker)
+DestinationMessage = tuple[str | None, Batch | Settle]
+
+#: Markers wait for one flush of the sink together: at most this many, this
+#: long (seconds) while batches keep coming; at once when the mailbox is empty.
+_SETTLE_MAX = 64
+_SETTLE_AFTER = 1.0
 
 
 class DestinationActor:
@@ -86,6 +107,8 @@ class DestinationActor:
         self.mailbox: Mailbox[DestinationMessage] = Mailbox(
             f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
         )
+        self._settling: list[Settle] = []
+        self._settling_since = 0.0
 
     def open(self, hooks: HookRegistry) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once."""
@@ -124,6 +147,39 @@ class DestinationActor:
             self._finished(batch)
             raise
 
+    async def settle(self, forget: Callable[[], Awaitable[None]]) -> None:
+        """Run ``forget`` once what was delivered here before is flushed by the sink.
+
+        Markers are settled together: when the mailbox has no batch left, or
+        at most ``_SETTLE_MAX`` markers or ``_SETTLE_AFTER`` seconds later
+        while batches keep coming.  In flight (a flush waits) until settled.
+        """
+        self._in_flight.add()
+        try:
+            await self.mailbox.send((None, Settle(forget)), records=0, nbytes=0)
+        except BaseException:
+            self._in_flight.done()
+            raise
+
+    async def _settle_if_due(self) -> None:
+        pending = self._settling
+        if not pending or not (
+            self.mailbox.records == 0
+            or len(pending) >= _SETTLE_MAX
+            or trio.current_time() - self._settling_since >= _SETTLE_AFTER
+        ):
+            return
+        self._settling = []
+        try:
+            await self.flush()
+            for marker in pending:
+                await marker.forget()
+        except Exception:
+            pass  # latched (flush) or by ``forget`` itself; the records stay parked
+        finally:
+            for _ in pending:
+                self._in_flight.done()
+
     async def run(self) -> None:
         """Submit every queued batch, in order, until the mailbox is closed."""
         sink = self.sink
@@ -133,10 +189,17 @@ class DestinationActor:
             handled += 1
             if handled % _YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()  # stay fair to other actors
+            await self._settle_if_due()
             try:
                 route, batch = await self.mailbox.receive()
             except trio.EndOfChannel:
+                await self._settle_if_due()
                 return
+            if isinstance(batch, Settle):
+                if not self._settling:
+                    self._settling_since = trio.current_time()
+                self._settling.append(batch)
+                continue
             try:
                 await sink.submit(batch)
             except SinkClosed as exc:
@@ -161,11 +224,15 @@ class DestinationActor:
 
     def abandon(self) -> None:
         """The actor is gone (the run was cancelled or raised): give back the
-        leases of every batch still queued, without waiting."""
+        leases of every batch still queued, without waiting (records whose
+        settle marker never ran stay parked)."""
         for _, batch in self.mailbox.take_all():
             self._finished(batch)
+        for _ in self._settling:
+            self._in_flight.done()
+        self._settling = []
 
-    def _finished(self, batch: Batch) -> None:
+    def _finished(self, batch: Batch | Settle) -> None:
         try:
             if isinstance(batch, RecordBatch):
                 batch.lease.release()
@@ -184,6 +251,17 @@ class DestinationActor:
             self.counters.errors += 1
             raise self._latch.latch(exc, destination=self.name, where="flush") from exc
         self.counters.flushes += 1
+
+    async def wait_delivered(self) -> None:
+        """Wait until the sink delivered everything it took (a spool drained), if it
+        can tell; a failure is latched and raised."""
+        if not isinstance(self.sink, WaitsForDelivery):
+            return
+        try:
+            await self.sink.wait_delivered()
+        except Exception as exc:
+            self.counters.errors += 1
+            raise self._latch.latch(exc, destination=self.name, where="flush") from exc
 
     async def close(self) -> None:
         """Close the sink if the routing sink created it; a failure is latched and raised."""

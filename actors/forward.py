@@ -19,6 +19,7 @@ class ForwardRoute(RouteActor):
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         # A destination actor never waits on a route, so waiting here cannot
         # close a cycle: ``wait`` only matters for routes with mailboxes.
+        self.counters.accepted += len(batch)
         narrowing = self.planned.narrowing
         for part in [batch] if narrowing is None else narrowing.apply(batch):
             await self.destination.deliver(self.name, part)

@@ -146,6 +146,7 @@ class KeyedRoute(RouteActor):
                     if isinstance(attempt, Attempt):
                         self.counters.cancelled_records += len(attempt.batch)
                         self.parked.release(attempt)
+                        await self._discard(attempt)
             self.keys.clear(key, self.state, KeyState.CANCELLED)
             self.counters.cancelled_keys += 1
         elif state[key] != KeyState.OPEN:  # complete of an ended key: nothing to do
@@ -196,7 +197,9 @@ class KeyedRoute(RouteActor):
     async def _terminal(self, attempt: Attempt) -> None:
         """Records for an ended key: counted, then dropped or dead-lettered by policy."""
         self.counters.terminal_records += len(attempt.batch)
-        if self.policy.terminal_records == "dead_letter":
+        if self.policy.terminal_records != "dead_letter":
+            await self._discard(attempt)
+        else:
             assert attempt.keys is not None
             await self._reject(
                 attempt,

@@ -18,10 +18,12 @@ from taproute.actors.attempt import Attempt, Keys, Outcome
 from taproute.actors.keyed_state import Held, KeyedRoute
 from taproute.actors.keys import KeyControl, distinct_keys
 from taproute.actors.mailbox import Mailbox
+from taproute.actors.parking import restored_attempt
 from taproute.native import partition_keys
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import KeyOutOfRange
 from taproute.routing.failures import FailureCode
+from taproute.routing.parking import Restored
 
 
 @attrs.frozen
@@ -40,6 +42,7 @@ class StatefulRoute(KeyedRoute):
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         if wait:
             await self.parked.wait_for_room()
+        self.counters.accepted += len(batch)
         try:
             keys = self._keys(batch)
         except Exception as exc:
@@ -63,6 +66,30 @@ class StatefulRoute(KeyedRoute):
             await self._enqueue(
                 self.owner_mailboxes[owner], (part, keys[selection]), part, wait=wait
             )
+
+    async def restore(self, restored: Restored) -> None:
+        """Restored records go to their keys' owners like new ones, with their
+        park ids and history (a key's records, restored in parked order, keep it)."""
+        attempt = restored_attempt(restored)
+        self.counters.accepted += len(attempt.batch)
+        self.counters.restored += len(attempt.batch)
+        try:
+            keys = self._keys(attempt.batch)
+        except Exception as exc:
+            await self._reject(attempt, FailureCode.POLICY_INVALID, exc)
+            return
+        attempt.keys = keys
+        per_owner, bad = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
+        if bad is not None:
+            await self._reject(
+                attempt.part(bad),
+                FailureCode.POLICY_INVALID,
+                KeyOutOfRange(f"route {self.name!r}: restored key outside [0, {self.key_range})"),
+            )
+        for owner, selection in enumerate(per_owner):
+            if selection is not None:
+                part = attempt if len(selection) == len(keys) else attempt.part(selection)
+                await self._enqueue(self.owner_mailboxes[owner], part, part.batch)
 
     def _keys(self, batch: RecordBatch) -> Keys:
         assert self.key_function is not None
@@ -108,15 +135,27 @@ class StatefulRoute(KeyedRoute):
                 finally:
                     self._in_flight.done()
                 continue
-            batch, keys = message
+            if isinstance(message, Attempt):  # restored records
+                attempt, batch = message, message.batch
+            else:
+                batch, keys = message
+                attempt = Attempt(batch, keys)
             try:
-                await self._admit(held, Attempt(batch, keys))
+                await self._admit(held, attempt)
             except Exception as exc:
                 self._latch.latch(exc, route=self.name, where="stateful owner")
             finally:
                 self._settle(batch)
         if self.handing_over:
             return  # retired by a reload: the sink hands `held` to the successor
+        if self.parker.durable:
+            # Closing: what waits stays in the park store, for the next start.
+            for queue in held.values():
+                for attempt in queue:
+                    if isinstance(attempt, Attempt):
+                        self.parked.release(attempt)
+            held.clear()
+            return
         # Closing: what still waits behind a failing key is given up, in order.
         for key, queue in held.items():
             while queue:
@@ -137,6 +176,8 @@ class StatefulRoute(KeyedRoute):
         if isinstance(message, _RetryKey):
             self._in_flight.done()
             return None
+        if isinstance(message, Attempt):
+            return message.batch
         batch: RecordBatch = message[0]
         return batch
 
@@ -162,6 +203,7 @@ class StatefulRoute(KeyedRoute):
                     part = attempt.part(np.flatnonzero(attempt.keys == key))
                     self.parked.hold(part)
                     held[key].append(part)
+                    await self._keep(part, waiting_behind=key)
                 free = np.flatnonzero(~waiting)
                 if not len(free):
                     return
@@ -179,7 +221,10 @@ class StatefulRoute(KeyedRoute):
         if ended.any():
             # Terminal first: a record after the key ended is terminal even while
             # another cancel of it is in transit.
-            self.counters.cancelled_records += int(np.count_nonzero(cancelling & ~terminal))
+            cancelled = cancelling & ~terminal
+            if cancelled.any():
+                self.counters.cancelled_records += int(np.count_nonzero(cancelled))
+                await self._discard(attempt.part(np.flatnonzero(cancelled)))
             if terminal.any():
                 await self._terminal(attempt.part(np.flatnonzero(terminal)))
             kept = np.flatnonzero(~ended)
@@ -229,11 +274,12 @@ class StatefulRoute(KeyedRoute):
         queue.appendleft(unit)
         self.parked.schedule(due, key)
 
-    def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
-        _, queue = self._held_queue(head)
+    async def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
+        key, queue = self._held_queue(head)
         for offset, attempt in enumerate(rest, start=1):
             self.parked.hold(attempt)
             queue.insert(offset, attempt)
+            await self._keep(attempt, waiting_behind=key)
         return True
 
     async def _retry(self, key: int) -> None:

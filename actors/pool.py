@@ -8,8 +8,10 @@ import trio
 
 from taproute.actors.attempt import Attempt
 from taproute.actors.mailbox import Mailbox
+from taproute.actors.parking import restored_attempt
 from taproute.actors.route_actor import RouteActor
 from taproute.routing.batch import RecordBatch
+from taproute.routing.parking import Restored
 
 
 class StatelessRoute(RouteActor):
@@ -32,7 +34,13 @@ class StatelessRoute(RouteActor):
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         if wait:
             await self.parked.wait_for_room()
+        self.counters.accepted += len(batch)
         await self._enqueue(self.mailbox, Attempt(batch), batch, wait=wait)
+
+    async def restore(self, restored: Restored) -> None:
+        self.counters.accepted += len(restored.records)
+        self.counters.restored += len(restored.records)
+        await self._enqueue(self.mailbox, restored_attempt(restored), restored.records)
 
     async def run(self, nursery: trio.Nursery) -> None:
         for _ in range(self.planned.route.workers):
@@ -59,8 +67,11 @@ class StatelessRoute(RouteActor):
         await self.parked.run(self._retry)
         if self.handing_over:
             return  # retired by a reload: the sink hands what is parked to the successor
-        for attempt in self.parked.drain():  # closing: give up what still waits
-            await self._give_up(attempt)
+        for attempt in self.parked.drain():
+            if self.parker.durable:  # closing: it stays parked for the next start
+                self.parked.release(attempt)
+            else:  # closing: give up what still waits
+                await self._give_up(attempt)
 
     async def _retry(self, attempt: Attempt) -> None:
         attempt.scheduled = False

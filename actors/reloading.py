@@ -19,6 +19,7 @@ from taproute.actors.counters import RouteCounters, RouterSnapshot
 from taproute.actors.destination import DestinationActor
 from taproute.actors.generation import Generation, link, prepare_generation, run_route
 from taproute.actors.inflight import InFlight
+from taproute.actors.parking import Parker
 from taproute.actors.reroute import Rerouter
 from taproute.actors.route_actor import RouteActor
 from taproute.actors.topology import route_actors
@@ -49,6 +50,7 @@ class Reloading(Producer[RouterSnapshot]):
     _rerouter: Rerouter
     _registry: ProcessorRegistry
     _on_failure: FailureHandler
+    _parker: Parker
     _available: dict[str, DestinationActor]
     _destinations: dict[str, DestinationActor]
     _sinks_nursery: trio.Nursery | None
@@ -137,6 +139,7 @@ class Reloading(Producer[RouterSnapshot]):
             hooks=self.hooks,
             give_up_log=self.give_up_log,
             copy_of=self._rerouter.copy_of,
+            parker=self._parker,
         )
         link_chains(plan, routes, self.hooks, self.schema, self.causal)
         return routes

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 import trio
@@ -22,6 +23,35 @@ from taproute.actors.counters import RouteCounters
 T = TypeVar("T")
 
 
+class RetryGate:
+    """Holds back every route's retries while a flush counts (one per routing sink).
+
+    A flush pauses retries, waits for those already started, flushes and
+    takes its report: nothing moves between parked and delivered meanwhile,
+    so the report is exact.  Retries falling due during the pause run after.
+    """
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """No retry starts inside this block."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+            if not self.paused:
+                self._lot.unpark_all()
+
+    async def wait_open(self) -> None:
+        """Return once no flush holds retries back."""
+        while self.paused:
+            await self._lot.park()
+
+
 class RetryQueue(Generic[T]):
     """Parked records of one route and the items due to retry them.
 
@@ -29,14 +59,18 @@ class RetryQueue(Generic[T]):
     records wait in :meth:`wait_for_room` while it is at ``max_parked``.
     """
 
-    def __init__(self, counters: RouteCounters, *, max_parked: int) -> None:
+    def __init__(
+        self, counters: RouteCounters, *, max_parked: int, gate: RetryGate | None = None
+    ) -> None:
         self.counters = counters
+        self._gate = gate if gate is not None else RetryGate()
         self.max_parked = max_parked
         self.closing = False
         self._due: list[tuple[float, int, T]] = []
         self._seq = itertools.count()
         self._wake = trio.lowlevel.ParkingLot()
         self._room = trio.lowlevel.ParkingLot()
+        self._empty = trio.lowlevel.ParkingLot()
 
     # -- holding records -----------------------------------------------------
 
@@ -54,6 +88,13 @@ class RetryQueue(Generic[T]):
             self.counters.parked -= len(attempt.batch)
             if self._room:
                 self._room.unpark_all()
+            if self._empty and self.counters.parked == 0:
+                self._empty.unpark_all()
+
+    async def wait_empty(self) -> None:
+        """Return once no record is parked (each delivered, given up or discarded)."""
+        while self.counters.parked > 0:
+            await self._empty.park()
 
     def adopt(self, attempt: Attempt, source: RetryQueue[Any]) -> None:
         """Take over ``attempt``, held by ``source`` (a reload hands a retiring
@@ -87,6 +128,9 @@ class RetryQueue(Generic[T]):
             if trio.current_time() < due:
                 with trio.move_on_at(due):
                     await self._wake.park()
+                continue
+            if self._gate.paused:  # a flush is counting: after it
+                await self._gate.wait_open()
                 continue
             _, _, item = heapq.heappop(self._due)
             self.counters.retries += 1

@@ -17,6 +17,7 @@ here, for both processing kinds.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -40,6 +41,7 @@ from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
+from taproute.actors.parking import Parker
 from taproute.actors.retry import RetryQueue
 from taproute.routing.batch import RecordBatch, RowBatch
 from taproute.routing.failures import (
@@ -50,6 +52,7 @@ from taproute.routing.failures import (
     classify,
 )
 from taproute.routing.latch import FailureLatch
+from taproute.routing.parking import ParkIds, Restored
 from taproute.routing.plan import PlannedRoute
 from taproute.routing.predicates import PredicateFailed, Verdict, evaluate_predicate
 
@@ -72,8 +75,11 @@ class RouteActor:
         hook_name: Callable[[int], str] | None = None,
         give_up_log: GiveUpLog | None = None,
         copy_of: Callable[[RecordBatch], int | None] | None = None,
+        parker: Parker | None = None,
     ) -> None:
         self.planned = planned
+        #: Where parked records are kept (a store: durable; else memory only).
+        self.parker = parker if parker is not None else Parker(None)
         self._give_up_log = give_up_log if give_up_log is not None else GiveUpLog()
         self._copy_of = copy_of
         self.name = planned.name
@@ -94,7 +100,7 @@ class RouteActor:
         #: Where the processor runs: worker threads, or the loop once it is quick.
         self.placement = Placement()
         self.parked: RetryQueue[Any] = RetryQueue(
-            self.counters, max_parked=self.policy.max_parked_records
+            self.counters, max_parked=self.policy.max_parked_records, gate=self.parker.retries
         )
         #: Where this route's output is routed again (None: nowhere).
         self.chain: ChainLink | None = None
@@ -118,6 +124,10 @@ class RouteActor:
         records of a chain).  ``wait=False``: queue without waiting for room
         (a chain inside a cycle)."""
         raise NotImplementedError
+
+    async def restore(self, restored: Restored) -> None:
+        """Take back records a previous run left parked (tried again at once)."""
+        raise NotImplementedError(f"route {self.name!r} ({self.planned.route.mode}) parks nothing")
 
     async def run(self, nursery: trio.Nursery) -> None:
         """Start the route's actors in ``nursery`` (forward routes have none)."""
@@ -185,7 +195,7 @@ class RouteActor:
         """Schedule a held, failed ``unit`` for a retry at ``due``."""
         raise NotImplementedError
 
-    def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
+    async def _wait_behind(self, head: Attempt, rest: list[Attempt]) -> bool:
         """A record parked during isolation: make ``rest`` wait behind it if order
         is promised (True), or go on with them (False, the default)."""
         return False
@@ -210,8 +220,33 @@ class RouteActor:
             else:
                 self.parked.hold(unit)
                 unit.scheduled = True
+                await self._keep(unit)  # durable before this message is done
                 self._park(unit, trio.current_time() + self.policy.backoff(unit.failures))
         return False
+
+    async def _keep(self, attempt: Attempt, *, waiting_behind: int | None = None) -> None:
+        """Put parked records in the park store (if any); a store error is latched."""
+        try:
+            await self.parker.keep(self.name, attempt, waiting_behind=waiting_behind)
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="park store")
+
+    async def _unpark(self, attempt: Attempt) -> None:
+        """Records leave the park store (given up, or discarded and counted)."""
+        if attempt.park_ids is not None:
+            ids, attempt.park_ids = attempt.park_ids, None
+            await self._forget(ids)
+
+    async def _forget(self, ids: ParkIds) -> None:
+        try:
+            await self.parker.unpark(ids)
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="park store")
+
+    async def _discard(self, attempt: Attempt) -> None:
+        """Drop ``attempt``'s records, counted (a cancel, the terminal ``drop`` policy)."""
+        self.counters.dropped += len(attempt.batch)
+        await self._unpark(attempt)
 
     async def _isolate(self, unit: Attempt) -> None:
         """Re-run a failed unit record by record, in order, to find the bad one(s)."""
@@ -219,13 +254,14 @@ class RouteActor:
         for index, single in enumerate(singles):
             if await self._process(single):
                 continue
-            if single.scheduled and self._wait_behind(single, singles[index + 1 :]):
+            if single.scheduled and await self._wait_behind(single, singles[index + 1 :]):
                 return
 
     async def _deliver(self, attempt: Attempt, rows: npt.NDArray[np.void] | None) -> None:
         """Send a successful attempt's rows on; count its records processed."""
         planned = self.planned
-        if rows is not None and len(rows):
+        wrote = rows is not None and len(rows) > 0
+        if rows is not None and wrote:
             assert planned.output_layout is not None
             self.counters.emitted += len(rows)
             await self.destination.deliver(
@@ -236,6 +272,14 @@ class RouteActor:
         self.counters.processed += len(attempt.batch)
         if attempt.failures:
             self.counters.recovered += len(attempt.batch)
+        if attempt.park_ids is not None:
+            ids, attempt.park_ids = attempt.park_ids, None
+            if wrote:
+                # Its rows are only in the destination's buffer now: forgotten
+                # once the destination flushed them.
+                await self.destination.settle(functools.partial(self._forget, ids))
+            else:
+                await self._forget(ids)
 
     # -- route predicates --------------------------------------------------------
 
@@ -272,6 +316,7 @@ class RouteActor:
         attempt = Attempt(batch)
         attempt.failed(code, error, tb)
         self._count_failure(attempt)
+        self.counters.accepted += len(batch)  # the route's, though never dispatched
         await self._give_up(attempt)
         return None
 
@@ -323,6 +368,7 @@ class RouteActor:
             traceback=attempt.traceback,
             reroute_of=None if self._copy_of is None else self._copy_of(attempt.batch),
             generation=self.generation if generation is None else generation,
+            parked=() if attempt.park_ids is None else tuple(attempt.park_ids.tolist()),
         )
         self._give_up_log(failure)  # whatever the handler: an operator sees give-ups in the log
         try:
@@ -331,6 +377,10 @@ class RouteActor:
                 await result
         except Exception as exc:
             self._latch.latch(exc, route=self.name, where="failure handler (dead letters)")
+        else:
+            # The handler has them (a park store's own handler already moved
+            # them to the dead letters, in the same transaction).
+            await self._unpark(attempt)
         finally:
             self.parked.release(attempt)
 

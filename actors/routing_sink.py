@@ -37,12 +37,14 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from taproute.actors.accounting import flush_report
 from taproute.actors.chain import CausalGate, link_chains
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.generation import Generation
 from taproute.actors.inflight import InFlight
+from taproute.actors.parking import Parker
 from taproute.actors.reroute import Rerouter
 from taproute.actors.route_actor import RouteActor
 from taproute.actors.sink_operations import SinkOperations
@@ -52,9 +54,11 @@ from taproute.native import UNMATCHED
 from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.errors import RoutingFailure, SinkClosed
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
+from taproute.routing.flush_report import FlushReport
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
+from taproute.routing.parking import ParkStore
 from taproute.routing.plan import Unmatched
 from taproute.routing.predicates import Groups, Verdict, narrow, positions_of
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
@@ -92,6 +96,9 @@ class RoutingSink(SinkOperations):
     Unmatched records go to ``default_destination``, or are dropped and
     counted when ``unmatched="drop"``.  ``destination_capacity`` and
     ``destination_capacity_bytes`` bound each destination's mailbox.
+    ``park`` keeps records parked for a retry durably
+    (:class:`~taproute.routing.parking.ParkStore`); at start, what a
+    previous run left there is tried again.
     """
 
     def __init__(
@@ -109,8 +116,10 @@ class RoutingSink(SinkOperations):
         destination_capacity_bytes: int = DESTINATION_QUEUE_BYTES,
         causal_clock: Callable[[], float] = time.time,
         causal_ledger: RootLedger | None = None,
+        park: ParkStore | None = None,
     ) -> None:
         super().__init__(Intake(hooks if hooks is not None else HookRegistry(), schema))
+        self._parker = Parker(park)
         self.schema = schema
         self._on_failure = on_failure
         self._registry = registry
@@ -139,6 +148,7 @@ class RoutingSink(SinkOperations):
             undeliverable=self._undeliverable,
             taken=self._taken,
             copy_of=self._rerouter.copy_of,
+            parker=self._parker,
         )
         self._destinations = topology.destinations
         self._available = topology.available
@@ -199,6 +209,7 @@ class RoutingSink(SinkOperations):
                             await routes.start(self._run_route, route)
                         routes.start_soon(self._close_inputs_when_asked)
                         self._nursery = routes  # rerouted copies are sent from here
+                        await self._restore_parked()
                         task_status.started()
                     # The routes' inputs were closed and they drained: so do the destinations.
                     for destination in self._destinations.values():
@@ -215,8 +226,22 @@ class RoutingSink(SinkOperations):
                 route.abandon()
             for destination in self._destinations.values():
                 destination.abandon()
+            self._parker.release()
             self._stopped.set()
             self._gen.detach()
+
+    async def _restore_parked(self) -> None:
+        """Hand the routes what a previous run left in the park store (in parked
+        order), before any new record: they are tried again at once."""
+        try:
+            parking = [r.name for r in self._gen.routes if not isinstance(r, ForwardRoute)]
+            restored = await self._parker.restore(parking)
+        except Exception as exc:
+            self._latch.latch(exc, where="park store (restoring parked records)")
+            return
+        async with self._lock:
+            for records in restored:
+                await self._gen.by_name[records.route].restore(records)
 
     async def _close_inputs_when_asked(self) -> None:
         await self._close_inputs.wait()
@@ -336,21 +361,43 @@ class RoutingSink(SinkOperations):
         self._unmatched_forwarded += len(batch)
         await default.deliver(None, batch)
 
-    async def flush(self) -> None:
+    async def flush(self, *, wait: bool = False) -> FlushReport:
         """Wait until every route and pool has drained, then flush every destination.
 
-        Returns once everything submitted before it is in the destinations;
-        raises the first latched failure.
+        Returns once every record submitted before it is delivered (in the
+        destinations, or durable in a destination's spool), dead-lettered,
+        dropped by a counted policy, or parked for a retry (durable when the
+        sink has a park store); the :class:`FlushReport` says how many are in
+        which state.  ``wait=True`` also waits until nothing is parked (each
+        retried to success or given up) and every spool has drained.  Raises
+        the first latched failure.
         """
         self._check_open()
         async with self._lock:
-            await self._drain_and_flush()
+            if wait:
+                await self._wait_unparked()
+            with self._parker.retries.pause():  # the report is one consistent moment
+                await self._drain_and_flush(wait=wait)
+                snapshot = self.snapshot()
+        return flush_report(snapshot, parked_durable=self._parker.durable, waited=wait)
 
-    async def _drain_and_flush(self) -> None:
+    async def _wait_unparked(self) -> None:
+        while True:
+            await self._in_flight.wait_idle()
+            self._latch.raise_if_failed()
+            routes = self._gen.routes  # a retired route's parked records are in flight
+            for route in routes:
+                await route.parked.wait_empty()
+            if self._in_flight.count == 0 and all(r.counters.parked == 0 for r in routes):
+                return
+
+    async def _drain_and_flush(self, *, wait: bool = False) -> None:
         await self._in_flight.wait_idle()
         self._latch.raise_if_failed()
         for actor in self._destinations.values():
             await actor.flush()
+            if wait:
+                await actor.wait_delivered()
         self._latch.raise_if_failed()
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.inflight import InFlight
 from taproute.actors.owners import StatefulRoute
+from taproute.actors.parking import Parker
 from taproute.actors.pool import StatelessRoute
 from taproute.actors.route_actor import RouteActor
 from taproute.routing.batch import RecordBatch
@@ -70,6 +71,7 @@ def build_topology(
     undeliverable: Callable[[str, str, RecordBatch, BaseException], Awaitable[None]],
     taken: Callable[[str, str, RecordBatch], None],
     copy_of: Callable[[RecordBatch], int | None],
+    parker: Parker | None = None,
 ) -> Topology:
     """Check everything and build every actor, inert; raise every problem at once
     (:class:`~taproute.routing.errors.PlanErrors` when there are several).
@@ -120,6 +122,7 @@ def build_topology(
         hooks=hooks,
         give_up_log=give_up_log,
         copy_of=copy_of,
+        parker=parker,
     )
     default = plan.default_destination
     return Topology(
@@ -142,6 +145,7 @@ def route_actors(
     hooks: HookRegistry,
     give_up_log: GiveUpLog,
     copy_of: Callable[[RecordBatch], int | None],
+    parker: Parker | None = None,
 ) -> list[RouteActor]:
     """One inert route actor per planned route, in plan order, each feeding its
     destination's actor (at construction and at every reload)."""
@@ -155,6 +159,7 @@ def route_actors(
             hook_name=hooks.name_of,
             give_up_log=give_up_log,
             copy_of=copy_of,
+            parker=parker,
         )
         for planned in plan.routes
     ]

@@ -197,6 +197,9 @@ class RecordFailure:
     #: The configuration generation the records were last tried under (None:
     #: a sink without generations).
     generation: int | None = None
+    #: Their ids in the route's park store, when they were parked there (a
+    #: park store's own handler moves them to the dead letters in one step).
+    parked: tuple[int, ...] = ()
 
     @property
     def message(self) -> str:

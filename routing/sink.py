@@ -52,13 +52,15 @@ class RecordSink(Protocol):
       reuse the buffer as soon as every holder returns.  Slow work (network,
       disk) belongs in a worker thread, not on the loop.
     - ``flush()`` returns once everything submitted before it is durable in
-      the destination, or raises.
+      the destination, or raises.  What it returns is the sink's own report
+      (a routing sink's :class:`~taproute.routing.flush_report.FlushReport`);
+      callers may ignore it.
     - ``close()`` flushes and frees resources; nothing may be submitted after.
     """
 
     async def submit(self, batch: Batch) -> None: ...
 
-    async def flush(self) -> None: ...
+    async def flush(self) -> object: ...
 
     async def close(self) -> None: ...
 
@@ -184,7 +186,16 @@ class Spools(Protocol):
     def spool_status(self) -> SpoolStatus: ...
 
 
+@runtime_checkable
+class WaitsForDelivery(Protocol):
+    """A sink that can wait until everything it took is delivered (its spool
+    drained), for ``flush(wait=True)``."""
+
+    async def wait_delivered(self) -> None: ...
+
+
 __all__ = [
+    "WaitsForDelivery",
     "SpoolStatus",
     "Spools",
     "DescribesRecords",

@@ -53,6 +53,8 @@ from taproute.routing.errors import (
     SinkClosed,
     UnboundOutputId,
 )
+from taproute.routing.flush_report import FlushReport, RouteAccount
+from taproute.routing.parking import ParkStore
 from taproute.routing.refusals import Refusal, UnmatchedSample
 from taproute.routing.root_ledger import RootLedger
 from taproute.service.host.config import BuiltService, ConfigFileError, load_config
@@ -63,6 +65,7 @@ from taproute.service.host.reload import ConfigReloader
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
 from taproute.service.ops.dead_letters import DeadLetterNotFound, DeadLetterStore
+from taproute.service.ops.parking import ParkedRecordStore
 from taproute.service.replay import (
     ClickHouseCorpus,
     ClickHouseTable,
@@ -130,6 +133,10 @@ __all__ = [
     "ClickHouseSink",
     "Column",
     "DeadLetterStore",
+    "FlushReport",
+    "ParkStore",
+    "ParkedRecordStore",
+    "RouteAccount",
     "Failed",
     "FailurePolicy",
     "HttpConfig",

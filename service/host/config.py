@@ -92,6 +92,7 @@ from taproute.service.host.config_sections import (
 )
 from taproute.service.host.http import HttpConfig
 from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.ops.parking import ParkedRecordStore
 
 
 @attrs.frozen(kw_only=True)
@@ -207,6 +208,9 @@ class ServiceConfig:
                 )
         hooks = HookRegistry()
         store = self.open_dead_letters(hooks)
+        # Records parked for a retry are kept in the dead-letter file too; a
+        # give-up moves them to the letters in one transaction.
+        parking = None if store is None else ParkedRecordStore(store)
         try:
             sink = RoutingSink(
                 self.routing_config(),
@@ -215,7 +219,8 @@ class ServiceConfig:
                 self.routing.default_destination,
                 unmatched=self.routing.unmatched,
                 hooks=hooks,
-                on_failure=log_failure if store is None else store.handle,
+                on_failure=log_failure if parking is None else parking.handle,
+                park=parking,
             )
         except ConfigError as exc:  # every plan problem, at its own key path
             if store is not None:

@@ -40,8 +40,9 @@ WhenFull = Literal["block", "reject"]
 WAKE_DELAY_S = 0.02
 
 
-#: A flush, a close, a key-lifecycle request (with its keys) or a reload.
-ControlKind = Literal["flush", "close", "reload"] | KeyAction
+#: A flush, a close, a key-lifecycle request (with its keys) or a reload;
+#: ``deliver`` is a flush that waits for full delivery (``flush(wait=True)``).
+ControlKind = Literal["flush", "deliver", "close", "reload"] | KeyAction
 
 
 class Control:
@@ -56,6 +57,7 @@ class Control:
         self.kind = kind
         self.keys = keys
         self.payload = payload
+        #: Done with None, or a flush's report.
         self.future: Future[Any] = Future()
 
 

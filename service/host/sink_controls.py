@@ -17,13 +17,15 @@ from concurrent.futures import Future
 from contextlib import suppress
 from typing import Any
 
+from taproute.actors.routing_sink import RoutingSink
 from taproute.routing.errors import SinkClosed
+from taproute.routing.flush_report import FlushReport
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.latch import FailureLatch
 from taproute.routing.plan import Unmatched
 from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.routes import RoutingConfig
-from taproute.routing.sink import RecordSink, Reloads
+from taproute.routing.sink import RecordSink, Reloads, WaitsForDelivery
 from taproute.service.host.ingress import Control, Ingress
 
 
@@ -41,12 +43,15 @@ class SinkControls:
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop."""
+        result: object = None
         try:
             self._latch.raise_if_failed()
             if control.kind == "reload":
                 return await self._reload(control)
             if control.kind == "flush":
-                await self.record_sink.flush()
+                result = await self.record_sink.flush()
+            elif control.kind == "deliver":
+                result = await self._flush_delivered()
             elif isinstance(control.kind, KeyAction):
                 assert self._keys is not None
                 await self._keys[control.kind](*control.keys)
@@ -60,8 +65,19 @@ class SinkControls:
                     await self.record_sink.close()
             control.future.set_exception(failure)
         else:
-            control.future.set_result(None)
+            control.future.set_result(result if isinstance(result, FlushReport) else None)
         return control.kind == "close"
+
+    async def _flush_delivered(self) -> object:
+        """``flush(wait=True)``: a routing sink waits for its retries and spools;
+        another sink is flushed, then waited for if it can tell delivery."""
+        sink = self.record_sink
+        if isinstance(sink, RoutingSink):
+            return await sink.flush(wait=True)
+        result = await sink.flush()
+        if isinstance(sink, WaitsForDelivery):
+            await sink.wait_delivered()
+        return result
 
     async def _reload(self, control: Control) -> bool:
         """Swap in a prepared generation; a refusal is the caller's, not a failure."""

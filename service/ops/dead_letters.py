@@ -204,6 +204,19 @@ class DeadLetterStore:
 
         Records of a rerouted copy that failed again are linked to the
         original letter (``reroute_of``)."""
+        with self._transaction() as db:
+            return self.insert(db, failure)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The store's connection inside one ``BEGIN IMMEDIATE`` transaction, for
+        a companion table kept in the same file (retry parking) to change
+        together with the letters."""
+        with self._transaction() as db:
+            yield db
+
+    def insert(self, db: sqlite3.Connection, failure: RecordFailure) -> list[int]:
+        """:meth:`put`'s rows, inside the caller's :meth:`transaction`."""
         batch = failure.records
         desc = batch.descriptors
         names = self.hooks.names() if self.hooks is not None else []
@@ -230,21 +243,20 @@ class DeadLetterStore:
                     failure.generation,
                 )
             )
-        with self._transaction() as db:
-            first = db.execute("SELECT COALESCE(MAX(id), 0) FROM dead_letters").fetchone()[0]
+        first = db.execute("SELECT COALESCE(MAX(id), 0) FROM dead_letters").fetchone()[0]
+        db.executemany(
+            "INSERT INTO dead_letters (route, processor, code, error, traceback, attempts, "
+            "first_failure_at, last_failure_at, hook, layout_id, key, step, seq, "
+            "timestamp_ns, payload, generation) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        ids = list(range(first + 1, first + 1 + len(rows)))
+        if failure.reroute_of is not None:
             db.executemany(
-                "INSERT INTO dead_letters (route, processor, code, error, traceback, attempts, "
-                "first_failure_at, last_failure_at, hook, layout_id, key, step, seq, "
-                "timestamp_ns, payload, generation) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
+                "INSERT INTO copy_letters (letter_id, reroute_of) VALUES (?, ?)",
+                [(i, failure.reroute_of) for i in ids],
             )
-            ids = list(range(first + 1, first + 1 + len(rows)))
-            if failure.reroute_of is not None:
-                db.executemany(
-                    "INSERT INTO copy_letters (letter_id, reroute_of) VALUES (?, ?)",
-                    [(i, failure.reroute_of) for i in ids],
-                )
         return ids
 
     async def handle(self, failure: RecordFailure) -> None:
