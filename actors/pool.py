@@ -30,6 +30,8 @@ class StatelessRoute(RouteActor):
             capacity_bytes=route.capacity_bytes,
         )
         self.mailboxes = [self.mailbox]
+        self._workers_left = 0
+        self._workers_done = trio.Event()
 
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         if wait:
@@ -43,6 +45,8 @@ class StatelessRoute(RouteActor):
         await self._enqueue(self.mailbox, restored_attempt(restored), restored.records)
 
     async def run(self, nursery: trio.Nursery) -> None:
+        self._workers_left = self.planned.route.workers
+        self._workers_done = trio.Event()
         for _ in range(self.planned.route.workers):
             nursery.start_soon(self._worker)
         nursery.start_soon(self._retry_loop)
@@ -52,6 +56,9 @@ class StatelessRoute(RouteActor):
             try:
                 attempt = await self.mailbox.receive()
             except trio.EndOfChannel:
+                self._workers_left -= 1
+                if not self._workers_left:
+                    self._workers_done.set()
                 return
             try:
                 await self._process(attempt)
@@ -65,6 +72,9 @@ class StatelessRoute(RouteActor):
 
     async def _retry_loop(self) -> None:
         await self.parked.run(self._retry)
+        # A retry sent just before closing may fail and park again: what is
+        # parked is final once the workers have drained the mailbox.
+        await self._workers_done.wait()
         if self.handing_over:
             return  # retired by a reload: the sink hands what is parked to the successor
         for attempt in self.parked.drain():
