@@ -1,8 +1,9 @@
 """ClickHouse destinations: chDB embedded, or a server through clickhouse-connect."""
 
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
+from taproute.service.sinks.clickhouse.blocks import TableCounters
 from taproute.service.sinks.clickhouse.deduplication import NoDeduplication
-from taproute.service.sinks.clickhouse.sink import ClickHouseSink, TableCounters
+from taproute.service.sinks.clickhouse.sink import ClickHouseSink
 from taproute.service.sinks.clickhouse.tables import (
     DESCRIPTOR_COLUMNS,
     MissingTable,

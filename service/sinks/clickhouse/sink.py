@@ -12,16 +12,17 @@ durable queue (a spooling destination) may take failed blocks over instead
 (``hand_over_failures``) and insert batches itself (``insert_now``).
 
 Settings live in ``batching.py``, Arrow conversion in ``columns.py``, the
-split by table in ``tables.py``; this module (about 450 lines) is the sink's
-one lifecycle: buffers, the linger timer, insert tasks, hand-over and their
-counters share state a split would expose.
+split by table in ``tables.py``, a table's buffer and counters in
+``blocks.py``, what an owner with its own durable queue calls (hand-over,
+``insert_now``) in ``owner_inserts.py``; this module is the sink's one
+lifecycle: buffers, the linger timer, insert tasks and their counters.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,11 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
+from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
 from taproute.service.sinks.clickhouse.deduplication import check_deduplication
-from taproute.service.sinks.clickhouse.handover import FailedBlockHandler, PartlyInserted
+from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
+from taproute.service.sinks.clickhouse.owner_inserts import OwnerInserts
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     TableSpec,
@@ -49,35 +52,7 @@ from taproute.service.sinks.clickhouse.tables import (
 from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
 
 
-@attrs.define
-class TableCounters:
-    """Per table: rows and bytes inserted, inserts done, retries, failed
-    attempts, rows waiting in the buffer and rows being inserted now."""
-
-    table: str
-    records: int = 0
-    bytes: int = 0
-    inserts: int = 0
-    retries: int = 0
-    errors: int = 0
-    buffered_rows: int = 0
-    in_flight_rows: int = 0
-
-
-class _Buffer:
-    """What one table has accumulated since its last insert."""
-
-    __slots__ = ("bytes", "first_at", "holds", "items", "rows")
-
-    def __init__(self) -> None:
-        self.items: list[Batch] = []
-        self.holds: list[Retained] = []
-        self.rows = 0
-        self.bytes = 0
-        self.first_at = math.inf
-
-
-class ClickHouseSink:
+class ClickHouseSink(OwnerInserts):
     """A :class:`~taproute.routing.sink.RecordSink` writing to ClickHouse tables.
 
     ``raw`` names the payload layouts whose raw records this sink accepts
@@ -146,7 +121,7 @@ class ClickHouseSink:
                 transport.close()
             raise
         self.counters: dict[str, TableCounters] = {n: TableCounters(n) for n in self.tables}
-        self._buffers: dict[str, _Buffer] = {n: _Buffer() for n in self.tables}
+        self._buffers: dict[str, TableBuffer] = {n: TableBuffer() for n in self.tables}
         self._limiters = {
             n: trio.CapacityLimiter(self.batching.inserts_in_flight) for n in self.tables
         }
@@ -286,7 +261,7 @@ class ClickHouseSink:
         buffer = self._buffers[table]
         if not buffer.items:
             return
-        self._buffers[table] = _Buffer()
+        self._buffers[table] = TableBuffer()
         counters = self.counters[table]
         counters.buffered_rows -= buffer.rows
         counters.in_flight_rows += buffer.rows
@@ -296,7 +271,7 @@ class ClickHouseSink:
         assert self._nursery is not None
         self._nursery.start_soon(self._insert, table, buffer, token)
 
-    async def _insert(self, table: str, buffer: _Buffer, token: str) -> None:
+    async def _insert(self, table: str, buffer: TableBuffer, token: str) -> None:
         counters = self.counters[table]
         try:
             async with self._limiters[table]:
@@ -336,78 +311,13 @@ class ClickHouseSink:
             if self._in_flight == 0:
                 self._idle.unpark_all()
 
-    async def _hand_over(self, table: str, buffer: _Buffer, token: str, exc: Exception) -> None:
-        assert self._failed_blocks is not None
-        try:
-            await self._failed_blocks(list(buffer.items), token, exc)
-        except Exception as handler_error:
-            self._latch.latch(
-                handler_error,
-                destination=f"clickhouse table {table!r}",
-                where=f"handing over a failed insert of {buffer.rows} rows",
-            )
-
-    def _insert_blocking(self, table: str, buffer: _Buffer, token: str) -> None:
+    def _insert_blocking(self, table: str, buffer: TableBuffer, token: str) -> None:
         """Runs in a worker thread: build the Arrow table and insert it
         (deduplication token: ``token`` and the table's name)."""
         data = block_table(
             buffer.items, self.tables[table], self.schema, self.hooks, self._hook_dictionary
         )
         self.transport.insert(table, data, dedup_token=f"{token}-{table}")
-
-    def hand_over_failures(
-        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
-    ) -> None:
-        """Give every block whose insert fails to ``handler`` (a spool) instead of
-        retrying it here and latching (see :data:`FailedBlockHandler`); tell
-        ``inserted(records, batches)`` about every block inserted."""
-        self._failed_blocks = handler
-        self._inserted = inserted
-
-    @property
-    def backlog_bytes(self) -> int:
-        """Bytes buffered or being inserted."""
-        return self._pending_bytes
-
-    @property
-    def max_backlog_bytes(self) -> int:
-        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
-        return self.batching.max_buffered_bytes
-
-    async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
-        """Insert ``batches`` at once, one block per table, with tokens derived from ``token``.
-
-        For a wrapper that keeps its own durable queue (the spool): no
-        buffering and no retry here; a failure is raised, not latched, and
-        :meth:`is_transient` says whether the same call may succeed later.
-        A repeat with the same ``token`` and batches writes nothing twice,
-        and neither does a repeat of a block this sink sealed and handed over
-        (:meth:`hand_over_failures`) with that block's token.  When a later
-        table fails after an earlier one was stored, :class:`PartlyInserted`
-        says which parts were not.
-        """
-        parts: dict[str, _Buffer] = {}
-        for batch in batches:
-            for table, part in self._by_table(batch):
-                parts.setdefault(table, _Buffer()).items.append(part)
-        for done, (table, buffer) in enumerate(parts.items()):
-            try:
-                await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
-            except Exception as exc:
-                if done == 0:
-                    raise
-                rest = [item for b in list(parts.values())[done:] for item in b.items]
-                raise PartlyInserted(rest, exc) from exc
-            counters = self.counters[table]
-            counters.inserts += 1
-            counters.records += sum(len(item) for item in buffer.items)
-            counters.bytes += sum(item.nbytes for item in buffer.items)
-
-    def is_transient(self, error: BaseException) -> bool:
-        """True when retrying a failed :meth:`insert_now` may succeed."""
-        if isinstance(error, PartlyInserted):
-            error = error.cause
-        return self.transport.is_transient(error)
 
     async def flush(self) -> None:
         """Insert everything buffered; return once every insert is done, or raise."""
@@ -435,7 +345,7 @@ class ClickHouseSink:
                 self.counters[table].buffered_rows -= buffer.rows
                 for hold in buffer.holds:
                     hold.release()
-            self._buffers = {n: _Buffer() for n in self.tables}
+            self._buffers = {n: TableBuffer() for n in self.tables}
             if self._owns_transport:
                 await trio.to_thread.run_sync(self.transport.close)
 

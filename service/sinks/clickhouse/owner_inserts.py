@@ -1,0 +1,109 @@
+"""The face a ClickHouse sink shows an owner that keeps its own durable queue
+(a spooling destination): failed blocks handed over instead of retried here
+(:meth:`~OwnerInserts.hand_over_failures`), batches inserted at once without
+buffering or retry (:meth:`~OwnerInserts.insert_now`), and the backlog the
+owner watches.
+
+:class:`OwnerInserts` is that part of
+:class:`~taproute.service.sinks.clickhouse.sink.ClickHouseSink`, which sets
+the state declared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import trio
+
+from taproute.routing.batch import Batch
+from taproute.routing.latch import FailureLatch
+from taproute.service.sinks.clickhouse.batching import Batching
+from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
+from taproute.service.sinks.clickhouse.handover import FailedBlockHandler, PartlyInserted
+from taproute.service.sinks.clickhouse.transport import Transport
+
+
+class OwnerInserts:
+    """Hand-over of failed blocks and direct inserts, for a sink's owner."""
+
+    transport: Transport
+    batching: Batching
+    counters: dict[str, TableCounters]
+    _latch: FailureLatch
+    _failed_blocks: FailedBlockHandler | None
+    _inserted: Callable[[int, int], None] | None
+    _pending_bytes: int
+
+    def _by_table(self, batch: Batch) -> list[tuple[str, Batch]]:
+        raise NotImplementedError
+
+    def _insert_blocking(self, table: str, buffer: TableBuffer, token: str) -> None:
+        raise NotImplementedError
+
+    async def _hand_over(self, table: str, buffer: TableBuffer, token: str, exc: Exception) -> None:
+        assert self._failed_blocks is not None
+        try:
+            await self._failed_blocks(list(buffer.items), token, exc)
+        except Exception as handler_error:
+            self._latch.latch(
+                handler_error,
+                destination=f"clickhouse table {table!r}",
+                where=f"handing over a failed insert of {buffer.rows} rows",
+            )
+
+    def hand_over_failures(
+        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Give every block whose insert fails to ``handler`` (a spool) instead of
+        retrying it here and latching (see :data:`FailedBlockHandler`); tell
+        ``inserted(records, batches)`` about every block inserted."""
+        self._failed_blocks = handler
+        self._inserted = inserted
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes buffered or being inserted."""
+        return self._pending_bytes
+
+    @property
+    def max_backlog_bytes(self) -> int:
+        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
+        return self.batching.max_buffered_bytes
+
+    async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
+        """Insert ``batches`` at once, one block per table, with tokens derived from ``token``.
+
+        For a wrapper that keeps its own durable queue (the spool): no
+        buffering and no retry here; a failure is raised, not latched, and
+        :meth:`is_transient` says whether the same call may succeed later.
+        A repeat with the same ``token`` and batches writes nothing twice,
+        and neither does a repeat of a block this sink sealed and handed over
+        (:meth:`hand_over_failures`) with that block's token.  When a later
+        table fails after an earlier one was stored, :class:`PartlyInserted`
+        says which parts were not.
+        """
+        parts: dict[str, TableBuffer] = {}
+        for batch in batches:
+            for table, part in self._by_table(batch):
+                parts.setdefault(table, TableBuffer()).items.append(part)
+        for done, (table, buffer) in enumerate(parts.items()):
+            try:
+                await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
+            except Exception as exc:
+                if done == 0:
+                    raise
+                rest = [item for b in list(parts.values())[done:] for item in b.items]
+                raise PartlyInserted(rest, exc) from exc
+            counters = self.counters[table]
+            counters.inserts += 1
+            counters.records += sum(len(item) for item in buffer.items)
+            counters.bytes += sum(item.nbytes for item in buffer.items)
+
+    def is_transient(self, error: BaseException) -> bool:
+        """True when retrying a failed :meth:`insert_now` may succeed."""
+        if isinstance(error, PartlyInserted):
+            error = error.cause
+        return self.transport.is_transient(error)
+
+
+__all__ = ["OwnerInserts"]
