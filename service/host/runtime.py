@@ -24,8 +24,6 @@ import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
 from taproute.routing.batch import RecordBatch
-from taproute.routing.errors import SinkClosed
-from taproute.routing.flush_report import FlushReport
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction
@@ -358,28 +356,6 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
             output_id, payload, key=key, step=step, seq=seq, timestamp_ns=timestamp_ns
         )
         self._ingress.put_record(row, data)
-
-    def flush(self, timeout: float | None = None, *, wait: bool = False) -> FlushReport | None:
-        """Return once every record submitted before is delivered, dead-lettered,
-        dropped by a counted policy, or parked for a retry (durably, with a park
-        store); a routing sink's :class:`FlushReport` says how many are in which
-        state (another sink reports nothing: None).  ``wait=True`` also waits
-        for every retry and spool: full delivery.
-
-        Raises the first latched failure.
-        """
-        if self._thread is None:
-            raise SinkClosed("runtime not started")
-        try:
-            report: FlushReport | None = self._ingress.put_control(
-                "deliver" if wait else "flush"
-            ).result(timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"flush: not done within {timeout} s; what was submitted is still being "
-                "delivered (call flush again to wait for it)"
-            ) from None
-        return report
 
     # -- observation -------------------------------------------------------
 

@@ -90,6 +90,28 @@ class SinkControls:
             control.future.set_result(number)
         return False
 
+    def flush(self, timeout: float | None = None, *, wait: bool = False) -> FlushReport | None:
+        """Return once every record submitted before is delivered, dead-lettered,
+        dropped by a counted policy, or parked for a retry (durably, with a park
+        store); a routing sink's :class:`FlushReport` says how many are in which
+        state (another sink reports nothing: None).  ``wait=True`` also waits
+        for every retry and spool: full delivery.
+
+        Raises the first latched failure.
+        """
+        if self._thread is None:
+            raise SinkClosed("runtime not started")
+        try:
+            report: FlushReport | None = self._ingress.put_control(
+                "deliver" if wait else "flush"
+            ).result(timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"flush: not done within {timeout} s; what was submitted is still being "
+                "delivered (call flush again to wait for it)"
+            ) from None
+        return report
+
     # -- key lifecycle (thread-safe; ordered with the records submitted before) --
 
     def complete(self, *keys: int) -> Future[None]:
