@@ -14,7 +14,10 @@ hooks), torch on one thread.  Variants, per forward pass:
   records and never reads them (the capture path's own cost);
 - ``taproute_chdb``: taproute hooks into a runtime writing raw records to
   chDB; timed for the forward passes alone and until ``flush()`` returned
-  (data persisted).
+  (data persisted);
+- ``taproute_chdb_process``: the same, with chDB in a writer process
+  (``WriterProcessSink``; hooks copy into its shared-memory pool, so only
+  descriptors cross), timed the same two ways.
 
 Hold time is measured in separate rounds (timer hooks registered around the
 measured hook would otherwise weigh on the timed forwards), naive and
@@ -34,6 +37,7 @@ from harness import arguments, comparison, fmt, interleave, summary, target, wri
 
 from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
+from taproute.service.sinks.writer import WriterProcessSink
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])
@@ -113,7 +117,10 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     null_runtime = create_record_runtime(record_sink=NullSink(), schema=SCHEMA)
     chdb_sink = ClickHouseSink.embedded(SCHEMA, f"{data_dir}/{name}", raw=["acts"])
     chdb_runtime = create_record_runtime(record_sink=chdb_sink)
+    process_sink = WriterProcessSink.embedded(SCHEMA, f"{data_dir}/{name}-process", raw=["acts"])
+    process_runtime = create_record_runtime(record_sink=process_sink)
     flush_times: list[float] = []
+    process_flush_times: list[float] = []
     kept: list[Any] = []
 
     def run_passes() -> float:
@@ -135,9 +142,15 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
                 handle.remove()
             kept.clear()
 
-    def with_taproute(runtime: Any, flush_into: list[float] | None) -> Callable[[], float]:
+    def with_taproute(
+        runtime: Any, flush_into: list[float] | None, pool: Any = None
+    ) -> Callable[[], float]:
         def variant() -> float:
-            bindings = [b for p in patterns for b in bind_modules(runtime, model, p, layout="acts")]
+            bindings = [
+                b
+                for p in patterns
+                for b in bind_modules(runtime, model, p, layout="acts", pool=pool)
+            ]
             try:
                 started = time.perf_counter()
                 per_pass = run_passes()
@@ -157,15 +170,20 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         "naive": naive,
         "taproute_null": with_taproute(null_runtime, None),
         "taproute_chdb": with_taproute(chdb_runtime, flush_times),
+        "taproute_chdb_process": with_taproute(
+            process_runtime, process_flush_times, process_sink.buffer_pool
+        ),
     }
     results = interleave(variants, repeat=args.repeat, warmup=1)
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
+    results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
     holds = hold_times(
         model, patterns, forward, ids, mask, keys, null_runtime, kept, rounds=args.repeat
     )
     hooks = len(hooked_modules(model, patterns))
     null_runtime.close()
     chdb_runtime.close()
+    process_runtime.close()
     return {
         "results": results,
         "holds": holds,
@@ -288,6 +306,11 @@ def main() -> None:
                 ("taproute_null", "taproute -> null"),
                 ("taproute_chdb", "taproute -> chDB (forward)"),
                 ("taproute_chdb_flushed", "taproute -> chDB (until flush)"),
+                ("taproute_chdb_process", "taproute -> chDB writer process (forward)"),
+                (
+                    "taproute_chdb_process_flushed",
+                    "taproute -> chDB writer process (until flush)",
+                ),
             ):
                 comparisons.append(
                     comparison(
@@ -316,12 +339,16 @@ def main() -> None:
             null_ratio = results["taproute_null"]["median"] / base["median"]
             chdb_ratio = results["taproute_chdb"]["median"] / base["median"]
             flushed_ratio = results["taproute_chdb_flushed"]["median"] / base["median"]
+            process_ratio = results["taproute_chdb_process"]["median"] / base["median"]
+            process_flushed = results["taproute_chdb_process_flushed"]["median"] / base["median"]
             notes.append(
                 f"{name} ({measured['hooks']} hooks, {tokens} real of "
                 f"{measured['padded_tokens_per_pass']} positions per pass): forward time "
                 f"relative to no hooks: naive copy {fmt(naive_ratio)}x, taproute -> null "
                 f"{fmt(null_ratio)}x, taproute -> chDB {fmt(chdb_ratio)}x "
-                f"({fmt(flushed_ratio)}x until flush returned). Hook hold time p50/p99: naive "
+                f"({fmt(flushed_ratio)}x until flush returned), taproute -> chDB in a writer "
+                f"process {fmt(process_ratio)}x ({fmt(process_flushed)}x until flush "
+                "returned). Hook hold time p50/p99: naive "
                 f"{fmt(holds['naive']['p50'] * 1e6)}/{fmt(holds['naive']['p99'] * 1e6)} us, "
                 f"taproute {fmt(holds['taproute_null']['p50'] * 1e6)}/"
                 f"{fmt(holds['taproute_null']['p99'] * 1e6)} us."
@@ -333,6 +360,24 @@ def main() -> None:
                     f"{fmt(null_ratio)}x vs {fmt(naive_ratio)}x",
                 )
             )
+            for label, forward_ratio, until_flush in (
+                ("in-process chDB", chdb_ratio, flushed_ratio),
+                ("chDB writer process", process_ratio, process_flushed),
+            ):
+                targets.append(
+                    target(
+                        f"{name}: taproute -> {label} <= naive copy + 3 points of forward time",
+                        forward_ratio <= naive_ratio + 0.03,
+                        f"{fmt(forward_ratio)}x vs {fmt(naive_ratio)}x",
+                    )
+                )
+                targets.append(
+                    target(
+                        f"{name}: taproute -> {label} until flush <= naive copy + 5 points",
+                        until_flush <= naive_ratio + 0.05,
+                        f"{fmt(until_flush)}x vs {fmt(naive_ratio)}x",
+                    )
+                )
             targets.append(
                 target(
                     f"{name}: hook hold p99 <= 2x the naive hook's",

@@ -1,0 +1,329 @@
+"""ClickHouse in a writer process (WriterProcessSink): real processes, real
+chDB, real shared memory; writers killed with SIGKILL.
+
+Nothing here waits by sleeping: a flush returns when the writer has
+persisted, a process's exit is awaited on its pidfd."""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from taproute.native import make_descriptors
+from taproute.routing import Layout, RecordSchema
+from taproute.routing.errors import RoutingFailure
+from taproute.service import ClickHouseSink, create_record_runtime
+from taproute.service.capture import CaptureWarning, bind_modules, capture_context
+from taproute.service.sinks.clickhouse import SchemaMismatch
+from taproute.service.sinks.writer import (
+    DirectoryInUse,
+    SharedBufferPool,
+    WriterCrashed,
+    WriterProcessSink,
+)
+from taproute.service.sinks.writer.process import WriterProcess
+from taproute.service.sinks.writer.protocol import Done, Insert, RawItem, WriterConfig
+from tests.capture_models import gpt2
+
+ACTS = Layout("acts", [("values", "Array(Float32)")])
+SCHEMA = RecordSchema([ACTS])
+WIDTH = 16
+
+
+def _exited(pid: int, timeout: float = 60.0) -> bool:
+    """True once process ``pid`` has exited (waits on its pidfd, at most ``timeout``)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+def _memfd_mappings() -> list[str]:
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _link(fd)]
+    return [m for m in maps if "taproute-writer" in m] + [f for f in fds if "taproute-writer" in f]
+
+
+def _link(fd: str) -> bool:
+    try:
+        os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return True
+
+
+def _submit(runtime, sink: WriterProcessSink, output_id: int, step: int, *, shared: bool = True):
+    """Four records of WIDTH floats, all equal to ``step``; in the sink's shared
+    pool (``shared``) or in a private array."""
+    nbytes = 4 * WIDTH * 4
+    if shared:
+        buffer = sink.buffer_pool.take_array(nbytes)
+        payload = buffer[:nbytes]
+        release = lambda: sink.buffer_pool.give_back(buffer)  # noqa: E731
+    else:
+        payload = np.empty(nbytes, dtype=np.uint8)
+        release = None
+    payload.view(np.float32)[:] = step
+    descriptors = make_descriptors(
+        output_id,
+        np.full(4, WIDTH * 4),
+        offsets=np.arange(4) * WIDTH * 4,
+        layout_ids=runtime.schema.layout_id("acts"),
+        keys=np.arange(4),
+        steps=step,
+    )
+    runtime.submit_batch(descriptors, payload, release)
+
+
+def _totals(sink) -> tuple[int, float, int]:
+    row = sink.query(
+        "SELECT count() AS n, sum(arraySum(values)) AS total, uniqExact(step) AS steps "
+        "FROM raw_acts"
+    ).to_pylist()[0]
+    return int(row["n"]), float(row["total"]), int(row["steps"])
+
+
+def _expected(steps: range) -> tuple[int, float, int]:
+    return 4 * len(steps), float(sum(4 * WIDTH * s for s in steps)), len(steps)
+
+
+def test_rows_land_exactly_read_through_the_writer_then_locally(tmp_path):
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    pid = sink.writer_pid
+    assert pid is not None and pid != os.getpid()
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        for step in range(1, 11):
+            _submit(runtime, sink, hook, step)
+        _submit(runtime, sink, hook, 11, shared=False)
+        runtime.flush()
+        # While the writer holds the chDB directory, reads go through it.
+        assert _totals(sink) == _expected(range(1, 12))
+        counters = sink.counters
+        assert counters.records == 44
+        assert counters.shared_bytes == 10 * 4 * WIDTH * 4  # by reference
+        assert counters.copied_bytes == 4 * WIDTH * 4  # the private one, copied once
+        hooks = sink.query("SELECT DISTINCT hook FROM raw_acts").to_pylist()
+        assert hooks == [{"hook": "h.0"}]
+    # Closed: the writer released the directory, this process opens it.
+    assert _exited(pid, timeout=0)
+    assert _totals(sink) == _expected(range(1, 12))
+
+
+def test_capture_hooks_write_into_the_shared_pool_without_copies(tmp_path):
+    model = gpt2()
+    ids = torch.randint(3, 100, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    with create_record_runtime(record_sink=sink) as runtime:
+        bind_modules(
+            runtime,
+            model,
+            "transformer.h.?",
+            layout="acts",
+            pool=sink.buffer_pool,
+            on_error="raise",
+        )
+        with torch.inference_mode(), capture_context([7, 8], attention_mask=mask):
+            out = model(ids, attention_mask=mask, output_hidden_states=True)
+        runtime.flush()
+        rows = sink.query(
+            "SELECT hook, key, values, values_shape FROM raw_acts WHERE hook = 'transformer.h.0' "
+            "ORDER BY key"
+        ).to_pylist()
+        assert sink.counters.copied_bytes == 0
+        assert sink.counters.shared_bytes > 0
+    hidden = out.hidden_states[1]  # the output of block 0
+    assert [r["key"] for r in rows] == [7, 8]
+    for i, row in enumerate(rows):
+        assert row["values_shape"] == [6, 32]
+        np.testing.assert_array_equal(
+            np.asarray(row["values"], dtype=np.float32).reshape(6, 32), hidden[i].numpy()
+        )
+
+
+def test_sigkilled_writer_is_restarted_and_nothing_is_lost_or_doubled(tmp_path):
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        for step in range(1, 6):
+            _submit(runtime, sink, hook, step)
+        runtime.flush()
+        first = sink.writer_pid
+        assert first is not None
+        for step in range(6, 11):
+            _submit(runtime, sink, hook, step)
+        os.kill(first, signal.SIGKILL)
+        for step in range(11, 16):
+            _submit(runtime, sink, hook, step)
+        runtime.flush()  # returns once the restarted writer persisted everything
+        assert sink.counters.crashes == 1
+        assert sink.counters.restarts == 1
+        assert sink.writer_pid not in (None, first)
+        assert sink.health.healthy
+        assert _totals(sink) == _expected(range(1, 16))
+    assert _exited(first)
+
+
+def test_a_block_resent_after_a_crash_is_written_once(tmp_path):
+    """The case a restart relies on: the first writer persisted the block, but
+    died before its answer arrived; the next one gets the same block and token."""
+    config = WriterConfig(kind="chdb", where=str(tmp_path / "data"), schema=SCHEMA, raw=("acts",))
+    pool = SharedBufferPool()
+    payload = pool.take_array(4 * WIDTH * 4)[: 4 * WIDTH * 4]
+    payload.view(np.float32)[:] = 3
+    ref = pool.locate(payload)
+    assert ref is not None
+    descriptors = make_descriptors(
+        0, np.full(4, WIDTH * 4), offsets=np.arange(4) * WIDTH * 4, layout_ids=0, keys=np.arange(4)
+    )
+    from taproute.service.sinks.writer.protocol import HookTable
+
+    insert = Insert(
+        1,
+        "fixed-token",
+        [RawItem(ref.segment, ref.offset, payload.nbytes, descriptors)],
+        HookTable(("h.0",), {}),
+    )
+
+    async def insert_once() -> tuple[object, int]:
+        process = await trio.to_thread.run_sync(WriterProcess.start, config, 120.0)
+        stream = process.attach()
+        await process.hand_segment(pool, ref.segment)
+        await stream.send(insert)
+        reply = await stream.receive()
+        code = await trio.to_thread.run_sync(process.kill)  # no goodbye: a crash
+        await process.aclose()
+        return reply, code
+
+    first, code = trio.run(insert_once)
+    assert first == Done(1)
+    assert code == -signal.SIGKILL
+    second, _ = trio.run(insert_once)
+    assert second == Done(1)
+    transport_sink = ClickHouseSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    try:
+        assert transport_sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 4}]
+    finally:
+        transport_sink.transport.close()
+        pool.close()
+
+
+def test_a_writer_that_keeps_dying_latches_and_hooks_never_raise(tmp_path):
+    model = gpt2()
+    ids = torch.randint(3, 100, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], restarts=0)
+    runtime = create_record_runtime(record_sink=sink)
+    try:
+        bindings = bind_modules(
+            runtime, model, "transformer.h.?", layout="acts", pool=sink.buffer_pool
+        )
+        with torch.inference_mode(), capture_context([1, 2], attention_mask=mask):
+            model(ids, attention_mask=mask)
+        pid = sink.writer_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RoutingFailure) as raised:
+            runtime.flush()
+        assert isinstance(raised.value.cause, WriterCrashed)
+        assert "was killed by SIGKILL" in str(raised.value)
+        assert sink.counters.crashes == 1 and sink.counters.restarts == 0
+        assert not sink.health.healthy and "SIGKILL" in (sink.health.reason or "")
+        # The model keeps running: the hooks detach and count, never raise.
+        with (
+            pytest.warns(CaptureWarning, match="detached"),
+            torch.inference_mode(),
+            capture_context([1, 2], attention_mask=mask),
+        ):
+            model(ids, attention_mask=mask)
+        assert all(binding.detached for binding in bindings)
+    finally:
+        with pytest.raises(RoutingFailure):
+            runtime.close()
+    assert _exited(pid)
+
+
+def test_an_insert_the_writer_refuses_latches_with_its_reason(tmp_path):
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    with (
+        pytest.raises(RoutingFailure, match="UNKNOWN_TABLE|does not exist"),
+        create_record_runtime(record_sink=sink) as runtime,
+    ):
+        hook = runtime.bind_hook("h.0", layout="acts")
+        sink.query("DROP TABLE raw_acts")
+        _submit(runtime, sink, hook, 1)
+        runtime.flush()
+    assert sink.counters.errors == 1 and sink.counters.retries == 0
+    assert sink.counters.crashes == 0
+
+
+def test_clean_shutdown_leaves_no_process_and_no_shared_segment(tmp_path):
+    gc.collect()  # what earlier tests left to the collector
+    before = _memfd_mappings()
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    pid = sink.writer_pid
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        for step in range(3):
+            _submit(runtime, sink, hook, step)
+        runtime.flush()
+        assert len(_memfd_mappings()) > len(before)
+    assert pid is not None and _exited(pid, timeout=0)  # reaped by close, not later
+    assert sink.writer_pid is None
+    assert _memfd_mappings() == before
+
+
+def test_a_killed_model_process_leaves_no_writer_behind(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from taproute.routing import Layout, RecordSchema
+        from taproute.service.sinks.writer import WriterProcessSink
+        schema = RecordSchema([Layout("acts", [("values", "Array(Float32)")])])
+        sink = WriterProcessSink.embedded(schema, {str(tmp_path / "data")!r}, raw=["acts"])
+        print(sink.writer_pid, flush=True)
+        sys.stdin.read()
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    writer = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    assert _exited(writer), "the writer outlived its model process"
+
+
+def test_table_errors_come_from_the_writer_at_construction(tmp_path):
+    other = RecordSchema([Layout("acts", [("values", "Array(Int32)")])])
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    trio.run(sink.close)
+    with pytest.raises(SchemaMismatch, match="raw_acts"):
+        WriterProcessSink.embedded(other, tmp_path / "data", raw=["acts"])
+
+
+def test_one_process_per_chdb_directory_is_explained(tmp_path):
+    held = ClickHouseSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    try:
+        with pytest.raises(DirectoryInUse, match="one process per directory"):
+            WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    finally:
+        held.transport.close()
