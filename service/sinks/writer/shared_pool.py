@@ -91,7 +91,11 @@ class SharedBufferPool:
         self._bases: list[int] = []  # sorted segment base addresses, for locate()
         self._by_base: list[_Segment] = []
         self._free: dict[int, list[npt.NDArray[np.uint8]]] = defaultdict(list)
-        self._tensors: dict[int, Any] = {}  # buffer address -> its tensor (made once)
+        # Tensors handed out by take() come back to their own free lists:
+        # no address arithmetic on the hook's path.
+        self._free_tensors: dict[int, list[Any]] = defaultdict(list)
+        self._tensor_ids: set[int] = set()
+        self._tensors: list[Any] = []
         self._closed = False
         self.allocated = 0
         self.outstanding = 0
@@ -120,25 +124,33 @@ class SharedBufferPool:
         """
         import torch
 
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free_tensors[size]
+            if free and not self._closed:
+                self.outstanding += 1
+                return free.pop()
         try:
             array = self.take_array(nbytes)
         except SharedPoolClosed:
-            return torch.empty(_size_class(nbytes), dtype=torch.uint8)
-        address = int(array.__array_interface__["data"][0])
-        tensor = self._tensors.get(address)
-        if tensor is None:
-            tensor = torch.from_numpy(array)
-            self._tensors[address] = tensor
+            return torch.empty(size, dtype=torch.uint8)
+        tensor = torch.from_numpy(array)
+        with self._lock:
+            self._tensors.append(tensor)
+            self._tensor_ids.add(id(tensor))
         return tensor
 
     def give_back(self, buffer: Any) -> None:
         """Make ``buffer`` (from :meth:`take` or :meth:`take_array`) reusable."""
-        array = buffer.numpy() if hasattr(buffer, "numpy") else buffer
         with self._lock:
-            if self.locate_unlocked(array) is None:
+            if id(buffer) in self._tensor_ids:
+                self.outstanding -= 1
+                self._free_tensors[buffer.numel()].append(buffer)
+                return
+            if not isinstance(buffer, np.ndarray) or self.locate_unlocked(buffer) is None:
                 return  # a private buffer handed out after close
             self.outstanding -= 1
-            self._free[array.nbytes].append(array)
+            self._free[buffer.nbytes].append(buffer)
 
     def _carve(self, size: int) -> npt.NDArray[np.uint8]:
         """With the lock held: ``size`` bytes from the newest segment, or a new one."""
@@ -193,6 +205,8 @@ class SharedBufferPool:
             segments, self._segments = self._segments, []
             self._bases, self._by_base = [], []
             self._free.clear()
+            self._free_tensors.clear()
+            self._tensor_ids.clear()
             self._tensors.clear()
         for segment in segments:
             os.close(segment.fd)
