@@ -97,8 +97,18 @@ from taproute.service.sinks.clickhouse.readback import (
 from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
 from taproute.service.sinks.spool.log import SpoolLocked
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
+from taproute.service.sinks.writer import (
+    SharedBufferPool,
+    WriterCrashed,
+    WriterProcessSink,
+    WriterStartError,
+)
 
 __all__ = [
+    "SharedBufferPool",
+    "WriterCrashed",
+    "WriterProcessSink",
+    "WriterStartError",
     "CausalLimits",
     "CausalRefusal",
     "CausalSnapshot",

@@ -129,7 +129,8 @@ class SharedBufferPool:
             free = self._free_tensors[size]
             if free and not self._closed:
                 self.outstanding += 1
-                return free.pop()
+                reused: torch.Tensor = free.pop()
+                return reused
         try:
             array = self.take_array(nbytes)
         except SharedPoolClosed:
