@@ -327,3 +327,31 @@ def test_one_process_per_chdb_directory_is_explained(tmp_path):
             WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
     finally:
         held.transport.close()
+
+
+def test_shared_pool_reuses_buffers_and_locates_them():
+    pool = SharedBufferPool(segment_bytes=1 << 20)
+    tensor = pool.take(5000)  # rounded up to 8 KiB
+    assert tensor.numel() == 8192
+    array = pool.take_array(100)
+    assert pool.locate(array) is not None
+    assert pool.locate(tensor.numpy()[4096:]).offset == pool.locate(tensor.numpy()).offset + 4096
+    assert pool.locate(np.zeros(10, dtype=np.uint8)) is None
+    pool.give_back(tensor)
+    assert pool.take(8000) is tensor  # the same buffer again, no new one
+    assert pool.outstanding == 2 and pool.allocated == 2 and pool.segments == 1
+    pool.take_array(2 << 20)  # bigger than a segment: a segment of its own
+    assert pool.segments == 2
+    pool.close()
+    private = pool.take(100)
+    assert pool.locate(private.numpy()) is None
+    pool.give_back(private)  # ignored: not the pool's
+
+
+def test_a_sink_never_run_answers_queries_and_closes_its_writer(tmp_path):
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    pid = sink.writer_pid
+    assert pid is not None
+    assert sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 0}]
+    trio.run(sink.close)
+    assert _exited(pid, timeout=0)
