@@ -23,7 +23,7 @@ import trio
 from taproute.native import make_descriptors
 from taproute.routing import Layout, RecordSchema
 from taproute.routing.errors import RoutingFailure
-from taproute.service import ClickHouseSink, create_record_runtime
+from taproute.service import create_record_runtime
 from taproute.service.capture import CaptureWarning, bind_modules, capture_context
 from taproute.service.sinks.clickhouse import SchemaMismatch
 from taproute.service.sinks.writer import (
@@ -37,6 +37,7 @@ from taproute.service.sinks.writer.protocol import Done, Insert, RawItem, Writer
 from tests.capture_models import gpt2
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
+VEC = Layout("vec", [("values", "Array(Float32)", (4,))])
 SCHEMA = RecordSchema([ACTS])
 WIDTH = 16
 
@@ -217,12 +218,12 @@ def test_a_block_resent_after_a_crash_is_written_once(tmp_path):
     assert code == -signal.SIGKILL
     second, _ = trio.run(insert_once)
     assert second == Done(1)
-    transport_sink = ClickHouseSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    pool.close()
+    reader = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
     try:
-        assert transport_sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 4}]
+        assert reader.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 4}]
     finally:
-        transport_sink.transport.close()
-        pool.close()
+        reader.close_unstarted()
 
 
 def test_a_writer_that_keeps_dying_latches_and_hooks_never_raise(tmp_path):
@@ -320,13 +321,10 @@ def test_table_errors_come_from_the_writer_at_construction(tmp_path):
         WriterProcessSink.embedded(other, tmp_path / "data", raw=["acts"])
 
 
-def test_one_process_per_chdb_directory_is_explained(tmp_path):
-    held = ClickHouseSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
-    try:
-        with pytest.raises(DirectoryInUse, match="one process per directory"):
-            WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
-    finally:
-        held.transport.close()
+def test_one_process_per_chdb_directory_is_explained(chdb_transport):
+    # This process holds chdb_transport's directory (chDB's status lock).
+    with pytest.raises(DirectoryInUse, match="one process per directory"):
+        WriterProcessSink.embedded(SCHEMA, chdb_transport.path, raw=["acts"])
 
 
 def test_shared_pool_reuses_buffers_and_locates_them():
@@ -355,3 +353,59 @@ def test_a_sink_never_run_answers_queries_and_closes_its_writer(tmp_path):
     assert sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 0}]
     trio.run(sink.close)
     assert _exited(pid, timeout=0)
+
+
+CONFIG = """
+processors = ["tests.processors"]
+
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+
+[destinations.ch]
+path = "data"
+raw = ["vec"]
+writer = "process"
+spool = "@SPOOL@"
+
+[routing]
+unmatched = "drop"
+
+[[producer.hooks]]
+name = "layers.0"
+layout = "vec"
+batch = 16
+"""
+
+
+def test_a_config_file_destination_in_a_writer_process(tmp_path, capsys):
+    from taproute.service.host.cli import main as cli_main
+    from taproute.service.host.config import ConfigFileError, load_config
+
+    path = tmp_path / "router.toml"
+    path.write_text(CONFIG.replace("@SPOOL@", "outage"))
+    with pytest.raises(ConfigFileError, match=r"ch\.writer: 'process' takes no spool"):
+        load_config(path)
+    path.write_text(CONFIG.replace("@SPOOL@", "off"))
+    assert cli_main(["check", "--config", str(path)]) == 0
+    assert "checked by a writer process" in capsys.readouterr().out
+    config = load_config(path)
+    with config.build() as built, built.start() as service:
+        output_id = service.bind_hook("layers.0")
+        values = np.arange(32, dtype=np.float32)
+        descriptors = make_descriptors(
+            output_id, np.full(8, 16), offsets=np.arange(8) * 16, layout_ids=0, keys=np.arange(8)
+        )
+        service.submit_batch(descriptors, values)
+        service.flush()
+    reader = WriterProcessSink.embedded(RecordSchema([VEC]), tmp_path / "data", raw=["vec"])
+    try:
+        got = reader.query("SELECT count() AS n, sum(arraySum(values)) AS s FROM raw_vec")
+        assert got.to_pylist() == [{"n": 8, "s": float(values.sum())}]
+    finally:
+        reader.close_unstarted()

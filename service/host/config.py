@@ -93,6 +93,7 @@ from taproute.service.host.config_sections import (
 from taproute.service.host.http import HttpConfig
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.ops.parking import ParkedRecordStore
+from taproute.service.sinks.writer import WriterProcessSink
 
 
 @attrs.frozen(kw_only=True)
@@ -261,11 +262,14 @@ class ServiceConfig:
             sink = open_destination(
                 self.source, name, dest, schema, dest.path_under(self.source.parent)
             )
-            lines.append(
-                f"destination {name!r}: {sink.transport.description}, tables "
-                f"{', '.join(sorted(sink.tables))} match the schema"
-            )
-            sink.transport.close()
+            tables = ", ".join(sorted(sink.tables))
+            if isinstance(sink, WriterProcessSink):
+                where = f"{sink.config.where} (checked by a writer process)"
+                sink.close_unstarted()
+            else:
+                where = sink.transport.description
+                sink.transport.close()
+            lines.append(f"destination {name!r}: {where}, tables {tables} match the schema")
         return lines
 
 

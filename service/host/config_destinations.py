@@ -26,6 +26,7 @@ from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.dead_letters import destination_dead_letters
 from taproute.service.sinks.spool.spooling import SpoolingSink
+from taproute.service.sinks.writer import WriterProcessSink
 
 #: What a table template must format to: a plain identifier (it is quoted with
 #: backticks in SQL, so a backtick or an unknown ``{field}`` would break it).
@@ -46,7 +47,11 @@ class DestinationConfig:
     ``dead_letter`` quota policy sheds, goes to the config's dead-letter
     store; ``spool_dir`` defaults to ``<path>-spool/<name>``
     beside a chDB directory, ``taproute-spool/<name>`` beside the file for a
-    server."""
+    server.
+
+    ``writer = "process"`` runs the destination's inserts in a writer process
+    (:class:`~taproute.service.sinks.writer.WriterProcessSink`); it takes no
+    spool yet (``spool = "off"`` is required with it)."""
 
     path: str | None = None
     url: str | None = None
@@ -65,6 +70,7 @@ class DestinationConfig:
     spool_fsync_interval: float = 1.0
     spool_when_full: Literal["block", "drop_newest", "dead_letter"] = "block"
     spool_block_timeout: float | None = None
+    writer: Literal["thread", "process"] = "thread"
 
     def spool_directory(self, base: Path, name: str) -> Path:
         """Where this destination's spool lives (relative paths are relative to ``base``)."""
@@ -111,6 +117,11 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
                 yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
     if dest.path == "":
         yield f"{where}.path: empty"
+    if dest.writer == "process" and dest.spool != "off":
+        yield (
+            f"{where}.writer: 'process' takes no spool yet: set spool = \"off\" "
+            '(or writer = "thread")'
+        )
     if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
         found = dest.spool_block_timeout
         yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
@@ -156,7 +167,7 @@ def spooled(
     source: Path,
     name: str,
     dest: DestinationConfig,
-    inner: ClickHouseSink,
+    inner: ClickHouseSink | WriterProcessSink,
     dead_letters: DeadLetterStore | None = None,
 ) -> RecordSink:
     """``inner`` with its spool, per ``dest.spool`` (``"off"``: ``inner`` itself),
@@ -168,6 +179,7 @@ def spooled(
     """
     if dest.spool == "off":
         return inner
+    assert isinstance(inner, ClickHouseSink), "a writer process takes no spool (checked)"
     directory = dest.spool_directory(source.parent, name)
     where = f"destinations.{name}.spool_dir"
     dead_letter = (
@@ -235,7 +247,7 @@ def _quiet(logger_name: str) -> Iterator[None]:
 
 def open_destination(
     source: Path, name: str, dest: DestinationConfig, schema: RecordSchema, path: Path | None
-) -> ClickHouseSink:
+) -> ClickHouseSink | WriterProcessSink:
     """Open the sink of ``[destinations.NAME]`` (its tables checked, or created).
 
     Every failure (an unreachable server, a chDB directory another process
@@ -263,7 +275,12 @@ def open_destination(
                     source,
                     [f"{where}.path: cannot open chDB at {path}: in use by process {holder}"],
                 )
+            if dest.writer == "process":
+                return WriterProcessSink.embedded(schema, path, **options)
             return ClickHouseSink.embedded(schema, path, **options)
+        if dest.writer == "process":
+            assert dest.url is not None
+            return WriterProcessSink.server(schema, dest.url, **options)
         with _quiet("clickhouse_connect"):  # its log line would repeat our one-line error
             return ClickHouseSink.server(schema, dest.url, **options)
     except ConfigFileError:

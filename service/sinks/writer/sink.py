@@ -171,6 +171,13 @@ class WriterProcessSink:
         self.restarts = restarts
         self.start_timeout = start_timeout
         self._raw_ids = self._raw_layouts(config)
+        #: The tables written (checked, or created, by the writer).
+        self.tables: tuple[str, ...] = tuple(
+            sorted(
+                {config.raw_table.format(layout=name) for name in config.raw}
+                | {config.rows_table.format(layout=name) for name in config.rows}
+            )
+        )
         self._row_layouts = frozenset(config.rows)
         for name in config.rows:
             self.schema.layout(name)
@@ -389,6 +396,23 @@ class WriterProcessSink:
             self._pending_bytes = 0
             if self._owns_pool:
                 self.buffer_pool.close()
+
+    def close_unstarted(self) -> None:
+        """Stop the writer of a sink whose :meth:`run` never started (blocking;
+        what ``taproute check`` does after the writer checked the tables)."""
+        if self._nursery is not None:
+            raise RuntimeError("WriterProcessSink is running: close it on its loop (close())")
+        if self._closing:
+            return
+        self._closing = True
+        process, self._process = self._process, None
+        if process is not None:
+            process.send_close_blocking()
+            process.stop(30.0)
+            process.close_sockets()
+        self._stopped.set()
+        if self._owns_pool:
+            self.buffer_pool.close()
 
     async def _stop_process(self) -> None:
         process, self._process = self._process, None
@@ -661,11 +685,23 @@ def _table(answer: object) -> pa.Table:
 
 
 def _query_locally(config: WriterConfig, sql: str) -> pa.Table:
+    """``sql`` once the writer is gone: chDB opened in this process, or, when
+    this process already has another chDB directory open (one per process),
+    through a writer process started for the query."""
     from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport
 
-    transport = (
-        ChdbTransport(config.where) if config.kind == "chdb" else ServerTransport(config.where)
-    )
+    try:
+        transport = (
+            ChdbTransport(config.where) if config.kind == "chdb" else ServerTransport(config.where)
+        )
+    except ConfigError:
+        process = WriterProcess.start(attrs.evolve(config, create_tables=False), 120.0)
+        try:
+            return _table(process.request_blocking(Query(0, sql)))
+        finally:
+            process.send_close_blocking()
+            process.stop(30.0)
+            process.close_sockets()
     try:
         return transport.query(sql)
     finally:
