@@ -82,6 +82,12 @@ class SharedBufferPool:
     it is synchronous, still correct).
     """
 
+    #: Capture hooks copy CPU outputs into this pool too (a fresh array from
+    #: the allocator would not be shared with the writer process).
+    cpu_outputs = True
+    #: Not page-locked (see the class docstring).
+    pin = False
+
     def __init__(self, *, segment_bytes: int = SEGMENT_BYTES) -> None:
         if segment_bytes < 4096:
             raise ValueError(f"segment_bytes must be at least 4096, got {segment_bytes}")
