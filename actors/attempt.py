@@ -144,13 +144,13 @@ class HeldWhileRunning:
             self._abandoned(-1)
 
 
-#: A processor call that uses less CPU than this costs less than its trip to
-#: a worker thread and back (0.1 to 0.4 ms of CPU over the two threads on a
-#: loaded 2-core machine; see bench/profiles/).
+#: A processor call that returns within this many seconds costs less than its
+#: trip to a worker thread and back (0.1 to 0.4 ms of CPU over the two threads
+#: on a loaded 2-core machine; see bench/profiles/).
 INLINE_BELOW_S = 0.0002
-#: ... provided it also returned within this wall time: a call that waited
-#: (I/O, a lock, a sleep) is no call to run on the loop.  Looser than the CPU
-#: bound because a busy machine preempts quick calls too.
+#: An inline call that takes this long goes back to worker threads at once
+#: (it waited: I/O, a lock, a sleep; or it has grown); a call between the two
+#: bounds is forgiven once, since a busy machine preempts quick calls too.
 INLINE_WALL_S = 0.002
 #: How many quick calls in a row move a route's processor onto the loop.
 INLINE_AFTER = 8
@@ -158,40 +158,48 @@ INLINE_AFTER = 8
 
 class Placement:
     """Where one route's processor runs: in a worker thread (the default), or
-    on the Trio loop itself once its last :data:`INLINE_AFTER` calls were
-    quick (under :data:`INLINE_BELOW_S` of CPU and :data:`INLINE_WALL_S` of
-    wall time).  The first slower call (or one that raised, or ran past the
-    deadline) sends it back to worker threads.
+    on the Trio loop itself once its last :data:`INLINE_AFTER` calls each
+    returned within :data:`INLINE_BELOW_S`.  It goes back to worker threads
+    at a call of :data:`INLINE_WALL_S` or more, at two slower calls in a row,
+    or at a call that raised or ran past the deadline.
 
     An inline call skips the thread hop, which for a small processor costs
     several times the call.  It cannot be abandoned at the route's deadline
     (nothing interrupts a running call); a processor only gets there by being
-    quick, and leaves at its first slow call.  A processor registered with
-    ``needs_thread=True`` never runs inline.
+    quick, and leaves at its first long call.  A processor registered with
+    ``needs_thread=True`` never runs inline.  Calls are timed by the wall
+    clock (``perf_counter``): a CPU clock costs a system call here.
     """
 
-    __slots__ = ("quick",)
+    __slots__ = ("quick", "slow")
 
     def __init__(self) -> None:
         #: Consecutive quick calls, up to INLINE_AFTER.
         self.quick = 0
+        #: Consecutive calls that were not quick.
+        self.slow = 0
 
     @property
     def inline(self) -> bool:
         """True when the next call may run on the loop."""
         return self.quick >= INLINE_AFTER
 
-    def took(self, cpu: float, wall: float) -> None:
-        """Note a call's CPU and wall seconds (``math.inf``: it raised or was abandoned)."""
-        quick = cpu < INLINE_BELOW_S and wall < INLINE_WALL_S
-        self.quick = min(self.quick + 1, INLINE_AFTER) if quick else 0
+    def took(self, seconds: float) -> None:
+        """Note how long a call ran (``math.inf``: it raised or was abandoned)."""
+        if seconds < INLINE_BELOW_S:
+            self.quick = min(self.quick + 1, INLINE_AFTER)
+            self.slow = 0
+            return
+        self.slow += 1
+        if not self.inline or seconds >= INLINE_WALL_S or self.slow >= 2:
+            self.quick = 0
 
 
-def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
-    """``fn(*args)``, and the CPU and wall seconds it took (in its thread)."""
-    cpu, wall = time.thread_time(), time.perf_counter()
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)``, and the seconds it took (in its thread)."""
+    started = time.perf_counter()
     result = fn(*args)
-    return result, time.thread_time() - cpu, time.perf_counter() - wall
+    return result, time.perf_counter() - started
 
 
 async def call_processor(
@@ -220,10 +228,10 @@ async def call_processor(
     layout = planned.input_layout
     records = Records(batch, layout, hook_name) if layout else batch
     place = placement if placement is not None else Placement()
-    cpu = wall = math.inf  # until the call returned
+    elapsed = math.inf  # until the call returned
     try:
         if place.inline and not planned.processor.needs_thread:
-            result, cpu, wall = _timed(fn, records, *args)
+            result, elapsed = _timed(fn, records, *args)
             # A schedule point per call, as a thread hop would be; shielded so a
             # cancellation cannot lose a result already computed.
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -232,7 +240,7 @@ async def call_processor(
                 held = HeldWhileRunning(batch, abandoned)
                 try:
                     with trio.move_on_after(deadline) as scope:
-                        result, cpu, wall = await trio.to_thread.run_sync(
+                        result, elapsed = await trio.to_thread.run_sync(
                             held.run,
                             _timed,
                             fn,
@@ -253,7 +261,7 @@ async def call_processor(
         tb = None if code is FailureCode.HANDLER_INVALID else traceback.format_exc()
         return Outcome(code=code, error=exc, traceback=tb)
     finally:
-        place.took(cpu, wall)
+        place.took(elapsed)
     if isinstance(result, Failed):
         return Outcome(code=FailureCode.HANDLER_FAILED, error=ProcessorFailed(result.reason))
     if result is None:

@@ -42,23 +42,39 @@ def threaded(records: Records) -> np.ndarray:
     return _rows(records)
 
 
-def test_placement_goes_inline_after_quick_calls_and_back_at_a_slow_one():
-    quick = (INLINE_BELOW_S / 2, INLINE_WALL_S / 2)
+def _inline(place: Placement) -> Placement:
+    for _ in range(INLINE_AFTER):
+        place.took(INLINE_BELOW_S / 2)
+    return place
+
+
+def test_placement_goes_inline_after_quick_calls_only():
     place = Placement()
     for _ in range(INLINE_AFTER - 1):
-        place.took(*quick)
+        place.took(INLINE_BELOW_S / 2)
     assert not place.inline
-    place.took(*quick)
+    place.took(INLINE_BELOW_S * 2)  # not quick: the count starts again
+    for _ in range(INLINE_AFTER - 1):
+        place.took(INLINE_BELOW_S / 2)
+    assert not place.inline
+    place.took(INLINE_BELOW_S / 2)
     assert place.inline
-    place.took(INLINE_BELOW_S * 2, INLINE_WALL_S / 2)  # busy
+
+
+def test_placement_leaves_the_loop_at_a_long_call_or_two_slower_ones():
+    place = _inline(Placement())
+    place.took(INLINE_BELOW_S * 2)  # once: forgiven (a preempted quick call)
+    assert place.inline
+    place.took(INLINE_BELOW_S / 2)
+    place.took(INLINE_BELOW_S * 2)
+    assert place.inline
+    place.took(INLINE_BELOW_S * 2)  # twice in a row: back to threads
     assert not place.inline
-    for _ in range(INLINE_AFTER):
-        place.took(*quick)
-    place.took(INLINE_BELOW_S / 2, INLINE_WALL_S * 2)  # waited
+    place = _inline(Placement())
+    place.took(INLINE_WALL_S)  # waited, or grew: back at once
     assert not place.inline
-    for _ in range(INLINE_AFTER):
-        place.took(*quick)
-    place.took(math.inf, math.inf)  # raised, or abandoned at its deadline
+    place = _inline(Placement())
+    place.took(math.inf)  # raised, or abandoned at its deadline
     assert not place.inline
 
 
@@ -86,7 +102,7 @@ def test_a_quick_processor_moves_onto_the_loop_and_off_it_when_slow():
     assert not any(quick[:INLINE_AFTER])  # the first calls always go to threads
     assert any(quick)  # then some ran on the loop
     slow = [ident == loop_thread for ident, slow in CALLS if slow]
-    assert slow[1:] == [False] * (len(slow) - 1)  # after one slow call: threads
+    assert slow[1:] == [False] * (len(slow) - 1)  # after one long call: threads
 
 
 def test_a_processor_that_needs_a_thread_never_runs_on_the_loop():
