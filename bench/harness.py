@@ -117,6 +117,7 @@ def metadata(params: Mapping[str, Any], *, started: float | None = None) -> dict
         "load_average_end": load_average(),
         "platform": platform.platform(),
         "argv": sys.argv[1:],
+        "max_repeat": max_repeat(),
         "versions": versions(),
         "params": dict(params),
     }
@@ -220,10 +221,22 @@ class NullSink:
 # -- arguments and results ---------------------------------------------------
 
 
+#: Set by ``run_all --max-repeat N``: every script's ``--repeat`` default is
+#: capped at N (fewer repetitions, same comparisons).
+MAX_REPEAT_ENV = "TAPROUTE_BENCH_MAX_REPEAT"
+
+
+def max_repeat() -> int | None:
+    """The cap on repetitions this run was given (None: the scripts' own)."""
+    value = os.environ.get(MAX_REPEAT_ENV)
+    return int(value) if value else None
+
+
 def arguments(description: str | None, **defaults: tuple[Any, Any]) -> argparse.Namespace:
     """The common command line: ``--quick`` plus ``--NAME`` per keyword,
     each given as ``(full default, quick default)``.  Also ``--repeat``
-    (defaults 5 / 2) unless given.  The parsed namespace has ``quick``."""
+    (defaults 5 / 2) unless given; its default is capped by
+    :func:`max_repeat`.  The parsed namespace has ``quick``."""
     defaults.setdefault("repeat", (5, 2))
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="short run (development)")
@@ -234,10 +247,13 @@ def arguments(description: str | None, **defaults: tuple[Any, Any]) -> argparse.
         else:
             parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     args = parser.parse_args()
+    cap = max_repeat()
     for name, (full, quick) in defaults.items():
         value = getattr(args, name)
         if value is None:
             value = quick if args.quick else full
+            if name == "repeat" and cap is not None:
+                value = min(value, cap)
         elif isinstance(full, list):
             value = [type(full[0])(v) for v in value.split(",")]
         setattr(args, name, value)

@@ -120,3 +120,16 @@ def test_tables_with_dict_rows_render():
 
     columns, rows = run_all._table_parts({"title": "t", "rows": [{"a": 1, "b": 2}, {"a": 3}]})
     assert columns == ["a", "b"] and rows == [[1, 2], [3, None]]
+
+
+def test_max_repeat_caps_the_default_repetitions_only(monkeypatch):
+    monkeypatch.setenv(harness.MAX_REPEAT_ENV, "2")
+    monkeypatch.setattr(sys, "argv", ["script"])
+    assert harness.arguments(None, repeat=(9, 3)).repeat == 2
+    assert harness.arguments(None, repeat=(1, 1)).repeat == 1  # never raised
+    assert harness.metadata({})["max_repeat"] == 2
+    monkeypatch.setattr(sys, "argv", ["script", "--repeat", "7"])
+    assert harness.arguments(None, repeat=(9, 3)).repeat == 7  # asked for: kept
+    monkeypatch.delenv(harness.MAX_REPEAT_ENV)
+    monkeypatch.setattr(sys, "argv", ["script"])
+    assert harness.arguments(None, repeat=(9, 3)).repeat == 9
