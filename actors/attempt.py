@@ -195,7 +195,7 @@ class Placement:
             self.quick = 0
 
 
-def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``fn(*args)``, and the seconds it took (in its thread)."""
     started = time.perf_counter()
     result = fn(*args)
@@ -231,7 +231,7 @@ async def call_processor(
     elapsed = math.inf  # until the call returned
     try:
         if place.inline and not planned.processor.needs_thread:
-            result, elapsed = _timed(fn, records, *args)
+            result, elapsed = timed_call(fn, records, *args)
             # A schedule point per call, as a thread hop would be; shielded so a
             # cancellation cannot lose a result already computed.
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -242,7 +242,7 @@ async def call_processor(
                     with trio.move_on_after(deadline) as scope:
                         result, elapsed = await trio.to_thread.run_sync(
                             held.run,
-                            _timed,
+                            timed_call,
                             fn,
                             records,
                             *args,

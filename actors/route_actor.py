@@ -36,6 +36,7 @@ from taproute.actors.attempt import (
     Outcome,
     Placement,
     call_processor,
+    timed_call,
 )
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
@@ -99,6 +100,8 @@ class RouteActor:
         self._threads = trio.CapacityLimiter(math.inf)
         #: Where the processor runs: worker threads, or the loop once it is quick.
         self.placement = Placement()
+        #: The same for the route's predicate.
+        self.predicate_placement = Placement()
         self.parked: RetryQueue[Any] = RetryQueue(
             self.counters, max_parked=self.policy.max_parked_records, gate=self.parker.retries
         )
@@ -284,35 +287,55 @@ class RouteActor:
     # -- route predicates --------------------------------------------------------
 
     async def screen(self, batch: RecordBatch) -> Verdict:
-        """Run the route's predicate on ``batch`` in a worker thread under the
-        route's deadline.  If it fails (raises, returns a wrong shape, runs past
-        the deadline) the records are this route's failure, classified like a
-        processor's and given up at once; returns None then."""
-        held = HeldWhileRunning(batch, self._abandoned_call)
+        """Run the route's predicate on ``batch`` under the route's deadline: in
+        a worker thread, or on the loop once it has been quick (the rule of
+        :class:`~taproute.actors.attempt.Placement`).  If it fails (raises,
+        returns a wrong shape, runs past the deadline) the records are this
+        route's failure, classified like a processor's and given up at once;
+        returns None then."""
         deadline = self.policy.deadline or math.inf
         tb: str | None = None
-        try:
-            with trio.move_on_after(deadline) as scope:
-                verdict: Verdict = await trio.to_thread.run_sync(
-                    held.run,
-                    evaluate_predicate,
-                    self.planned,
-                    batch.descriptors,
-                    limiter=self._threads,
-                    abandon_on_cancel=True,
-                )
-        except Exception as exc:
-            code, tb = classify(exc), traceback.format_exc()
-            error = PredicateFailed(self.name, exc)
-        else:
-            if not scope.cancelled_caught:
+        place = self.predicate_placement
+        if place.inline:
+            started = time.perf_counter()
+            try:
+                verdict: Verdict = evaluate_predicate(self.planned, batch.descriptors)
+            except Exception as exc:
+                place.took(math.inf)
+                code, tb = classify(exc), traceback.format_exc()
+                error = PredicateFailed(self.name, exc)
+            else:
+                place.took(time.perf_counter() - started)
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return verdict
-            code = FailureCode.HANDLER_TIMEOUT
-            error = PredicateFailed(
-                self.name, TimeoutError(f"no verdict within the route's {deadline:g} s deadline")
-            )
-        finally:
-            held.leave()
+        else:
+            held = HeldWhileRunning(batch, self._abandoned_call)
+            elapsed = math.inf
+            try:
+                with trio.move_on_after(deadline) as scope:
+                    verdict, elapsed = await trio.to_thread.run_sync(
+                        held.run,
+                        timed_call,
+                        evaluate_predicate,
+                        self.planned,
+                        batch.descriptors,
+                        limiter=self._threads,
+                        abandon_on_cancel=True,
+                    )
+            except Exception as exc:
+                code, tb = classify(exc), traceback.format_exc()
+                error = PredicateFailed(self.name, exc)
+            else:
+                if not scope.cancelled_caught:
+                    return verdict
+                code = FailureCode.HANDLER_TIMEOUT
+                error = PredicateFailed(
+                    self.name,
+                    TimeoutError(f"no verdict within the route's {deadline:g} s deadline"),
+                )
+            finally:
+                held.leave()
+                place.took(elapsed)
         attempt = Attempt(batch)
         attempt.failed(code, error, tb)
         self._count_failure(attempt)

@@ -110,3 +110,30 @@ def test_a_processor_that_needs_a_thread_never_runs_on_the_loop():
     out = trio.run(_run, "placement.threaded", 3 * INLINE_AFTER)
     assert len(out.rows("r")) == 12 * INLINE_AFTER
     assert all(ident != loop_thread for ident, _ in CALLS)
+
+
+def test_a_quick_predicate_moves_onto_the_loop():
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    def even_seq(descriptors):
+        seen.append(threading.get_ident())
+        return descriptors["seq"] % 2 == 0
+
+    async def main() -> CaptureSink:
+        hooks = HookRegistry()
+        q = hooks.bind("q", layout="vec")
+        out = CaptureSink()
+        config = RoutingConfig([Route("r", "q", "out", predicate=even_seq)])
+        async with open_routing_sink(
+            config, SCHEMA, {"out": out}, unmatched="drop", hooks=hooks
+        ) as sink:
+            for i in range(100):
+                await sink.submit(vec_batch(q, 4, seq_start=4 * i))
+                await sink.flush()
+        return out
+
+    out = trio.run(main)
+    assert sum(len(b) for b in out.batches) == 200  # the even seqs, wherever it ran
+    on_loop = [ident == loop_thread for ident in seen]
+    assert not any(on_loop[:INLINE_AFTER]) and any(on_loop)
