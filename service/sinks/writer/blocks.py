@@ -1,0 +1,69 @@
+"""What :class:`~.sink.WriterProcessSink` keeps track of: blocks on their way
+to the writer process, queries awaiting the writer's answer, and the
+counters and health it reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from taproute.service.sinks.writer.protocol import Answer, RawItem, RowItem
+
+
+@attrs.define
+class WriterCounters:
+    """Records and blocks persisted through the writer; what failed; how the
+    payloads crossed (``shared_bytes`` by reference, ``copied_bytes`` copied
+    into shared memory first); writer deaths and restarts."""
+
+    records: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    retries: int = 0
+    errors: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    buffered_rows: int = 0
+    in_flight_rows: int = 0
+    shared_bytes: int = 0
+    copied_bytes: int = 0
+
+
+@attrs.frozen
+class WriterHealth:
+    """Whether the writer process runs now; since when (epoch seconds) and why not."""
+
+    healthy: bool
+    since: float | None
+    reason: str | None
+
+
+QUEUED, SENT, WAITING, DONE = "queued", "sent", "waiting", "done"
+
+
+class Block:
+    """A block of batches sent to the writer as one insert under one token."""
+
+    __slots__ = ("failures", "holds", "id", "items", "nbytes", "rows", "state", "token", "waiter")
+
+    def __init__(self, block_id: int, token: str) -> None:
+        self.id = block_id
+        self.token = token
+        self.items: list[RawItem | RowItem] = []
+        self.holds: list[Any] = []
+        self.rows = 0
+        self.nbytes = 0
+        self.failures = 0
+        self.state = QUEUED
+        #: insert_now's: where the outcome goes (no retry here), else None.
+        self.waiter: list[BaseException | None] | None = None
+
+
+@attrs.define
+class PendingQuery:
+    id: int
+    sql: str
+    done: trio.Event = attrs.field(factory=trio.Event)
+    answer: Answer | None = None

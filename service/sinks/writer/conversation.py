@@ -1,0 +1,256 @@
+"""The writer sink's conversation with its writer process: sending blocks and
+queries, handling what the writer answers (persisted, failed, retried), and
+supervising the process (a death is counted, reported, and answered with a
+restart that re-sends every unfinished block, or latched)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+
+import trio
+
+from taproute.routing.hooks import HookRegistry
+from taproute.routing.latch import FailureLatch
+from taproute.service.sinks.clickhouse.batching import Retry
+from taproute.service.sinks.writer.blocks import (
+    DONE,
+    QUEUED,
+    SENT,
+    WAITING,
+    Block,
+    PendingQuery,
+    WriterCounters,
+    WriterHealth,
+)
+from taproute.service.sinks.writer.errors import WriterCrashed, WriterInsertFailed
+from taproute.service.sinks.writer.process import WriterProcess, describe_exit
+from taproute.service.sinks.writer.protocol import (
+    Answer,
+    Close,
+    Done,
+    Failed,
+    HookTable,
+    Insert,
+    ProtocolError,
+    Query,
+    RawItem,
+    WriterConfig,
+)
+from taproute.service.sinks.writer.shared_pool import SharedBufferPool
+
+
+class WriterConversation:
+    """The half of :class:`~.sink.WriterProcessSink` that talks to the writer
+    process (its state is set up by the sink's constructor)."""
+
+    config: WriterConfig
+    hooks: HookRegistry | None
+    retry: Retry
+    restarts: int
+    start_timeout: float
+    buffer_pool: SharedBufferPool
+    counters: WriterCounters
+    _process: WriterProcess | None
+    _health: WriterHealth
+    _latch: FailureLatch
+    _blocks: dict[int, Block]
+    _unsent: deque[Block | PendingQuery]
+    _queries: dict[int, PendingQuery]
+    _pending_bytes: int
+    _crashes_in_a_row: int
+    _wake_sender: trio.lowlevel.ParkingLot
+    _space: trio.lowlevel.ParkingLot
+    _idle: trio.lowlevel.ParkingLot
+    _nursery: trio.Nursery | None
+    _closing: bool
+
+    def _queue(self, item: Block | PendingQuery) -> None:
+        if isinstance(item, Block):
+            item.state = QUEUED
+        self._unsent.append(item)
+        self._wake_sender.unpark_all()
+
+    async def _supervise(self) -> None:
+        """Serve the writer process; when it dies, restart it or latch."""
+        while self._process is not None:
+            process = self._process
+            stream = process.attach()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_loop, process)
+                try:
+                    while (message := await stream.receive()) is not None:
+                        self._on_message(message)
+                except ProtocolError:
+                    pass  # a garbled stream: the writer is not trusted further
+                finally:
+                    nursery.cancel_scope.cancel()
+            if self._closing:
+                return
+            code = await trio.to_thread.run_sync(process.kill)
+            await process.aclose()
+            if not await self._restart(process, code):
+                return
+
+    async def _restart(self, dead: WriterProcess, code: int) -> bool:
+        """After writer ``dead`` exited with ``code``: restart it (True) or latch (False)."""
+        self.counters.crashes += 1
+        self._crashes_in_a_row += 1
+        reason = f"writer process {dead.pid} for {self.config.where} {describe_exit(code)}"
+        self._health = WriterHealth(False, time.time(), reason)
+        for query in list(self._queries.values()):
+            self._answer(query, Answer(query.id, None, WriterCrashed(reason)))
+        for block in list(self._blocks.values()):  # insert_now's are the spool's to retry
+            if block.waiter is not None:
+                self._finish(block, WriterCrashed(reason))
+        if self._crashes_in_a_row > self.restarts:
+            self._give_up(WriterCrashed(f"{reason}; {self.restarts} restart(s) in a row failed"))
+            return False
+        await trio.sleep(self.retry.backoff(self._crashes_in_a_row))
+        try:
+            process = await trio.to_thread.run_sync(
+                WriterProcess.start, self.config, self.start_timeout
+            )
+        except Exception as exc:
+            self._give_up(exc)
+            return False
+        if self._closing:  # closed while it started
+            await trio.to_thread.run_sync(process.kill)
+            return False
+        self._process = process
+        self.counters.restarts += 1
+        resend = sorted(
+            (b for b in self._blocks.values() if b.state in (QUEUED, SENT)), key=lambda b: b.id
+        )
+        for block in resend:
+            block.state = QUEUED
+        self._unsent = deque(resend)
+        self._wake_sender.unpark_all()
+        return True
+
+    def _give_up(self, error: BaseException) -> None:
+        self._latch.latch(error, destination=self.config.where, where="writer process")
+        self._process = None
+        self._finish_all(error)
+
+    async def _send_loop(self, process: WriterProcess) -> None:
+        stream = process.attach()
+        try:
+            while True:
+                while self._unsent:
+                    item = self._unsent[0]
+                    if isinstance(item, PendingQuery):
+                        await stream.send(Query(item.id, item.sql))
+                    elif item.state == QUEUED:
+                        for raw in item.items:
+                            if isinstance(raw, RawItem):
+                                await process.hand_segment(self.buffer_pool, raw.segment)
+                        await stream.send(
+                            Insert(item.id, item.token, item.items, self._hook_table(process))
+                        )
+                        item.state = SENT
+                    self._unsent.popleft()
+                await self._wake_sender.park()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return  # the writer is gone: the supervisor sees its stream end
+
+    def _hook_table(self, process: WriterProcess) -> HookTable | None:
+        """The hook table, when it changed since ``process`` last got it."""
+        if self.hooks is None:
+            return None
+        names = self.hooks.names()
+        table = HookTable(names, {i: self.hooks.token_shape_of(i) for i in range(len(names))})
+        if table == process.hooks_sent:
+            return None
+        process.hooks_sent = table
+        return table
+
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, Answer):
+            query = self._queries.get(message.query)
+            if query is not None:
+                self._answer(query, message)
+            return
+        if not isinstance(message, (Done, Failed)):
+            return
+        block = self._blocks.get(message.block)
+        if block is None or block.state != SENT:
+            return
+        if isinstance(message, Done):
+            self._crashes_in_a_row = 0
+            if not self._health.healthy:
+                self._health = WriterHealth(True, None, None)
+            self.counters.blocks += 1
+            self.counters.records += block.rows
+            self.counters.bytes += block.nbytes
+            self._finish(block, None)
+            return
+        self.counters.errors += 1
+        block.failures += 1
+        error = WriterInsertFailed(
+            f"insert of {block.rows} rows into {self.config.where} failed in the writer "
+            f"process: {type(message.error).__name__}: {message.error}",
+            transient=message.transient,
+        )
+        error.__cause__ = message.error
+        if block.waiter is not None:
+            self._finish(block, error)
+        elif message.transient and block.failures < self.retry.attempts:
+            self.counters.retries += 1
+            block.state = WAITING
+            assert self._nursery is not None
+            self._nursery.start_soon(self._retry_later, block)
+        else:
+            self._latch.latch(
+                error,
+                destination=self.config.where,
+                where=f"insert of {block.rows} rows after {block.failures} attempt(s)",
+            )
+            self._finish(block, error)
+
+    async def _retry_later(self, block: Block) -> None:
+        await trio.sleep(self.retry.backoff(block.failures))
+        if block.state == WAITING:
+            self._queue(block)
+
+    def _finish(self, block: Block, error: BaseException | None) -> None:
+        """Block ``block`` is done (persisted, or given up): release its payloads."""
+        if block.state == DONE:
+            return
+        block.state = DONE
+        del self._blocks[block.id]
+        self.counters.in_flight_rows -= block.rows
+        self._pending_bytes -= block.nbytes
+        for hold in block.holds:
+            hold.release()
+        if block.waiter is not None:
+            block.waiter.append(error)
+        self._space.unpark_all()
+        self._idle.unpark_all()
+
+    def _finish_all(self, error: BaseException | None) -> None:
+        for block in list(self._blocks.values()):
+            self._finish(block, error if block.waiter is not None else None)
+        for query in list(self._queries.values()):
+            self._answer(query, Answer(query.id, None, WriterCrashed("the writer process stopped")))
+
+    def _answer(self, query: PendingQuery, answer: Answer) -> None:
+        self._queries.pop(query.id, None)
+        query.answer = answer
+        query.done.set()
+
+    async def _stop_process(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stream is None:
+            process.send_close_blocking()
+        else:
+            with (
+                trio.move_on_after(5),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
+            ):
+                await process.stream.send(Close())
+        await trio.to_thread.run_sync(process.stop, 30.0)
+        await process.aclose()

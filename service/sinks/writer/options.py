@@ -1,0 +1,36 @@
+"""The table keywords of ``WriterProcessSink.embedded``/``server`` made into a
+:class:`~.protocol.WriterConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from taproute.routing.schema import RecordSchema
+from taproute.service.sinks.clickhouse.batching import Batching
+from taproute.service.sinks.writer.protocol import WriterConfig
+
+
+def writer_config(
+    kind: str, where: str, schema: RecordSchema, kwargs: dict[str, Any]
+) -> WriterConfig:
+    """A :class:`WriterConfig` from the table keywords in ``kwargs`` (removed from it)."""
+    batching = kwargs.get("batching") or Batching()
+    table_options = {
+        name: kwargs.pop(name)
+        for name in ("create_tables", "raw_table", "rows_table", "require_deduplication")
+        if name in kwargs
+    }
+    return WriterConfig(
+        kind=kind,
+        where=where,
+        schema=schema,
+        raw=tuple(table_names(kwargs.pop("raw", ()))),
+        rows=tuple(table_names(kwargs.pop("rows", ()))),
+        inserts_in_flight=batching.inserts_in_flight,
+        **table_options,
+    )
+
+
+def table_names(value: Iterable[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
