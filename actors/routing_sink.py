@@ -21,7 +21,9 @@ The routes belong to a configuration *generation* (``generation.py``):
 :meth:`RoutingSink.reload` (``reloading.py``) builds the next one beside the
 running one and swaps it in between two batches.
 
-Key controls, dead letters' reroutes (their own path: ``reroute.py``) and
+Flush (and waiting for parked records) and restoring what a previous run
+parked are :class:`~taproute.actors.sink_flushing.SinkFlushing`; key
+controls, dead letters' reroutes (their own path: ``reroute.py``) and
 tracing are :class:`~taproute.actors.sink_operations.SinkOperations`; a Trio program
 runs the sink with :func:`~taproute.actors.open_sink.open_routing_sink`.
 """
@@ -37,7 +39,6 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from taproute.actors.accounting import flush_report
 from taproute.actors.chain import CausalGate, link_chains
 from taproute.actors.counters import RouterSnapshot
 from taproute.actors.destination import DestinationSpec
@@ -47,14 +48,13 @@ from taproute.actors.inflight import InFlight
 from taproute.actors.parking import Parker
 from taproute.actors.reroute import Rerouter
 from taproute.actors.route_actor import RouteActor
-from taproute.actors.sink_operations import SinkOperations
+from taproute.actors.sink_flushing import SinkFlushing
 from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED
 from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.errors import RoutingFailure, SinkClosed
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
-from taproute.routing.flush_report import FlushReport
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.limits import DESTINATION_QUEUE_BYTES, DESTINATION_QUEUE_RECORDS
@@ -78,7 +78,7 @@ def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
         attach(hooks)
 
 
-class RoutingSink(SinkOperations):
+class RoutingSink(SinkFlushing):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
     Construction checks everything (unknown processor, destination or layout,
@@ -230,19 +230,6 @@ class RoutingSink(SinkOperations):
             self._stopped.set()
             self._gen.detach()
 
-    async def _restore_parked(self) -> None:
-        """Hand the routes what a previous run left in the park store (in parked
-        order), before any new record: they are tried again at once."""
-        try:
-            parking = [r.name for r in self._gen.routes if not isinstance(r, ForwardRoute)]
-            restored = await self._parker.restore(parking)
-        except Exception as exc:
-            self._latch.latch(exc, where="park store (restoring parked records)")
-            return
-        async with self._lock:
-            for records in restored:
-                await self._gen.by_name[records.route].restore(records)
-
     async def _close_inputs_when_asked(self) -> None:
         await self._close_inputs.wait()
         for route in self._gen.routes:
@@ -360,45 +347,6 @@ class RoutingSink(SinkOperations):
             return
         self._unmatched_forwarded += len(batch)
         await default.deliver(None, batch)
-
-    async def flush(self, *, wait: bool = False) -> FlushReport:
-        """Wait until every route and pool has drained, then flush every destination.
-
-        Returns once every record submitted before it is delivered (in the
-        destinations, or durable in a destination's spool), dead-lettered,
-        dropped by a counted policy, or parked for a retry (durable when the
-        sink has a park store); the :class:`FlushReport` says how many are in
-        which state.  ``wait=True`` also waits until nothing is parked (each
-        retried to success or given up) and every spool has drained.  Raises
-        the first latched failure.
-        """
-        self._check_open()
-        async with self._lock:
-            if wait:
-                await self._wait_unparked()
-            with self._parker.retries.pause():  # the report is one consistent moment
-                await self._drain_and_flush(wait=wait)
-                snapshot = self.snapshot()
-        return flush_report(snapshot, parked_durable=self._parker.durable, waited=wait)
-
-    async def _wait_unparked(self) -> None:
-        while True:
-            await self._in_flight.wait_idle()
-            self._latch.raise_if_failed()
-            routes = self._gen.routes  # a retired route's parked records are in flight
-            for route in routes:
-                await route.parked.wait_empty()
-            if self._in_flight.count == 0 and all(r.counters.parked == 0 for r in routes):
-                return
-
-    async def _drain_and_flush(self, *, wait: bool = False) -> None:
-        await self._in_flight.wait_idle()
-        self._latch.raise_if_failed()
-        for actor in self._destinations.values():
-            await actor.flush()
-            if wait:
-                await actor.wait_delivered()
-        self._latch.raise_if_failed()
 
     async def close(self) -> None:
         """Drain, flush, close the destinations this sink created, stop every actor.
