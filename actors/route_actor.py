@@ -13,6 +13,9 @@ goes to the failure handler (the dead-letter store).  A batch that fails for
 a non-retryable reason is re-run record by record, so one malformed record
 does not take its neighbours down with it; this isolation is written once,
 here, for both processing kinds.
+
+A route's predicate (the verdict on a batch, and a failed predicate's
+records given up) is :class:`~taproute.actors.route_predicates.RouteScreening`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import functools
 import inspect
 import math
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +34,9 @@ import trio
 
 from taproute.actors.attempt import (
     Attempt,
-    HeldWhileRunning,
     Outcome,
     Placement,
     call_processor,
-    timed_call,
 )
 from taproute.actors.counters import RouteCounters
 from taproute.actors.destination import DestinationActor
@@ -44,24 +44,23 @@ from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.parking import Parker
 from taproute.actors.retry import RetryQueue
+from taproute.actors.route_predicates import RouteScreening
 from taproute.routing.batch import RecordBatch, RowBatch
 from taproute.routing.failures import (
     FailureCode,
     FailureHandler,
     GiveUpLog,
     RecordFailure,
-    classify,
 )
 from taproute.routing.latch import FailureLatch
 from taproute.routing.parking import ParkIds, Restored
 from taproute.routing.plan import PlannedRoute
-from taproute.routing.predicates import PredicateFailed, Verdict, evaluate_predicate
 
 if TYPE_CHECKING:
     from taproute.actors.chain import ChainLink
 
 
-class RouteActor:
+class RouteActor(RouteScreening):
     """The shared part of every route kind (a forward route uses only the
     dispatch, counters and give-up parts)."""
 
@@ -283,78 +282,6 @@ class RouteActor:
                 await self.destination.settle(functools.partial(self._forget, ids))
             else:
                 await self._forget(ids)
-
-    # -- route predicates --------------------------------------------------------
-
-    async def screen(self, batch: RecordBatch) -> Verdict:
-        """Run the route's predicate on ``batch`` under the route's deadline: in
-        a worker thread, or on the loop once it has been quick (the rule of
-        :class:`~taproute.actors.attempt.Placement`).  If it fails (raises,
-        returns a wrong shape, runs past the deadline) the records are this
-        route's failure, classified like a processor's and given up at once;
-        returns None then."""
-        deadline = self.policy.deadline or math.inf
-        tb: str | None = None
-        place = self.predicate_placement
-        if place.inline:
-            started = time.perf_counter()
-            try:
-                verdict: Verdict = evaluate_predicate(self.planned, batch.descriptors)
-            except Exception as exc:
-                place.took(math.inf)
-                code, tb = classify(exc), traceback.format_exc()
-                error = PredicateFailed(self.name, exc)
-            else:
-                place.took(time.perf_counter() - started)
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return verdict
-        else:
-            held = HeldWhileRunning(batch, self._abandoned_call)
-            elapsed = math.inf
-            try:
-                with trio.move_on_after(deadline) as scope:
-                    verdict, elapsed = await trio.to_thread.run_sync(
-                        held.run,
-                        timed_call,
-                        evaluate_predicate,
-                        self.planned,
-                        batch.descriptors,
-                        limiter=self._threads,
-                        abandon_on_cancel=True,
-                    )
-            except Exception as exc:
-                code, tb = classify(exc), traceback.format_exc()
-                error = PredicateFailed(self.name, exc)
-            else:
-                if not scope.cancelled_caught:
-                    return verdict
-                code = FailureCode.HANDLER_TIMEOUT
-                error = PredicateFailed(
-                    self.name,
-                    TimeoutError(f"no verdict within the route's {deadline:g} s deadline"),
-                )
-            finally:
-                held.leave()
-                place.took(elapsed)
-        attempt = Attempt(batch)
-        attempt.failed(code, error, tb)
-        self._count_failure(attempt)
-        self.counters.accepted += len(batch)  # the route's, though never dispatched
-        await self._give_up(attempt)
-        return None
-
-    async def screen_derived(self, batch: RecordBatch) -> RecordBatch | None:
-        """The derived records of ``batch`` this route's predicate takes (declines
-        counted); None when the predicate failed (the records were given up)."""
-        verdict = await self.screen(batch)
-        if verdict is None:
-            return None
-        mask, reason = verdict
-        if mask.all():
-            return batch
-        self.counters.declined += int(len(mask) - np.count_nonzero(mask))
-        self.counters.last_decline = reason
-        return batch.select(np.flatnonzero(mask))
 
     # -- giving up -------------------------------------------------------------
 
