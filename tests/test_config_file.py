@@ -195,6 +195,8 @@ def test_check_command_validates_tables(tmp_path, chdb_transport, capsys):
     )
     assert main(["check", "--config", str(path)]) == 2
     err = capsys.readouterr().err
+    assert main(["doctor", "--config", str(path)]) == 2  # the same command
+    assert capsys.readouterr().err == err
     assert err.startswith(f"{path}: destinations.ch: ")
     assert f"table '{table}': column 'norm' expected Float32, found Float64" in err
 

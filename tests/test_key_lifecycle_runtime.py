@@ -179,6 +179,9 @@ def test_status_shows_the_oldest_open_key_and_check_warns_about_it(
         assert "WARNING: route summary: 1 key(s) open, the oldest for" in capsys.readouterr().out
         assert main(["check", "--config", str(config), "--url", url]) == 0  # under 600 s
         assert "WARNING" not in capsys.readouterr().out
+        # `doctor` is the same command under the name operators reach for.
+        assert main(["doctor", "--config", str(config), "--url", url, "--open-key-age", "0"]) == 0
+        assert "WARNING: route summary: 1 key(s) open, the oldest for" in capsys.readouterr().out
         runtime.complete(5)
         runtime.flush()
         with urllib.request.urlopen(f"{url}/status", timeout=10) as response:

@@ -27,8 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--serve", action="store_true", help="keep /metrics up after")
     demo_parser.add_argument("--port", type=int, default=9464)
 
+    # The issues and operators' habits call it "doctor"; one command, two names.
     check_parser = commands.add_parser(
-        "check", help="validate a config, its destinations, and report old dead letters"
+        "check",
+        aliases=["doctor"],
+        help="validate a config, its destinations, and warn about old dead letters, "
+        "old spools and keys open too long (alias: doctor)",
     )
     check_parser.add_argument("--config", type=Path, required=True)
     check_parser.add_argument(
@@ -129,7 +133,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     """Run the command ``args`` name."""
     if args.command == "demo":
         return run.demo(args.sentences, args.data, args.serve, args.port)
-    if args.command == "check":
+    if args.command in ("check", "doctor"):
         return check.check(args.config, args.url, args.open_key_age)
     if args.command == "run":
         return run.run(args.config, args.rate, args.duration, args.call_timeout)
