@@ -196,9 +196,16 @@ def test_sighup_reloads_a_running_taproute_run(tmp_path):
         assert code == 422
         assert any("unknown processor 'no.such.processor'" in p for p in body["problems"])
         assert get_json(f"{url}/status")["generation"] == 3
-    finally:
+
+        # Ctrl-C stops the producer between submissions, flushes and exits
+        # cleanly (a KeyboardInterrupt inside a submission once left it hung).
         child.send_signal(signal.SIGINT)
-        child.wait(timeout=120)
+        assert child.wait(timeout=120) == 0
+        assert out.wait_for(r"route norms: processed [\d,]+")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=120)
 
 
 def test_reload_endpoint_is_refused_without_a_configured_token(tmp_path):

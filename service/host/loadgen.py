@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 import attrs
 import numpy as np
@@ -61,7 +61,9 @@ def run_load(
     """Submit ``rate`` records/s for ``duration`` seconds; return the final counters.
 
     SIGHUP reloads the config file (``call_timeout``: the ``--call-timeout``
-    to apply to it again); the outcome is printed on its own line."""
+    to apply to it again); the outcome is printed on its own line. SIGINT or
+    SIGTERM stops the producer between two submissions, then flushes and
+    closes as at the end of ``duration`` (a second SIGINT interrupts at once)."""
     if not config.producer.hooks:
         raise ConfigFileError(
             config.source, ["producer.hooks: [[producer.hooks]] names no hook to generate for"]
@@ -78,50 +80,73 @@ def run_load(
         reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
         runtime.reloader = reloader
         hangup = threading.Event()
-        restore = _on_hangup(hangup)
-        started = time.monotonic()
-        submitted = 0
-        seq = 0
-        next_report = started + 0.5
-        while (now := time.monotonic()) - started < duration:
-            if hangup.is_set():
-                hangup.clear()
-                _reload(reloader, runtime, out)
-            due = rate * (now - started)
-            if submitted >= due:
-                time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
-                continue
-            output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
-            descriptors = make_descriptors(
-                output_id,
-                record,
-                count=batch,
-                layout_ids=layout_id,
-                keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
-                seqs=np.arange(seq * batch, (seq + 1) * batch),
-            )
-            runtime.submit_batch(descriptors, payload)
-            submitted += batch
-            seq += 1
-            if now >= next_report:
-                _progress(out, now - started, duration, submitted, runtime.counters())
-                next_report = now + 0.5
-        restore()
-        runtime.flush()
+        stop = threading.Event()
+        restore = _on_signals(hangup, stop)
+        try:
+            started = time.monotonic()
+            submitted = 0
+            seq = 0
+            next_report = started + 0.5
+            while (now := time.monotonic()) - started < duration and not stop.is_set():
+                if hangup.is_set():
+                    hangup.clear()
+                    _reload(reloader, runtime, out)
+                due = rate * (now - started)
+                if submitted >= due:
+                    time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
+                    continue
+                output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
+                descriptors = make_descriptors(
+                    output_id,
+                    record,
+                    count=batch,
+                    layout_ids=layout_id,
+                    keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
+                    seqs=np.arange(seq * batch, (seq + 1) * batch),
+                )
+                runtime.submit_batch(descriptors, payload)
+                submitted += batch
+                seq += 1
+                if now >= next_report:
+                    _progress(out, now - started, duration, submitted, runtime.counters())
+                    next_report = now + 0.5
+            runtime.flush()
+        finally:
+            restore()
         counters = runtime.counters()
-        _progress(out, duration, duration, submitted, counters)
+        elapsed = min(time.monotonic() - started, duration)  # less when stopped early
+        _progress(out, elapsed, duration, submitted, counters)
         print(file=out)
     return counters
 
 
-def _on_hangup(flag: threading.Event) -> Callable[[], None]:
-    """Set ``flag`` on SIGHUP (main thread only); returns what puts the old handler back."""
-    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+def _on_signals(hangup: threading.Event, stop: threading.Event) -> Callable[[], None]:
+    """Set ``hangup`` on SIGHUP and ``stop`` on SIGINT/SIGTERM (main thread
+    only); returns what puts the old handlers back.
+
+    Why a flag for SIGINT: a KeyboardInterrupt raised in the middle of a
+    submission (inside the ingress lock, or between a buffer's hand-over and
+    its accounting) can leave the runtime unable to drain, and the process
+    then never exits. Stopping between submissions drains and closes as a
+    normal end does. A second SIGINT is the escape hatch: it interrupts."""
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = signal.signal(signal.SIGHUP, lambda signum, frame: flag.set())
+    previous: dict[int, Any] = {}
+
+    def on_stop(signum: int, frame: object) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    wanted = {signal.SIGINT: on_stop, signal.SIGTERM: on_stop}
+    if hasattr(signal, "SIGHUP"):
+        wanted[signal.SIGHUP] = lambda signum, frame: hangup.set()
+    for signum, handler in wanted.items():
+        previous[signum] = signal.signal(signum, handler)
 
     def restore() -> None:
-        signal.signal(signal.SIGHUP, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
     return restore
 
