@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import trio
+import trio.testing
 
 from taproute.native import make_descriptors
 from taproute.routing import Layout, RecordSchema
@@ -409,3 +411,60 @@ def test_a_config_file_destination_in_a_writer_process(tmp_path, capsys):
         assert got.to_pylist() == [{"n": 8, "s": float(values.sum())}]
     finally:
         reader.close_unstarted()
+
+
+async def test_close_while_a_replacement_writer_starts_stops_and_reaps_it(tmp_path, monkeypatch):
+    """The writer dies; while its replacement starts, the sink is closed: the
+    replacement is killed, reaped and its sockets closed before close() returns
+    (it used to be left running, unreaped, with its sockets open)."""
+    from taproute.service.sinks.clickhouse import Retry
+
+    real_start = WriterProcess.start
+    replacements: list[WriterProcess] = []
+    starting, release = threading.Event(), threading.Event()
+
+    def start(config: WriterConfig, timeout: float) -> WriterProcess:
+        if not replacements and starting.is_set():
+            raise AssertionError("only one replacement expected")
+        starting.set()
+        process = real_start(config, timeout)
+        replacements.append(process)
+        assert release.wait(60), "the test never released the replacement"
+        return process
+
+    sink = WriterProcessSink.embedded(
+        SCHEMA, tmp_path / "data", raw=["acts"], retry=Retry(initial_backoff=0.001)
+    )
+    first = sink.writer_pid
+    assert first is not None
+    monkeypatch.setattr(WriterProcess, "start", staticmethod(start))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            os.kill(first, signal.SIGKILL)
+            assert await trio.to_thread.run_sync(starting.wait, 60)
+            closed = trio.Event()
+
+            async def close() -> None:
+                await sink.close()
+                closed.set()
+
+            nursery.start_soon(close)
+            await trio.testing.wait_all_tasks_blocked()  # close() has marked the sink closing
+            assert not closed.is_set()  # it waits for the replacement to be stopped
+            release.set()
+            with trio.fail_after(60):  # a hang guard only
+                await closed.wait()
+            [replacement] = replacements
+            # Reaped (not a zombie) and its sockets closed, by the time close() returned.
+            assert replacement.process.returncode == -signal.SIGKILL
+            assert replacement._messages.fileno() == -1
+            assert replacement._segments.fileno() == -1
+        assert sink.counters.crashes == 1 and sink.counters.restarts == 0
+        assert sink.writer_pid is None
+    finally:
+        release.set()
+        for process in replacements:
+            if process.process.poll() is None:
+                process.kill()
+            process.close_sockets()

@@ -115,8 +115,10 @@ class WriterConversation:
         except Exception as exc:
             self._give_up(exc)
             return False
-        if self._closing:  # closed while it started
-            await trio.to_thread.run_sync(process.kill)
+        if self._closing:  # closed while it started: stop it, whatever cancels us
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(process.kill)
+                await process.aclose()
             return False
         self._process = process
         self.counters.restarts += 1

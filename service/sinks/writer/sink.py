@@ -146,6 +146,7 @@ class WriterProcessSink(WriterConversation):
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._closing = False
         self._stopped = trio.Event()
+        self._run_done = trio.Event()  # run() returned: no supervisor, no writer it started
 
     @staticmethod
     def _raw_layouts(config: WriterConfig) -> frozenset[int]:
@@ -196,6 +197,7 @@ class WriterProcessSink(WriterConversation):
                 nursery.cancel_scope.cancel()
         finally:
             self._stopped.set()
+            self._run_done.set()
 
     @property
     def running(self) -> bool:
@@ -279,7 +281,10 @@ class WriterProcessSink(WriterConversation):
         self._latch.raise_if_failed()
 
     async def close(self) -> None:
-        """Flush, stop the writer process, release the pool; idempotent."""
+        """Flush, stop the writer process, release the pool; idempotent.
+
+        Returns once no writer process this sink started runs (a replacement
+        starting after a crash is stopped and reaped first)."""
         if self._closing:
             await self._stopped.wait()
             return
@@ -290,6 +295,10 @@ class WriterProcessSink(WriterConversation):
             self._closing = True
             await self._stop_process()
             self._stopped.set()
+            if self._nursery is not None:
+                # A replacement writer starting now is stopped by the supervisor
+                # (it sees _closing); close returns once it has been.
+                await self._run_done.wait()
             self._finish_all(None)
             for hold in self._buffer.holds:
                 hold.release()
