@@ -146,14 +146,26 @@ class HeldWhileRunning:
 
 #: A processor call that returns within this many seconds costs less than its
 #: trip to a worker thread and back (0.1 to 0.4 ms of CPU over the two threads
-#: on a loaded 2-core machine; see bench/profiles/).
-INLINE_BELOW_S = 0.0002
+#: on a loaded 2-core machine, more while the worker waits for the GIL; see
+#: bench/profiles/).  At 0.2 ms a 0.1 ms call preempted twice in a row on a
+#: busy machine went back to threads for 8 calls or more: a sixth of a
+#: 2-route chain's calls took the hop, a quarter of the loop's time.
+INLINE_BELOW_S = 0.0005
 #: An inline call that takes this long goes back to worker threads at once
-#: (it waited: I/O, a lock, a sleep; or it has grown); a call between the two
-#: bounds is forgiven once, since a busy machine preempts quick calls too.
+#: (it waited: I/O, a lock, a sleep; or it has grown), unless the processor
+#: has earned trust (below); a call between the two bounds is forgiven once,
+#: since a busy machine preempts quick calls too.
 INLINE_WALL_S = 0.002
 #: How many quick calls in a row move a route's processor onto the loop.
 INLINE_AFTER = 8
+#: After this many quick calls in a row, one call of any length short of a
+#: failure is forgiven too: a loaded machine deschedules the loop thread for
+#: several milliseconds in the middle of a quick call, and each such wrong
+#: verdict cost the next INLINE_AFTER calls a thread hop each.  The trust is
+#: spent by it (earned again by as many quick calls), so a processor that
+#: really waits or has grown leaves at its next slow call, and at most one
+#: call in INLINE_TRUSTED - INLINE_AFTER runs long on the loop.
+INLINE_TRUSTED = 64
 
 
 class Placement:
@@ -166,15 +178,16 @@ class Placement:
     An inline call skips the thread hop, which for a small processor costs
     several times the call.  It cannot be abandoned at the route's deadline
     (nothing interrupts a running call); a processor only gets there by being
-    quick, and leaves at its first long call.  A processor registered with
-    ``needs_thread=True`` never runs inline.  Calls are timed by the wall
-    clock (``perf_counter``): a CPU clock costs a system call here.
+    quick, and leaves at its first long call (its second, once it has been
+    quick :data:`INLINE_TRUSTED` times in a row).  A processor registered
+    with ``needs_thread=True`` never runs inline.  Calls are timed by the
+    wall clock (``perf_counter``): a CPU clock costs a system call here.
     """
 
     __slots__ = ("quick", "slow")
 
     def __init__(self) -> None:
-        #: Consecutive quick calls, up to INLINE_AFTER.
+        #: Consecutive quick calls, up to INLINE_TRUSTED.
         self.quick = 0
         #: Consecutive calls that were not quick.
         self.slow = 0
@@ -187,12 +200,20 @@ class Placement:
     def took(self, seconds: float) -> None:
         """Note how long a call ran (``math.inf``: it raised or was abandoned)."""
         if seconds < INLINE_BELOW_S:
-            self.quick = min(self.quick + 1, INLINE_AFTER)
+            self.quick = min(self.quick + 1, INLINE_TRUSTED)
             self.slow = 0
             return
         self.slow += 1
-        if not self.inline or seconds >= INLINE_WALL_S or self.slow >= 2:
+        long = seconds >= INLINE_WALL_S
+        if (
+            not self.inline
+            or self.slow >= 2
+            or seconds == math.inf
+            or (long and self.quick < INLINE_TRUSTED)
+        ):
             self.quick = 0
+        elif long:
+            self.quick = INLINE_AFTER  # forgiven once: the trust is spent
 
 
 def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:

@@ -4,6 +4,7 @@ not count as work).
 
     python bench/_profile_drive.py stateful --owners 2 --reps 3
     python bench/_profile_drive.py stateless --batches 2000 --reps 3
+    python bench/_profile_drive.py chains --records 400000 --reps 3
     py-spy record --threads --nonblocking -r 500 -f raw -o prof.txt -- \\
         python bench/_profile_drive.py stateful --owners 1 --reps 6
     python bench/_pyspy_summary.py prof.txt
@@ -12,6 +13,8 @@ not count as work).
 floats, 4096 records per batch, 400,000 records), then the bare function
 and Bytewax on the same batches.  ``stateless``: ``latency.py``'s stateless
 route, unpaced (its capacity run), 128 MiniLM token records per batch.
+``chains``: ``chains.py``'s 2-route chain and the same calls fanned out,
+then the thread + queue peer and the bare functions.
 Threads are named by role: main (the producer), the runtime's loop thread,
 Trio's worker threads.
 """
@@ -78,6 +81,20 @@ def stateful(args: argparse.Namespace) -> None:
     print(f"Bytewax: {per_thread(lambda: s.bytewax_run(batches)[0], len(batches))}")
 
 
+def chains(args: argparse.Namespace) -> None:
+    import chains as c
+
+    batches = c.make_batches(args.records)
+    c.taproute_run(batches[:4])  # warm-up
+    for _ in range(args.reps):
+        line = per_thread(lambda: c.taproute_run(batches)[0], len(batches))
+        print(f"taproute, chain of 2 routes: {line}", flush=True)
+        line = per_thread(lambda: c.fanout_run(batches), len(batches))
+        print(f"taproute, 2 routes fanned out: {line}", flush=True)
+    print(f"thread + queue: {per_thread(lambda: c.thread_run(batches)[0], len(batches))}")
+    print(f"bare functions: {per_thread(lambda: c.bare_run(batches)[0], len(batches))}")
+
+
 def stateless(args: argparse.Namespace) -> None:
     import latency as lat
 
@@ -102,13 +119,14 @@ def stateless(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workload", choices=("stateful", "stateless"))
+    parser.add_argument("workload", choices=("stateful", "stateless", "chains"))
     parser.add_argument("--owners", type=int, default=1)
     parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--records", type=int, default=400_000, help="chains: records per run")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()}", flush=True)
-    (stateful if args.workload == "stateful" else stateless)(args)
+    {"stateful": stateful, "stateless": stateless, "chains": chains}[args.workload](args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
 from taproute.native._roots import RootTable
+from taproute.native._roots import root_ids as native_root_ids
 from taproute.native._state import scatter_add
 from taproute.native._validate import (
     NOT_A_PAYLOAD_LAYOUT,
@@ -25,6 +26,7 @@ from taproute.native._validate import (
     RANGE_OUTSIDE_BUFFER,
     UNBOUND_OUTPUT_ID,
     UNKNOWN_LAYOUT,
+    back_to_back,
     check_descriptors,
 )
 from taproute.native.descriptor import (
@@ -50,8 +52,10 @@ __all__ = [
     "DescriptorFieldError",
     "LeaseError",
     "RootTable",
+    "native_root_ids",
     "RouteTable",
     "StateRegion",
+    "back_to_back",
     "check_descriptors",
     "check_field",
     "check_int64",

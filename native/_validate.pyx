@@ -91,3 +91,21 @@ def check_descriptors(
             if length < prefix or (element > 0 and (length - prefix) % element != 0):
                 return LENGTH_MISMATCH, i, total
     return OK, -1, total
+
+
+def back_to_back(const Descriptor[::1] descriptors, int64_t stride):
+    """True when every record is ``stride`` bytes long and each starts where
+    the one before it ended (the batch's rows are one strided view of its
+    buffer); one pass, stopping at the first record that is not."""
+    cdef Py_ssize_t i, n = descriptors.shape[0]
+    if n == 0:
+        return True
+    cdef int64_t expected = descriptors[0].offset
+    cdef bint ok = True
+    with nogil:
+        for i in range(n):
+            if descriptors[i].length != stride or descriptors[i].offset != expected:
+                ok = False
+                break
+            expected += stride
+    return ok

@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import DESCRIPTOR_DTYPE, native_root_ids
 from taproute.routing.checks import Limit
 
 Roots = npt.NDArray[np.int64]
@@ -74,28 +75,14 @@ class CausalLimits:
     )
 
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(value: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser, vectorised (uint64 arithmetic wraps)."""
-    value = (value ^ (value >> np.uint64(30))) * _MIX1
-    value = (value ^ (value >> np.uint64(27))) * _MIX2
-    return value ^ (value >> np.uint64(31))
-
-
 def root_ids(descriptors: npt.NDArray[np.void]) -> Roots:
     """The root id of each captured (depth-0) record: a 64-bit hash of its
     identity (output_id, key, step, seq, timestamp_ns), so every route a record
-    fans out to derives from the same root without anything stored per record."""
-    with np.errstate(over="ignore"):
-        h = np.full(len(descriptors), _GOLDEN, dtype=np.uint64)
-        for field in ("output_id", "key", "step", "seq", "timestamp_ns"):
-            column = descriptors[field].astype(np.int64).view(np.uint64)
-            h = _mix(h ^ (column + _GOLDEN))
-    return h.view(np.int64)
+    fans out to derives from the same root without anything stored per record.
+
+    splitmix64's finaliser folded over the five fields, in one native pass
+    (a numpy form of the same hash cost ~100 us per 1024 records here)."""
+    return native_root_ids(np.ascontiguousarray(descriptors, dtype=DESCRIPTOR_DTYPE))
 
 
 def root_hex(root: int) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import DESCRIPTOR_DTYPE, back_to_back
 from taproute.routing.batch import Descriptors, RecordBatch
 from taproute.routing.errors import RecordError
 from taproute.routing.layout import Column, Layout
@@ -102,9 +103,12 @@ class Records:
             return np.empty(0, dtype=dtype)
         offsets = desc["offset"]
         first = int(offsets[0])
-        contiguous = (n == 1 or bool(np.all(np.diff(offsets) == stride))) and bool(
-            np.all(desc["length"] == stride)
-        )
+        if desc.flags.c_contiguous and desc.dtype == DESCRIPTOR_DTYPE:
+            contiguous = back_to_back(desc, stride)  # one C pass
+        else:
+            contiguous = (n == 1 or bool(np.all(np.diff(offsets) == stride))) and bool(
+                np.all(desc["length"] == stride)
+            )
         if contiguous:
             view = np.ndarray(
                 shape=(n,), dtype=dtype, buffer=payload, offset=first + skip, strides=(stride,)

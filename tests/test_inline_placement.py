@@ -11,7 +11,13 @@ import numpy as np
 import trio
 
 from taproute.actors import open_routing_sink
-from taproute.actors.attempt import INLINE_AFTER, INLINE_BELOW_S, INLINE_WALL_S, Placement
+from taproute.actors.attempt import (
+    INLINE_AFTER,
+    INLINE_BELOW_S,
+    INLINE_TRUSTED,
+    INLINE_WALL_S,
+    Placement,
+)
 from taproute.routing import HookRegistry, Records, Route, RoutingConfig, stateless_processor
 from taproute.service import CaptureSink
 from tests.conftest import vec_batch
@@ -78,6 +84,33 @@ def test_placement_leaves_the_loop_at_a_long_call_or_two_slower_ones():
     assert not place.inline
 
 
+def test_a_trusted_processor_is_forgiven_one_long_call_then_earns_trust_again():
+    place = Placement()
+    for _ in range(INLINE_TRUSTED):
+        place.took(INLINE_BELOW_S / 2)
+    place.took(10 * INLINE_WALL_S)  # the loop thread descheduled mid-call: forgiven
+    assert place.inline
+    place.took(INLINE_BELOW_S / 2)
+    place.took(10 * INLINE_WALL_S)  # trust spent: a second long call goes back at once
+    assert not place.inline
+    place = Placement()
+    for _ in range(INLINE_TRUSTED):
+        place.took(INLINE_BELOW_S / 2)
+    place.took(10 * INLINE_WALL_S)
+    place.took(INLINE_BELOW_S * 2)  # two slow calls in a row: back to threads
+    assert not place.inline
+    place = Placement()
+    for _ in range(INLINE_TRUSTED):
+        place.took(INLINE_BELOW_S / 2)
+    place.took(math.inf)  # a failure is never forgiven
+    assert not place.inline
+    place = Placement()
+    for _ in range(INLINE_TRUSTED - 1):
+        place.took(INLINE_BELOW_S / 2)
+    place.took(INLINE_WALL_S)  # one quick call short of trusted: back at once
+    assert not place.inline
+
+
 async def _run(processor: str, batches: int, slow_from: int | None = None) -> CaptureSink:
     CALLS.clear()
     SLOW["on"] = False
@@ -102,7 +135,8 @@ def test_a_quick_processor_moves_onto_the_loop_and_off_it_when_slow():
     assert not any(quick[:INLINE_AFTER])  # the first calls always go to threads
     assert any(quick)  # then some ran on the loop
     slow = [ident == loop_thread for ident, slow in CALLS if slow]
-    assert slow[1:] == [False] * (len(slow) - 1)  # after one long call: threads
+    # After one long call (two, when the first was forgiven a trusted processor): threads.
+    assert slow[2:] == [False] * (len(slow) - 2)
 
 
 def test_a_processor_that_needs_a_thread_never_runs_on_the_loop():

@@ -84,3 +84,30 @@ def test_a_record_outside_the_buffer_is_named():
     batch = RecordBatch.from_buffer(desc, np.zeros(4 * size, np.uint8))
     with pytest.raises(RecordError, match=rf"record 2: {size} bytes at offset {5 * size}"):
         Records(batch, ROW).rows()
+
+
+def test_back_to_back_is_one_pass_over_offsets_and_lengths():
+    from taproute.native import back_to_back
+
+    size = ROW.dtype.itemsize
+    desc = make_descriptors(0, size, count=5, offsets=np.arange(5) * size + 8)
+    assert back_to_back(desc, size)
+    assert not back_to_back(desc, size + 1)  # lengths differ from the stride
+    assert back_to_back(desc[:1], size) and back_to_back(desc[:0], 3)
+    gap = desc.copy()
+    gap["offset"][3] += 1
+    assert not back_to_back(gap, size)
+    short = desc.copy()
+    short["length"][4] = size - 1  # the last record is shorter: not rows of `size`
+    assert not back_to_back(short, size)
+
+
+def test_rows_are_a_view_exactly_when_the_records_lie_back_to_back():
+    batch = _packed(16)
+    assert np.shares_memory(Records(batch, ROW).rows(), batch.payload)
+    assert np.shares_memory(Records(batch.select(np.arange(4, 9)), ROW).rows(), batch.payload)
+    gathered = Records(batch.select(np.array([1, 3, 2])), ROW).rows()
+    assert not np.shares_memory(gathered, batch.payload)
+    np.testing.assert_array_equal(
+        gathered, _expected(batch.select(np.array([1, 3, 2])), ROW.dtype, 0)
+    )
