@@ -1,19 +1,23 @@
 """The thread-safe ingress between producer threads and the Trio loop.
 
 Producers append batches (or single records, which are coalesced into one
-batch) under a lock; the first append after the loop last looked schedules
-one wake-up with ``TrioToken.run_sync_soon``; the record worker takes
-everything queued at once.
+batch) to a deque under a lock only producers take; the record worker on the
+loop thread takes everything queued at once without that lock (a deque's
+``append`` and ``popleft`` are atomic) and gives capacity back through its
+own counter.  So a model thread in a capture hook never waits for the loop
+thread to leave a critical section: on a busy 2-core machine the loop thread
+can lose its core while holding a shared lock, and every hook then waits a
+scheduler slice for it.
 
 Capture hooks (``defer_wake``) do not wake the loop themselves: a wake-up
 costs the model thread a socket write and, worse, hands the GIL to the loop
-thread in the middle of the forward pass.  Their batches wait until a later
-append finds the oldest one ``wake_delay`` old (or ingress half full), a
-producer is about to block, a flush or close arrives, or the record worker's
-own poll (every ``wake_delay``) finds them: one wake-up for several hook
-calls, and the GIL handed over outside the hooks.  Capacity is counted in records and bytes until
-the record worker has handed a batch on, so a blocked record worker fills
-ingress, and full ingress blocks (or refuses) the producer.
+thread in the middle of the forward pass.  The record worker polls every
+``wake_delay`` while batches arrive and takes what the hooks queued; a poll
+that finds nothing parks it (no timer), and the next batch wakes it once.
+Ingress half full, a producer about to block, a plain ``submit_batch``, a
+flush or a close wake it at once.  Capacity is counted in records and bytes
+until the record worker has handed a batch on, so a blocked record worker
+fills ingress, and full ingress blocks (or refuses) the producer.
 """
 
 from __future__ import annotations
@@ -65,7 +69,14 @@ Item = RecordBatch | Control
 
 
 class Ingress:
-    """Bounded, thread-safe queue of batches and controls for one record worker."""
+    """Bounded, thread-safe queue of batches and controls for one record worker.
+
+    Producers (any threads) serialize on a lock of their own; the record
+    worker (one task on the loop thread) calls :meth:`take`, :meth:`done`
+    and :meth:`park` without it, except to seal coalesced single records
+    and to wake producers blocked for room.  Items of one producer reach
+    the record worker in the order that producer queued them.
+    """
 
     def __init__(
         self,
@@ -84,27 +95,56 @@ class Ingress:
         self.capacity_bytes = capacity_bytes
         self.when_full = when_full
         self.coalesce_records = coalesce_records
+        #: The record worker's poll interval while batches arrive (0: hook
+        #: batches wake the loop at every call, as plain submits do).
         self.wake_delay = wake_delay
         self.counters = IngressCounters()
-        self._cond = threading.Condition(threading.Lock())
+        # Producers' lock; the record worker takes it only on slow paths.
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
         self._queue: deque[Item] = deque()
-        self._records = 0
-        self._bytes = 0
+        # Accepted so far (producers, under the lock) and handed on so far
+        # (the record worker alone): queued = accepted - handed on.
+        self._in_records = 0
+        self._in_bytes = 0
+        self._out_records = 0
+        self._out_bytes = 0
         self._pending_rows: list[tuple[int, ...]] = []
         self._pending_payloads: list[bytes] = []
         self._wake: Callable[[], None] | None = None
+        #: A wake-up was scheduled and the record worker has not taken since.
         self._wake_pending = False
-        #: When the oldest batch queued without a wake-up was queued (None: none is).
-        self._deferred_since: float | None = None
+        #: The record worker sleeps without a poll: the next batch wakes it.
+        self._parked = False
         self._closed = False
         self._failed: BaseException | None = None
         self._loop_gone = False
 
     def connect(self, wake: Callable[[], None]) -> None:
-        """Set the function that wakes the record worker (called with the lock held)."""
+        """Set the function that wakes the record worker (called by producers,
+        with their lock held)."""
         self._wake = wake
 
     # -- producer side -----------------------------------------------------
+
+    @property
+    def queued_records(self) -> int:
+        """Records accepted and not yet handed on by the record worker."""
+        return self._in_records - self._out_records
+
+    @property
+    def deferred(self) -> bool:
+        """True while anything is queued (what the record worker's poll takes)."""
+        return bool(self._queue) or bool(self._pending_rows)
+
+    def _fits(self, records: int, nbytes: int) -> bool:
+        queued = self._in_records - self._out_records
+        if queued <= 0:
+            return True  # an oversize batch still goes, alone
+        return (
+            queued + records <= self.capacity_records
+            and self._in_bytes - self._out_bytes + nbytes <= self.capacity_bytes
+        )
 
     def _wait_for_space(self, records: int, nbytes: int, timeout: float | None = None) -> bool:
         """With the lock held: block (or refuse) until the item fits.
@@ -116,35 +156,30 @@ class Ingress:
         if self.when_full == "reject":
             self.counters.rejected += records
             raise IngressFull(
-                f"ingress full ({self._records}/{self.capacity_records} records, "
-                f"{self._bytes}/{self.capacity_bytes} bytes queued); {records} record(s) refused"
+                f"ingress full ({self.queued_records}/{self.capacity_records} records, "
+                f"{self._in_bytes - self._out_bytes}/{self.capacity_bytes} bytes queued); "
+                f"{records} record(s) refused"
             )
         self._schedule_wake()  # what waits deferred must drain for room to come
         started = time.perf_counter()
         deadline = None if timeout is None else started + timeout
+        # Counted before the last look at the room: the record worker reads it
+        # after giving room back, to know whether to wake anyone (see done()).
         self.counters.blocked_producers += 1
         try:
             while not self._fits(records, nbytes):
                 self._check_open()
                 if deadline is None:
-                    self._cond.wait()
+                    self._space.wait()
                     continue
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                self._space.wait(left)
         finally:
             self.counters.blocked_producers -= 1
             self.counters.blocked_seconds += time.perf_counter() - started
         return True
-
-    def _fits(self, records: int, nbytes: int) -> bool:
-        if self._records == 0:
-            return True  # an oversize batch still goes, alone
-        return (
-            self._records + records <= self.capacity_records
-            and self._bytes + nbytes <= self.capacity_bytes
-        )
 
     def _check_open(self) -> None:
         if self._failed is not None:
@@ -152,93 +187,97 @@ class Ingress:
         if self._closed:
             raise SinkClosed("runtime is closed; submit refused")
 
-    @property
-    def deferred(self) -> bool:
-        """True while batches wait without a wake-up (read by the record worker's poll)."""
-        return self._deferred_since is not None
-
     def _schedule_wake(self) -> None:
+        """With the lock held: wake the record worker unless a wake-up is pending."""
         if not self._wake_pending and self._wake is not None:
             self._wake_pending = True
-            self._deferred_since = None
+            self._parked = False
             self._wake()
-
-    def _schedule_deferred_wake(self) -> None:
-        """With the lock held: wake only when what waits is old or ingress fills."""
-        if self._wake_pending:
-            return
-        now = time.monotonic()
-        if self._deferred_since is None:
-            self._deferred_since = now
-        if (
-            now - self._deferred_since >= self.wake_delay
-            or 2 * self._records >= self.capacity_records
-            or 2 * self._bytes >= self.capacity_bytes
-        ):
-            self._schedule_wake()
 
     def try_put_batch(self, batch: RecordBatch) -> bool:
         """Queue ``batch`` if it fits now; False (nothing queued) when it would wait."""
-        with self._cond:
+        records = len(batch.descriptors)
+        nbytes = batch.payload.nbytes
+        with self._lock:
             self._check_open()
-            if self.when_full == "block" and not self._fits(len(batch), batch.payload.nbytes):
-                return False
-            self._put_locked(batch)
-            return True
+            if not self._fits(records, nbytes):
+                if self.when_full == "block":
+                    return False
+                self._wait_for_space(records, nbytes)  # raises IngressFull
+            self._append_locked(batch, records, nbytes, defer_wake=False)
+        return True
 
     def put_batch(self, batch: RecordBatch, *, defer_wake: bool = False) -> None:
         """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
-        with self._cond:
-            self._put_locked(batch, defer_wake=defer_wake)
+        self.offer_batch(batch, None, defer_wake=defer_wake)
 
-    def offer_batch(self, batch: RecordBatch, timeout: float, *, defer_wake: bool = False) -> bool:
-        """Queue ``batch``, waiting at most ``timeout`` seconds for room.
+    def offer_batch(
+        self, batch: RecordBatch, timeout: float | None, *, defer_wake: bool = False
+    ) -> bool:
+        """Queue ``batch``, waiting at most ``timeout`` seconds (None: no bound) for room.
 
         Returns False (nothing queued; the records counted as shed) when the
-        wait ran out: the bound a producer that must not stall sets.
+        wait ran out: the bound a producer that must not stall sets.  Every
+        capture hook comes this way: a few operations under the producers'
+        lock, and no call into the loop unless it sleeps (parked), ingress is
+        half full, or ``wake_delay`` is 0.
         """
-        with self._cond:
-            return self._put_locked(batch, timeout, defer_wake=defer_wake)
-
-    def _put_locked(
-        self, batch: RecordBatch, timeout: float | None = None, *, defer_wake: bool = False
-    ) -> bool:
-        """With the lock held: wait for space (or refuse), then queue ``batch``."""
-        records, nbytes = len(batch), batch.payload.nbytes
-        self._check_open()
-        if not self._wait_for_space(records, nbytes, timeout):
-            self.counters.shed += records
-            return False
-        self._check_open()
-        self._seal_pending()
-        self._queue.append(batch)
-        self.counters.batches += 1
-        self._account(records, nbytes, defer_wake=defer_wake)
+        records = len(batch.descriptors)
+        nbytes = batch.payload.nbytes
+        with self._lock:
+            if self._failed is not None or self._closed:
+                self._check_open()
+            queued = self._in_records - self._out_records
+            if queued > 0 and (
+                queued + records > self.capacity_records
+                or self._in_bytes - self._out_bytes + nbytes > self.capacity_bytes
+            ):
+                if not self._wait_for_space(records, nbytes, timeout):
+                    self.counters.shed += records
+                    return False
+                self._check_open()
+            self._append_locked(batch, records, nbytes, defer_wake=defer_wake)
         return True
+
+    def _append_locked(
+        self, batch: RecordBatch, records: int, nbytes: int, *, defer_wake: bool
+    ) -> None:
+        """With the lock held and room checked: queue ``batch``, wake if due."""
+        if self._pending_rows:
+            self._seal_pending()  # single records queued before it go first
+        # Counted before the record worker can see it, so queued never reads low.
+        self._in_records += records
+        self._in_bytes += nbytes
+        self._queue.append(batch)
+        counters = self.counters
+        counters.submitted += records
+        counters.batches += 1
+        if not self._wake_pending and (
+            not defer_wake
+            or self._parked
+            or not self.wake_delay
+            or 2 * (self._in_records - self._out_records) >= self.capacity_records
+            or 2 * (self._in_bytes - self._out_bytes) >= self.capacity_bytes
+        ):
+            self._schedule_wake()
 
     def put_record(self, row: tuple[int, ...], payload: bytes) -> None:
         """Queue one record (descriptor fields without offset/length, and its bytes).
 
         Records queued this way are coalesced into one batch per wake-up.
         """
-        with self._cond:
+        nbytes = len(payload)
+        with self._lock:
             self._check_open()
-            self._wait_for_space(1, len(payload))
+            self._wait_for_space(1, nbytes)
             self._check_open()
+            self._in_records += 1
+            self._in_bytes += nbytes
             self._pending_rows.append(row)
             self._pending_payloads.append(payload)
-            self._account(1, len(payload))
+            self.counters.submitted += 1
             if len(self._pending_rows) >= self.coalesce_records:
                 self._seal_pending()
-
-    def _account(self, records: int, nbytes: int, *, defer_wake: bool = False) -> None:
-        self._records += records
-        self._bytes += nbytes
-        self.counters.submitted += records
-        self.counters.queued = self._records
-        if defer_wake:
-            self._schedule_deferred_wake()
-        else:
             self._schedule_wake()
 
     def put_control(
@@ -250,7 +289,7 @@ class Ingress:
         second close is a no-op; a close after a failure still stops the loop.
         """
         control = Control(kind, keys, payload)
-        with self._cond:
+        with self._lock:
             if kind != "close" and (self._failed is not None or self._closed):
                 control.future.set_exception(
                     self._failed or SinkClosed(f"runtime is closed; {kind} refused")
@@ -265,7 +304,7 @@ class Ingress:
                     return control.future
                 # Close goes through even after a failure: the loop must still stop.
                 self._closed = True
-                self._cond.notify_all()
+                self._space.notify_all()
             self._seal_pending()
             self._queue.append(control)
             self._schedule_wake()
@@ -292,22 +331,44 @@ class Ingress:
     # -- record worker side ------------------------------------------------
 
     def take(self) -> list[Item]:
-        """Everything queued now, in order (the coalesced records sealed first)."""
-        with self._cond:
-            self._wake_pending = False
-            self._deferred_since = None
-            self._seal_pending()
-            items = list(self._queue)
-            self._queue.clear()
-        return items
+        """Everything queued now, in order (the coalesced records sealed first).
+
+        Only the record worker calls it.  The flags are cleared before the
+        queue is read: a producer that queues meanwhile either has its item
+        taken here or finds no wake-up pending and schedules one.
+        """
+        self._wake_pending = False
+        self._parked = False
+        if self._pending_rows:
+            with self._lock:
+                self._seal_pending()
+        queue = self._queue
+        pop = queue.popleft
+        return [pop() for _ in range(len(queue))]
+
+    def park(self) -> bool:
+        """The record worker's poll found nothing: may it sleep until woken?
+
+        True (it may: the next item queued wakes it) when nothing is queued;
+        False, and nothing changed, when something was queued meanwhile.  The
+        flag is raised before the queue is looked at, so an item queued at the
+        same moment is either seen here or wakes the worker.
+        """
+        self._parked = True
+        if self._queue or self._pending_rows:
+            self._parked = False
+            return False
+        return True
 
     def done(self, records: int, nbytes: int) -> None:
-        """The record worker handed a batch on: free its ingress capacity."""
-        with self._cond:
-            self._records -= records
-            self._bytes -= nbytes
-            self.counters.queued = self._records
-            self._cond.notify_all()
+        """The record worker handed batches on: free their ingress capacity."""
+        self._out_records += records
+        self._out_bytes += nbytes
+        # A producer counts itself blocked before its last look at the room,
+        # so one that missed this room is seen here.
+        if self.counters.blocked_producers:
+            with self._lock:
+                self._space.notify_all()
 
     def fail(self, error: BaseException, *, loop_gone: bool = False) -> list[Item]:
         """A failure was latched (or the loop is gone): wake and refuse every producer.
@@ -315,10 +376,10 @@ class Ingress:
         With ``loop_gone`` nothing will take the queue any more: it is emptied
         and returned, and later controls fail at once.
         """
-        with self._cond:
+        with self._lock:
             if self._failed is None:
                 self._failed = error
-            self._cond.notify_all()
+            self._space.notify_all()
             if not loop_gone:
                 return []
             self._loop_gone = True
@@ -329,22 +390,23 @@ class Ingress:
 
     def count_dropped(self, hook: str, reason: str, records: int) -> None:
         """A producer dropped ``records`` of ``hook`` before submitting them (why: ``reason``)."""
-        with self._cond:
+        with self._lock:
             by_reason = self.counters.dropped.setdefault(hook, {})
             by_reason[reason] = by_reason.get(reason, 0) + records
 
     def count_skipped(self, hook: str, reason: str) -> None:
         """A producer's hook ran and captured nothing (why: ``reason``)."""
-        with self._cond:
+        with self._lock:
             by_reason = self.counters.skipped.setdefault(hook, {})
             by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def snapshot(self) -> IngressCounters:
         """A detached copy of the ingress counters."""
-        with self._cond:
+        with self._lock:
             counters = self.counters
             return attrs.evolve(
                 counters,
+                queued=self._in_records - self._out_records,
                 dropped={hook: dict(r) for hook, r in counters.dropped.items()},
                 skipped={hook: dict(r) for hook, r in counters.skipped.items()},
             )

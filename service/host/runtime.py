@@ -199,20 +199,29 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
 
     async def _record_worker(self) -> None:
         submit = self._submit
+        ingress = self._ingress
+        idle = False
         while True:
-            # Capture hooks defer their wake-ups (see ingress): a poll every
-            # wake_delay takes what they queued when no later call woke us.
-            with trio.move_on_after(self._ingress.wake_delay or math.inf):
+            # Capture hooks don't wake the loop (see ingress): while batches
+            # arrive, a poll every wake_delay takes them; once a poll found
+            # nothing the worker parks, and the next batch wakes it.
+            if idle and ingress.park():
                 await self._wakeup.wait()
-            if self._wakeup.is_set():
+            else:
+                with trio.move_on_after(ingress.wake_delay or math.inf):
+                    await self._wakeup.wait()
+            woken = self._wakeup.is_set()
+            if woken:
                 self._wakeup = trio.Event()
-            elif not self._ingress.deferred:
+            items = ingress.take()
+            idle = not items and not woken
+            if not items:
                 continue
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
             records = nbytes = 0
             try:
-                for item in self._ingress.take():
+                for item in items:
                     if isinstance(item, Control):
                         if await self._control(item):
                             return
@@ -292,9 +301,6 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
         loop itself: the batch waits at most the ingress ``wake_delay``.
         """
         batch = self.intake.batch(descriptors, payload, release)
-        if self.max_block is None:
-            self._ingress.put_batch(batch, defer_wake=True)
-            return True
         return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
 
     def offer_captured(self, batch: RecordBatch) -> bool:
@@ -308,9 +314,6 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
         tests run the intake's check over every kind of batch a hook builds.
         Same ``max_block`` bound and result as :meth:`offer_batch`.
         """
-        if self.max_block is None:
-            self._ingress.put_batch(batch, defer_wake=True)
-            return True
         return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
 
     def count_dropped(self, hook: str, reason: str, records: int) -> None:
