@@ -9,11 +9,11 @@
   per minute), admitting a batch of derived records in one C loop.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
-- :func:`stamped_copy`, :func:`gather_ranges`: a capture hook's descriptors
-  and packed payload, one call each.
+- :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: a
+  capture hook's descriptors and packed payload, one call each.
 """
 
-from taproute.native._capture import gather_ranges, stamped_copy
+from taproute.native._capture import gather_address, gather_ranges, stamped_copy
 from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
@@ -59,6 +59,7 @@ __all__ = [
     "check_descriptors",
     "check_field",
     "check_int64",
+    "gather_address",
     "gather_ranges",
     "make_descriptors",
     "owner_of",

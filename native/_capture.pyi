@@ -10,3 +10,10 @@ def gather_ranges(
     lengths: npt.NDArray[np.int64],
     total: int,
 ) -> npt.NDArray[np.uint8]: ...
+def gather_address(
+    address: int,
+    size: int,
+    offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    total: int,
+) -> npt.NDArray[np.uint8]: ...

@@ -90,3 +90,61 @@ def gather_ranges(
         at += lengths[i]
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
+
+
+cdef inline bint _int64_vector(cnp.ndarray a):
+    return (
+        cnp.PyArray_NDIM(a) == 1
+        and cnp.PyArray_TYPE(a) == cnp.NPY_INT64
+        and cnp.PyArray_IS_C_CONTIGUOUS(a)
+    )
+
+
+def gather_address(
+    size_t address,
+    int64_t size,
+    cnp.ndarray offsets,
+    cnp.ndarray lengths,
+    int64_t total,
+):
+    """:func:`gather_ranges` over the ``size`` bytes at ``address``: the
+    ``data_ptr()`` of a contiguous CPU tensor, which the caller keeps alive
+    for the call.
+
+    Skips the three views a tensor needs to become a ``uint8`` array (and
+    the typed-memoryview set-up): a capture hook runs this once per call on
+    the model's thread.  ``offsets`` and ``lengths`` must be 1-D C-contiguous
+    ``int64`` arrays of one length; every range must lie inside the ``size``
+    bytes and the lengths must add up to ``total`` (ValueError otherwise,
+    before anything is copied).  Keeps the GIL, as :func:`gather_ranges` does.
+    """
+    if not _int64_vector(offsets) or not _int64_vector(lengths):
+        raise ValueError("offsets and lengths must be 1-D C-contiguous int64 arrays")
+    cdef Py_ssize_t i, n = cnp.PyArray_DIM(offsets, 0)
+    if cnp.PyArray_DIM(lengths, 0) != n:
+        raise ValueError(f"{n} offsets but {cnp.PyArray_DIM(lengths, 0)} lengths")
+    if address == 0 and size:
+        raise ValueError("null address")
+    cdef const int64_t* offs = <const int64_t*> cnp.PyArray_DATA(offsets)
+    cdef const int64_t* lens = <const int64_t*> cnp.PyArray_DATA(lengths)
+    cdef int64_t sum = 0, off, length
+    for i in range(n):
+        off = offs[i]
+        length = lens[i]
+        if off < 0 or length < 0 or off > size or length > size - off:
+            raise ValueError(
+                f"range {i} [{off}, {off} + {length}) is outside the {size}-byte source"
+            )
+        sum += length
+    if sum != total:
+        raise ValueError(f"the ranges cover {sum} bytes, not {total}")
+    cdef cnp.ndarray out = _empty(total, _UINT8)
+    cdef unsigned char* dst = <unsigned char*> cnp.PyArray_DATA(out)
+    cdef const unsigned char* src = <const unsigned char*> address
+    cdef int64_t at = 0
+    for i in range(n):
+        if lens[i]:
+            memcpy(dst + at, src + offs[i], lens[i])
+        at += lens[i]
+    cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
+    return out

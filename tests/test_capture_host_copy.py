@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from taproute.native import make_descriptors
-from taproute.native._capture import gather_ranges, stamped_copy
+from taproute.native._capture import gather_address, gather_ranges, stamped_copy
 from taproute.routing import Layout, RecordSchema
 from taproute.routing.validation import check_batch
 from taproute.service import CaptureSink, create_record_runtime
@@ -170,6 +170,27 @@ def test_gather_ranges_packs_the_ranges_and_refuses_what_does_not_fit():
         gather_ranges(source, np.array([0, 1]), np.array([2]), 2)
 
 
+def test_gather_address_packs_a_tensors_ranges_and_refuses_what_does_not_fit():
+    tensor = torch.arange(100, dtype=torch.uint8)
+    address, size = tensor.data_ptr(), tensor.nbytes
+    offsets, lengths = np.array([10, 50, 0]), np.array([3, 2, 0])
+    out = gather_address(address, size, offsets, lengths, 5)
+    assert out.tolist() == [10, 11, 12, 50, 51] and not out.flags.writeable
+    assert out.tolist() == gather_ranges(tensor.numpy(), offsets, lengths, 5).tolist()
+    with pytest.raises(ValueError, match=r"range 0 \[99, 99 \+ 2\) is outside the 100-byte"):
+        gather_address(address, size, np.array([99]), np.array([2]), 2)
+    with pytest.raises(ValueError, match="outside"):
+        gather_address(address, size, np.array([-1]), np.array([2]), 2)
+    with pytest.raises(ValueError, match="the ranges cover 2 bytes, not 3"):
+        gather_address(address, size, np.array([0]), np.array([2]), 3)
+    with pytest.raises(ValueError, match="2 offsets but 1 lengths"):
+        gather_address(address, size, np.array([0, 1]), np.array([2]), 2)
+    with pytest.raises(ValueError, match="1-D C-contiguous int64"):
+        gather_address(address, size, np.array([0], dtype=np.int32), np.array([2]), 2)
+    with pytest.raises(ValueError, match="null address"):
+        gather_address(0, size, np.array([0]), np.array([2]), 2)
+
+
 def test_stamped_copy_sets_output_id_and_time_and_keeps_the_rest():
     template = make_descriptors(3, [4, 8, 12], keys=[7, 8, 9], steps=2, layout_ids=1)
     out = stamped_copy(template, 42, 123456789)
@@ -183,3 +204,20 @@ def test_stamped_copy_sets_output_id_and_time_and_keeps_the_rest():
         stamped_copy(np.zeros(3), 1, 2)
     with pytest.raises(ValueError, match="needs a 1-D C-contiguous"):
         stamped_copy(template[::2], 1, 2)
+
+
+def test_an_output_that_requires_grad_is_captured_from_a_detached_view():
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 5)  # outside inference_mode its output requires grad
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=SCHEMA) as runtime:
+        bind_module(runtime, layer, "linear", layout="f32", on_error="raise")
+        x = torch.randn(3, 4, 5)
+        with capture_context([0, 1, 2], lengths=[4, 2, 3]):
+            y = layer(x)
+        assert y.requires_grad
+        runtime.flush()
+    (batch,) = sink.record_batches
+    for row, tokens in enumerate([4, 2, 3]):
+        want = y[row, :tokens].detach().numpy()
+        assert batch.payload_of(row).tobytes() == want.tobytes()

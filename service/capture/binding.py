@@ -212,8 +212,17 @@ def bind_module(
         output's shape and the context is planned once per forward pass.
         """
         if not plain or type(output) is not tensor_type:
-            output = pick(output, select, hook=name)
-        tensor = by_row(output, context, hook=name, token_major=token_major).detach()
+            if plain and type(output) is tuple and output and type(output[0]) is tensor_type:
+                output = output[0]  # pick()'s first rule, without the call
+            else:
+                output = pick(output, select, hook=name)
+        tensor = output
+        shape = tensor.shape
+        if token_major or not shape or shape[0] != len(context.keys):
+            tensor = by_row(tensor, context, hook=name, token_major=token_major)
+            shape = tensor.shape
+        if tensor.requires_grad:  # inference tensors never do: no new view per call
+            tensor = tensor.detach()
         owned = False
         if tensor.dtype is not dst:
             if tensor.dtype not in checked:
@@ -221,10 +230,10 @@ def bind_module(
                 checked.add(tensor.dtype)
             tensor = tensor.to(dst)  # exact (checked above) or narrowing on purpose
             owned = True
-        token_axis = token_major or tensor.dim() >= 3
+        token_axis = token_major or len(shape) >= 3
         # One plan per output shape and context, shared by every hook of the
         # forward pass (a gathered, non-run mask needs a fresh source each call).
-        plan_key = (tensor.shape, token_axis, layout_id)
+        plan_key = (shape, token_axis, layout_id)
         cached = context.plans.get(plan_key) if context.runs else None
         if cached is None:
             records = plan(tensor, context, hook=name, token_axis=token_axis)

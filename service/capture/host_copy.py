@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from taproute.native import gather_ranges
+from taproute.native import gather_address
 from taproute.routing.batch import Payload
 
 if TYPE_CHECKING:
@@ -62,19 +62,22 @@ def to_host(
     ``source`` as before handing it to numpy (bfloat16, which numpy lacks, as
     int16; see :func:`numpy_view_dtype`).
     """
-    if source.device.type != "cpu" or pool.cpu_outputs:
+    if not source.is_cpu or pool.cpu_outputs:
         payload, release = _pooled(source, pool)
         return payload, release, False
     if not source.is_contiguous():
         source, owned = source.contiguous(), True
-    array = (source if as_numpy is None else source.view(as_numpy)).numpy()
-    flat = array.reshape(-1).view(np.uint8)
-    if owned and covered == flat.nbytes:
+    nbytes = source.nbytes
+    if owned and covered == nbytes:
         # Records covering every byte of an array only we hold: it is the
         # packed payload already (plans list records in order, back to back).
+        array = (source if as_numpy is None else source.view(as_numpy)).numpy()
+        flat: Payload = array.reshape(-1).view(np.uint8)
         flat.flags.writeable = False
         return flat, None, True
-    return gather_ranges(flat, offsets, lengths, covered), None, True
+    # Straight from the tensor's memory (contiguous, alive while we copy): no
+    # numpy views to build on the model's thread.
+    return gather_address(source.data_ptr(), nbytes, offsets, lengths, covered), None, True
 
 
 def numpy_view_dtype(dtype: torch.dtype) -> torch.dtype | None:
