@@ -163,6 +163,7 @@ def test_a_parked_runtime_loop_is_woken_by_a_hook_batch():
     with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:
         ingress = runtime.offer_batch.__self__._ingress
         ingress.wake_delay = 0.001
+        ingress.park_after = 0.0
         eventually(lambda: ingress._parked, timeout=HANG_GUARD_S)  # a poll found nothing
         ingress.wake_delay = 3600.0  # no poll would come in time: only the wake-up
         q = runtime.bind_hook(Q, layout="vec")

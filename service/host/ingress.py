@@ -12,8 +12,9 @@ scheduler slice for it.
 Capture hooks (``defer_wake``) do not wake the loop themselves: a wake-up
 costs the model thread a socket write and, worse, hands the GIL to the loop
 thread in the middle of the forward pass.  The record worker polls every
-``wake_delay`` while batches arrive and takes what the hooks queued; a poll
-that finds nothing parks it (no timer), and the next batch wakes it once.
+``wake_delay`` while batches arrive and takes what the hooks queued; once its
+polls found nothing for ``park_after`` it parks (no timer), and the next
+batch wakes it once.
 Ingress half full, a producer about to block, a plain ``submit_batch``, a
 flush or a close wake it at once.  Capacity is counted in records and bytes
 until the record worker has handed a batch on, so a blocked record worker
@@ -42,6 +43,12 @@ WhenFull = Literal["block", "reject"]
 
 #: How long a deferred (capture hook) batch may wait before the loop takes it.
 WAKE_DELAY_S = 0.02
+
+#: How long the record worker's polls must find nothing before it parks.  A
+#: wake-up from a hook is a socket write that, on a busy machine, hands the
+#: model's core to the loop thread: a model whose hooks pause for a poll or
+#: two (a slow step, a preempted thread) must not pay one per pause.
+PARK_AFTER_S = 1.0
 
 
 #: A flush, a close, a key-lifecycle request (with its keys) or a reload;
@@ -86,6 +93,7 @@ class Ingress:
         when_full: WhenFull,
         coalesce_records: int,
         wake_delay: float = WAKE_DELAY_S,
+        park_after: float = PARK_AFTER_S,
     ) -> None:
         if when_full not in ("block", "reject"):
             raise ValueError(f"when_full must be 'block' or 'reject', got {when_full!r}")
@@ -98,6 +106,8 @@ class Ingress:
         #: The record worker's poll interval while batches arrive (0: hook
         #: batches wake the loop at every call, as plain submits do).
         self.wake_delay = wake_delay
+        #: How long polls must find nothing before the record worker parks.
+        self.park_after = park_after
         self.counters = IngressCounters()
         # Producers' lock; the record worker takes it only on slow paths.
         self._lock = threading.Lock()

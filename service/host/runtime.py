@@ -200,12 +200,16 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
     async def _record_worker(self) -> None:
         submit = self._submit
         ingress = self._ingress
-        idle = False
+        idle_since: float | None = None  # when the polls began finding nothing
         while True:
             # Capture hooks don't wake the loop (see ingress): while batches
-            # arrive, a poll every wake_delay takes them; once a poll found
-            # nothing the worker parks, and the next batch wakes it.
-            if idle and ingress.park():
+            # arrive, a poll every wake_delay takes them; once the polls found
+            # nothing for park_after the worker parks, and the next batch wakes it.
+            if (
+                idle_since is not None
+                and trio.current_time() - idle_since >= ingress.park_after
+                and ingress.park()
+            ):
                 await self._wakeup.wait()
             else:
                 with trio.move_on_after(ingress.wake_delay or math.inf):
@@ -214,7 +218,10 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
             if woken:
                 self._wakeup = trio.Event()
             items = ingress.take()
-            idle = not items and not woken
+            if items or woken:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = trio.current_time()
             if not items:
                 continue
             # Ingress capacity is given back once per wake-up, not per batch:
