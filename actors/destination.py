@@ -16,7 +16,7 @@ from taproute.actors.counters import DestinationCounters
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
-from taproute.routing.errors import ConfigError, SinkClosed
+from taproute.routing.errors import ConfigError, SinkClosed, at
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import (
@@ -112,7 +112,13 @@ class DestinationActor:
 
     def open(self, hooks: HookRegistry) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once."""
-        made: object = self._spec() if self.owned else self._spec  # type: ignore[operator]
+        try:
+            made: object = self._spec() if self.owned else self._spec  # type: ignore[operator]
+        except ConfigError as exc:  # say which destination's factory refused, and where
+            if exc.args and isinstance(exc.args[0], str) and repr(self.name) not in exc.args[0]:
+                exc.args = (f"destination {self.name!r}: {exc.args[0]}", *exc.args[1:])
+            at(exc, f"destinations.{self.name}")
+            raise
         if not is_sink(made):
             raise ConfigError(
                 f"destination {self.name!r}: factory returned {type(made).__name__}, "

@@ -87,6 +87,7 @@ from taproute.service.sinks.clickhouse import (
     NoDeduplication,
     Retry,
     SchemaMismatch,
+    ServerUnreachable,
 )
 from taproute.service.sinks.clickhouse.readback import (
     Capture,
@@ -170,6 +171,7 @@ __all__ = [
     "RoutingSink",
     "RowBatch",
     "SchemaMismatch",
+    "ServerUnreachable",
     "ServiceSnapshot",
     "SnapshotCollector",
     "Sample",

@@ -22,7 +22,7 @@ from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.service.host.config_rules import ConfigFileError
 from taproute.service.ops.dead_letters import DeadLetterStore
-from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry
+from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry, ServerUnreachable
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.dead_letters import destination_dead_letters
 from taproute.service.sinks.spool.spooling import SpoolingSink
@@ -285,6 +285,10 @@ def open_destination(
             return ClickHouseSink.server(schema, dest.url, **options)
     except ConfigFileError:
         raise
+    except ServerUnreachable as exc:
+        raise ConfigFileError(
+            source, [f"{where}.url: cannot open {dest.url}: {exc.reason}"]
+        ) from None
     except TaprouteError as exc:
         raise ConfigFileError(source, [f"{where}: {exc}"]) from None
     except Exception as exc:  # a driver's error: say where, in one line

@@ -11,7 +11,12 @@ from taproute.service.sinks.clickhouse.tables import (
     TableColumn,
     TableSpec,
 )
-from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
+from taproute.service.sinks.clickhouse.transport import (
+    ChdbTransport,
+    ServerTransport,
+    ServerUnreachable,
+    Transport,
+)
 
 __all__ = [
     "DESCRIPTOR_COLUMNS",
@@ -23,6 +28,7 @@ __all__ = [
     "Retry",
     "SchemaMismatch",
     "ServerTransport",
+    "ServerUnreachable",
     "TableColumn",
     "TableCounters",
     "TableSpec",

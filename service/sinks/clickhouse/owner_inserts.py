@@ -20,7 +20,7 @@ from taproute.routing.latch import FailureLatch
 from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler, PartlyInserted
-from taproute.service.sinks.clickhouse.transport import Transport
+from taproute.service.sinks.clickhouse.transport import Transport, connection_failure
 
 
 class OwnerInserts:
@@ -104,6 +104,16 @@ class OwnerInserts:
         if isinstance(error, PartlyInserted):
             error = error.cause
         return self.transport.is_transient(error)
+
+    def describe_failure(self, error: BaseException) -> str:
+        """A failed insert in one line for the owner's health report: an
+        unreachable server as ``unreachable: <server>: <reason>``."""
+        if isinstance(error, PartlyInserted):
+            error = error.cause
+        reason = connection_failure(error)
+        if reason is not None:
+            return f"unreachable: {self.transport.description}: {reason}"
+        return f"{type(error).__name__}: {error}"
 
 
 __all__ = ["OwnerInserts"]

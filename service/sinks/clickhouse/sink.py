@@ -49,7 +49,13 @@ from taproute.service.sinks.clickhouse.tables import (
     rows_table_spec,
     split_by_table,
 )
-from taproute.service.sinks.clickhouse.transport import ChdbTransport, ServerTransport, Transport
+from taproute.service.sinks.clickhouse.transport import (
+    ChdbTransport,
+    ServerTransport,
+    ServerUnreachable,
+    Transport,
+    connection_failure,
+)
 
 
 class ClickHouseSink(OwnerInserts):
@@ -166,7 +172,15 @@ class ClickHouseSink(OwnerInserts):
             raise
 
     def _prepare(self, spec: TableSpec, create: bool, require_deduplication: bool) -> None:
-        found = self.transport.describe(spec.name)
+        try:
+            found = self.transport.describe(spec.name)
+        except Exception as exc:  # a given client's first contact with its server
+            reason = connection_failure(exc)
+            if reason is None:
+                raise
+            raise ServerUnreachable(
+                self.transport.description, reason, doing=f"check table {spec.name!r}"
+            ) from exc
         if found is None:
             if not create:
                 raise MissingTable(
@@ -292,7 +306,10 @@ class ClickHouseSink(OwnerInserts):
                         self._latch.latch(
                             exc,
                             destination=f"clickhouse table {table!r}",
-                            where=f"insert of {buffer.rows} rows after {failures} attempt(s)",
+                            where=(
+                                f"insert of {buffer.rows} rows into {self.transport.description} "
+                                f"after {failures} attempt(s)"
+                            ),
                         )
                         return
                     counters.inserts += 1

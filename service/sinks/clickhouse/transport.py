@@ -9,6 +9,7 @@ the Trio loop.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
-from taproute.service.sinks.clickhouse.transient import classify
+from taproute.service.sinks.clickhouse.transient import classify, error_code, http_status
 
 
 class Transport(Protocol):
@@ -49,6 +50,51 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release the connection."""
         ...
+
+
+class ServerUnreachable(ConfigError):
+    """A ClickHouse server that did not answer while a sink was being built
+    (connection refused or timed out, DNS failure, TLS handshake failure).
+
+    Raised instead of the driver's own error, whatever the sink's spool mode:
+    a sink checks (or creates) its tables when it is built, and cannot
+    without the server.  Once built, an unreachable server is an outage: a
+    spooling destination spools and retries, a plain sink retries within its
+    ``Retry`` budget, then fails.  ``target`` is the server's description
+    (its URL without credentials), ``reason`` the driver's reason in a few
+    words; the driver's exception is ``__cause__``.
+    """
+
+    def __init__(self, target: str, reason: str, *, doing: str = "connect") -> None:
+        self.target = target
+        self.reason = reason
+        super().__init__(f"cannot reach {target} (to {doing}): {reason}")
+
+
+#: urllib3 buries the reason in a long line; ``[Errno 111] Connection refused``
+#: (or a resolver's ``[Errno -2] Name or service not known``) says it.
+_ERRNO_REASON = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+
+
+def connection_failure(error: BaseException) -> str | None:
+    """The reason in a few words when ``error`` says the server could not be
+    reached (a connection error, not an answer from ClickHouse), else None."""
+    if error_code(error) is not None or http_status(error) is not None:
+        return None  # the server (or a proxy before it) answered
+    connection = isinstance(error, OSError)
+    try:
+        from clickhouse_connect.driver.exceptions import OperationalError
+
+        connection = connection or isinstance(error, OperationalError)
+    except ImportError:  # pragma: no cover - clickhouse-connect is a dependency
+        pass
+    if not connection:
+        return None
+    text = str(error)
+    match = _ERRNO_REASON.search(text)
+    if match:
+        return match.group(1).strip()
+    return (text.strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def _is_unknown_table(error: BaseException) -> bool:
@@ -177,8 +223,14 @@ class ServerTransport:
     def __init__(self, client_or_url: Any) -> None:
         self._closed = False
         if isinstance(client_or_url, str):
-            self.client = _client_from_url(client_or_url)
             self.description = f"ClickHouse server at {_without_credentials(client_or_url)}"
+            try:  # clickhouse-connect's client asks the server for its settings now
+                self.client = _client_from_url(client_or_url)
+            except Exception as exc:
+                reason = connection_failure(exc)
+                if reason is None:
+                    raise
+                raise ServerUnreachable(self.description, reason) from exc
         else:
             self.client = client_or_url
             self.description = "ClickHouse server (clickhouse-connect client)"

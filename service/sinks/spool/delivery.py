@@ -38,6 +38,14 @@ class InsertsWithToken(Protocol):
     def is_transient(self, error: BaseException) -> bool: ...
 
 
+@runtime_checkable
+class DescribesFailures(Protocol):
+    """An inner sink that words its failures for the health report (an
+    unreachable server named, the driver's long text cut to its reason)."""
+
+    def describe_failure(self, error: BaseException) -> str: ...
+
+
 #: (batches, token they were tried with, the error)
 FailedBlock = Callable[[list[Batch], str, BaseException], Awaitable[None]]
 
@@ -135,7 +143,10 @@ class Delivery:
         return _default_transient(error)
 
     def unreachable(self, error: BaseException) -> None:
-        self.tracker.failed(error)
+        reason = None
+        if isinstance(self.inner, DescribesFailures):
+            reason = self.inner.describe_failure(error)
+        self.tracker.failed(error, reason)
         self.counters.retries += 1
 
     async def settle(

@@ -69,11 +69,13 @@ class HealthTracker:
         self.backoff = backoff
         self.health = Health(True, clock(), None, 0)
 
-    def failed(self, error: BaseException) -> None:
-        """A try failed transiently: unhealthy since the first such failure."""
+    def failed(self, error: BaseException, reason: str | None = None) -> None:
+        """A try failed transiently: unhealthy since the first such failure
+        (``reason``: how the sink words ``error``; default its type and text)."""
         health = self.health
         since = health.since if not health.healthy else self._clock()
-        reason = f"{type(error).__name__}: {error}"
+        if reason is None:
+            reason = f"{type(error).__name__}: {error}"
         self.health = Health(False, since, reason, health.consecutive_failures + 1)
 
     def succeeded(self) -> None:
