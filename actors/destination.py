@@ -115,8 +115,11 @@ class DestinationActor:
         try:
             made: object = self._spec() if self.owned else self._spec  # type: ignore[operator]
         except ConfigError as exc:  # say which destination's factory refused, and where
-            if exc.args and isinstance(exc.args[0], str) and repr(self.name) not in exc.args[0]:
-                exc.args = (f"destination {self.name!r}: {exc.args[0]}", *exc.args[1:])
+            text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else None
+            if text is not None and not any(
+                named in text for named in (repr(self.name), f"destinations.{self.name}")
+            ):
+                exc.args = (f"destination {self.name!r}: {text}", *exc.args[1:])
             at(exc, f"destinations.{self.name}")
             raise
         if not is_sink(made):

@@ -105,6 +105,10 @@ class RecordBatch:
     #: Derived records' roots and depths (None: captured records, depth 0).
     lineage: Lineage | None = attrs.field(default=None, kw_only=True)
 
+    #: The dtype of the numpy array the producer handed to :meth:`from_buffer`
+    #: (None: raw bytes), checked against the records' layouts at submit.
+    source_dtype: np.dtype[Any] | None = attrs.field(default=None, kw_only=True, eq=False)
+
     @nbytes.default
     def _sum_lengths(self) -> int:
         return int(self.descriptors["length"].sum())
@@ -116,8 +120,12 @@ class RecordBatch:
         payload: Any,
         release: Callable[[], object] | None = None,
     ) -> RecordBatch:
-        """Wrap ``payload`` (any buffer) without copying; ``release`` runs once at the end."""
-        return cls(descriptors, readonly_bytes(payload), BufferLease(release))
+        """Wrap ``payload`` (any buffer) without copying; ``release`` runs once at the end.
+
+        A numpy array's dtype is kept, so that submitting the batch checks it
+        against the records' layouts (:mod:`taproute.routing.payload_dtypes`)."""
+        dtype = payload.dtype if isinstance(payload, np.ndarray) else None
+        return cls(descriptors, readonly_bytes(payload), BufferLease(release), source_dtype=dtype)
 
     def __len__(self) -> int:
         return len(self.descriptors)

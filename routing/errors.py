@@ -102,6 +102,11 @@ class PayloadSizeMismatch(RecordError):
     """A record's payload length disagrees with its layout, or its range with the buffer."""
 
 
+class PayloadDtypeMismatch(RecordError):
+    """A payload array whose dtype is not its layout's element type: its bytes
+    would be read as another type (see :mod:`taproute.routing.payload_dtypes`)."""
+
+
 class KeyOutOfRange(RecordError):
     """A stateful route's key function gave a key outside ``[0, key_range)``."""
 

@@ -13,10 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from taproute.native import BufferLease, check_int64
 from taproute.routing.batch import Descriptors, RecordBatch, readonly_bytes, readonly_descriptors
 from taproute.routing.errors import UnboundOutputId
 from taproute.routing.hooks import HookRegistry
+from taproute.routing.payload_dtypes import batch_mismatch, single_payload
 from taproute.routing.schema import RecordSchema
 from taproute.routing.validation import check_batch
 
@@ -50,12 +53,31 @@ class Intake:
         desc = readonly_descriptors(descriptors)
         data = readonly_bytes(payload)
         nbytes = self._check(desc, len(data))
+        if isinstance(payload, np.ndarray):
+            self._check_dtype(desc, payload.dtype)
         return RecordBatch(desc, data, BufferLease(release), nbytes)
+
+    def _check_dtype(self, desc: Descriptors, dtype: np.dtype[Any]) -> None:
+        """Refuse a payload array whose dtype is not its records' layouts' values
+        (before the batch is taken: nothing accepted is lost)."""
+        if self.schema is None:
+            return
+        error = batch_mismatch(
+            dtype,
+            desc["layout_id"],
+            self.schema,
+            lambda i: f"record {i} (hook {self.hooks.name_of(int(desc['output_id'][i]))!r})",
+        )
+        if error is not None:
+            raise error
 
     def check(self, batch: RecordBatch) -> int:
         """Refuse ``batch`` whole unless every record of it can be routed; return
         its payload bytes (for a batch built elsewhere than :meth:`batch`)."""
-        return self._check(batch.descriptors, len(batch.payload))
+        nbytes = self._check(batch.descriptors, len(batch.payload))
+        if batch.source_dtype is not None:
+            self._check_dtype(batch.descriptors, batch.source_dtype)
+        return nbytes
 
     def _check(self, desc: Descriptors, payload_size: int) -> int:
         return check_batch(
@@ -81,6 +103,9 @@ class Intake:
         The layout is the one its hook was bound with (layout 0 otherwise).
         """
         layout_id, fixed, prefix, element = self._rule(output_id)
+        if isinstance(payload, np.ndarray) and self.schema is not None:
+            layout = self.schema.by_id(layout_id)
+            payload = single_payload(payload, layout, hook=self.hooks.name_of(output_id))
         data = payload if isinstance(payload, bytes) else readonly_bytes(payload).tobytes()
         size = len(data)
         # RecordSchema.size_rule's check, inlined on cached ints: this runs per record.

@@ -165,6 +165,14 @@ class Layout:
         return np.dtype([(c.name, c.dtype) for c in self.columns])
 
     @functools.cached_property
+    def element_dtype(self) -> np.dtype[np.generic] | None:
+        """The one numpy type of every value in a row (each column's
+        :attr:`Column.element_dtype`) when all columns share it, else None:
+        what a plain numeric array carrying this layout's payload must be."""
+        types = {column.element_dtype for column in self.columns}
+        return types.pop() if len(types) == 1 else None
+
+    @functools.cached_property
     def is_fixed(self) -> bool:
         """True when every column has a fixed byte size."""
         return not any(c.is_variable for c in self.columns)
