@@ -20,6 +20,7 @@ from taproute.routing.errors import ConfigError, SinkClosed, at
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import (
+    BoundsBlocking,
     NamesHooks,
     RecordSink,
     RunsInBackground,
@@ -110,8 +111,9 @@ class DestinationActor:
         self._settling: list[Settle] = []
         self._settling_since = 0.0
 
-    def open(self, hooks: HookRegistry) -> RecordSink:
-        """Take the sink (creating it when owned) and check its capabilities, once."""
+    def open(self, hooks: HookRegistry, blocking_budget: float | None = None) -> RecordSink:
+        """Take the sink (creating it when owned) and check its capabilities, once;
+        hand it the producer's ``blocking_budget`` (seconds) if it bounds waits."""
         try:
             made: object = self._spec() if self.owned else self._spec  # type: ignore[operator]
         except ConfigError as exc:  # say which destination's factory refused, and where
@@ -138,6 +140,8 @@ class DestinationActor:
                 )
         if isinstance(sink, NamesHooks):
             sink.use_hooks(hooks)
+        if blocking_budget is not None and isinstance(sink, BoundsBlocking):
+            sink.use_blocking_budget(blocking_budget)
         self._spools = sink if isinstance(sink, Spools) else None
         self.sink = sink
         return sink

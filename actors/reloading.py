@@ -56,6 +56,7 @@ class Reloading(Producer[RouterSnapshot]):
     _sinks_nursery: trio.Nursery | None
     _destinations_nursery: trio.Nursery | None
     _nursery: trio.Nursery | None
+    _blocking_budget: float | None
     #: Routes of earlier generations still draining, and the last route of
     #: each (name, destination) (a retired route's records may still be at a
     #: destination when it reports them taken or refused).
@@ -187,7 +188,7 @@ class Reloading(Producer[RouterSnapshot]):
                 continue
             actor = self._available[name]
             try:
-                actor.open(self.hooks)
+                actor.open(self.hooks, self._blocking_budget)
             except ConfigError as exc:
                 raise at(exc, f"destinations.{name}") from None
             assert self._sinks_nursery is not None and self._destinations_nursery is not None

@@ -179,9 +179,17 @@ class RoutingSink(SinkFlushing):
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._started = False
+        self._blocking_budget: float | None = None
         self._closing = False
         self._close_inputs = trio.Event()
         self._stopped = trio.Event()
+
+    def use_blocking_budget(self, seconds: float) -> None:
+        """Hand the runtime's ``max_block`` to each destination that bounds its
+        own waits, as it is opened (:class:`~taproute.routing.sink.BoundsBlocking`)."""
+        if self._started:
+            raise RuntimeError("use_blocking_budget() must be called before run()")
+        self._blocking_budget = seconds
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -194,7 +202,7 @@ class RoutingSink(SinkFlushing):
         self._token = trio.lowlevel.current_trio_token()
         try:
             for destination in self._destinations.values():
-                destination.open(self.hooks)  # owned sinks are created now
+                destination.open(self.hooks, self._blocking_budget)  # owned: created now
             async with trio.open_nursery() as sinks:
                 for destination in self._destinations.values():
                     if destination.background is not None:

@@ -92,6 +92,19 @@ class NamesHooks(Protocol):
 
 
 @runtime_checkable
+class BoundsBlocking(Protocol):
+    """A sink that may wait on its own (a spool at its quota, ``block``) and,
+    where its own setting leaves that wait open, bounds it by the producer's
+    blocking budget (the runtime's ``max_block``).
+
+    ``use_blocking_budget`` is called before the first batch: by the runtime
+    on its record sink, by a routing sink on each destination it opens.
+    """
+
+    def use_blocking_budget(self, seconds: float) -> None: ...
+
+
+@runtime_checkable
 class DescribesRecords(Protocol):
     """A sink that knows the layouts and (when it has one) the hook registry."""
 
@@ -195,6 +208,7 @@ class WaitsForDelivery(Protocol):
 
 
 __all__ = [
+    "BoundsBlocking",
     "WaitsForDelivery",
     "SpoolStatus",
     "Spools",

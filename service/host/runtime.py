@@ -31,6 +31,7 @@ from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.producer import Producer
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
+    BoundsBlocking,
     DescribesRecords,
     EndsKeys,
     NamesHooks,
@@ -125,6 +126,8 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
             super().__init__(Intake(hooks, self.schema))
         if isinstance(record_sink, NamesHooks):
             record_sink.use_hooks(hooks)
+        if max_block is not None and isinstance(record_sink, BoundsBlocking):
+            record_sink.use_blocking_budget(max_block)  # a spool at its quota waits no longer
         self.name = name
         self._ingress = Ingress(
             capacity_records=capacity_records,

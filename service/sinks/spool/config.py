@@ -43,8 +43,11 @@ class SpoolConfig:
     deleted once all its frames are delivered).  A single batch larger than
     the quota is still taken when the spool is empty, so nothing is refused
     only for being large.  ``block_timeout`` bounds how long ``block`` waits
-    for room (None: until there is room); past it the append raises
-    :class:`~.spool.SpoolFull`.
+    for room; past it the append raises :class:`~.spool.SpoolFull` (a
+    spooling destination sheds the batch, counted).  None (default): the
+    capture blocking budget where one exists (the runtime's ``max_block``,
+    handed down when the runtime starts), else until there is room;
+    ``math.inf``: until there is room, whatever the budget.
     """
 
     directory: Path = attrs.field(converter=Path)

@@ -11,8 +11,17 @@ A spool directory holds:
 - ``ack``: the highest sequence number delivered (acknowledged), with its
   own CRC, replaced atomically (write, rename);
 - ``intent``: the first and last sequence of the group of frames being
-  inserted together now (replaced atomically before the insert), so a
-  restart inserts exactly that group again, under the same token.
+  inserted together now (replaced atomically, and fsynced with its
+  directory entry, before the insert), so a restart inserts exactly that
+  group again, under the same token.
+
+What survives a power loss: frames as the fsync policy made them durable,
+and every frame of a group about to be inserted (an intent syncs the frames
+first); the ``ack`` as of the last sync (the policy's); every ``intent``.
+A group is intended only once every frame before it is acknowledged, so an
+intent also stands for ``ack >= first - 1``: an ``ack`` file older than the
+intent is read as that, and a lost ack replays only the intended group,
+whole, under its own token, never a regrouped one.
 
 Opening a directory scans every segment.  The first frame in a segment that is
 short, has a bad magic, a bad checksum or a sequence number that does not
@@ -128,6 +137,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _replace_durably(directory: Path, name: str, data: bytes) -> None:
+    """Replace ``directory/name`` with ``data`` atomically and durably: write
+    a temporary file, fsync it, rename it over, fsync the directory."""
+    tmp = directory / (name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    _fsync_dir(directory)
+
+
 class SpoolLocked(OSError):
     """Another sink (in this process or another) has the spool directory open."""
 
@@ -161,6 +184,10 @@ class SegmentLog:
         self.acked = self._read_ack()
         #: (first, last) of the group a previous run was inserting, if unacknowledged.
         self.intent = self._read_intent()
+        if self.intent is not None and self.intent[0] - 1 > self.acked:
+            # The ack before this intent was not durable (a power loss):
+            # everything before the intended group had been acknowledged.
+            self.acked = self.intent[0] - 1
         #: Unacknowledged frames, oldest first.
         self.entries: deque[Entry] = deque()
         #: segment path -> highest sequence it holds
@@ -172,6 +199,7 @@ class SegmentLog:
         self._active_size = 0
         self._readers: dict[Path, int] = {}
         self._dirty_dir = False
+        self._unsynced = False  # frames appended since the last sync
         self._recover()
         if self._dirty_dir:  # segments recovery deleted stay deleted
             _fsync_dir(self.directory)
@@ -281,6 +309,7 @@ class SegmentLog:
             os.ftruncate(self._active_fd, offset)
             raise
         size = HEADER.size + length
+        self._unsynced = True
         self._active_size += size
         self.last_seq = seq
         self.segments[self._active] = seq
@@ -317,11 +346,14 @@ class SegmentLog:
 
     def intend(self, first: int, last: int) -> None:
         """Record that frames ``first..last`` are inserted together next (see
-        the module docstring); replaced atomically, synced with the ack."""
+        the module docstring): replaced atomically and durable, with every
+        frame appended so far (the segment, the file and its directory entry
+        fsynced) when this returns, whatever the fsync policy, because the
+        insert that follows must be repeatable as is after a power loss."""
+        if self._unsynced:  # the frames first: a replay must find the whole group
+            self.sync()
         raw = struct.pack("<QQ", first, last)
-        tmp = self.directory / "intent.tmp"
-        tmp.write_bytes(raw + struct.pack("<I", zlib.crc32(raw)))
-        os.replace(tmp, self.directory / "intent")
+        _replace_durably(self.directory, "intent", raw + struct.pack("<I", zlib.crc32(raw)))
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
@@ -337,6 +369,7 @@ class SegmentLog:
         tmp = self.directory / "ack.tmp"
         tmp.write_bytes(ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
         os.replace(tmp, self.directory / "ack")
+        self._dirty_dir = True  # the rename is durable once the directory is synced
         for path, last in list(self.segments.items()):
             if last <= self.acked and path != self._active:
                 del self.segments[path]
@@ -349,6 +382,7 @@ class SegmentLog:
 
     def sync(self) -> None:
         """Make every appended frame, the ack position and the file names durable."""
+        self._unsynced = False
         if self._active_fd is not None:
             os.fsync(self._active_fd)
         ack = self.directory / "ack"

@@ -116,6 +116,7 @@ class Spool:
         self._last_sync = clock()
         self._unsynced = False  # nothing appended or acknowledged since the last sync
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
+        self._budget: float | None = None  # the producer's, when block_timeout is unset
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
 
     @classmethod
@@ -220,11 +221,22 @@ class Spool:
         self._changed_now()
         return "spooled"
 
+    def use_blocking_budget(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for room when ``block_timeout`` is unset (the
+        runtime's ``max_block``: the capture blocking budget bounds the wait)."""
+        self._budget = seconds
+
+    @property
+    def block_timeout(self) -> float:
+        """How long a ``block`` waits for room: ``config.block_timeout`` if set,
+        else the producer's blocking budget if one was given, else for ever."""
+        if self.config.block_timeout is not None:
+            return self.config.block_timeout
+        return math.inf if self._budget is None else self._budget
+
     async def _wait_for_room(self, size: int) -> None:
         started = trio.current_time()
-        deadline = (
-            math.inf if self.config.block_timeout is None else started + self.config.block_timeout
-        )
+        deadline = started + self.block_timeout
         try:
             with trio.move_on_at(deadline):
                 while not self._has_room(size):
@@ -233,7 +245,7 @@ class Spool:
             raise SpoolFull(
                 f"spool {self.config.directory}: {self._log.unacked_bytes} of "
                 f"{self.config.quota_bytes} quota bytes unacknowledged for "
-                f"{self.config.block_timeout} s (when_full='block')"
+                f"{self.block_timeout} s (when_full='block')"
             )
         finally:
             self.counters.blocked_seconds += trio.current_time() - started
@@ -302,8 +314,8 @@ class Spool:
         first, last = entries[0].seq, entries[taken - 1].seq
         single = token or self.token(first)
         token = single if taken == 1 else f"spool-{log.spool_id}-{first}-{last}"
-        if intent is None:
-            log.intend(first, last)
+        if intent is None:  # durable with its frames before the insert (a thread trip)
+            await trio.to_thread.run_sync(log.intend, first, last)
         return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
 
     async def ack(self, seq: int) -> None:

@@ -159,6 +159,12 @@ class SpoolingSink:
     def health(self) -> Health:
         return self._tracker.health
 
+    def use_blocking_budget(self, seconds: float) -> None:
+        """Bound a ``block`` at the spool's quota by ``seconds`` (the runtime's
+        ``max_block``) unless its ``block_timeout`` is set."""
+        if self.spool is not None:
+            self.spool.use_blocking_budget(seconds)
+
     def use_hooks(self, hooks: HookRegistry) -> None:
         """Hand the producer's hook registry to the inner sink, if it names hooks."""
         if isinstance(self.inner, NamesHooks):
