@@ -288,7 +288,8 @@ async def test_exhausted_retries_latch_a_failure_naming_the_table(clickhouse, au
         with pytest.raises(RoutingFailure):
             await ch.close()
     assert f"clickhouse table '{clickhouse.raw('vec')}'" in str(caught.value)
-    assert "insert of 2 rows after 3 attempt(s)" in str(caught.value)
+    where = f"insert of 2 rows into {clickhouse.transport.description} after 3 attempt(s)"
+    assert where in str(caught.value)
     assert isinstance(caught.value.cause, ConnectionError)
 
 

@@ -15,7 +15,7 @@ import pytest
 from clickhouse_connect.driver._backend.httpcommon import build_http_error
 from clickhouse_connect.driver.exceptions import OperationalError, ProgrammingError
 
-from taproute.service.sinks.clickhouse import ChdbTransport, ServerTransport
+from taproute.service.sinks.clickhouse import ChdbTransport, ServerTransport, ServerUnreachable
 from taproute.service.sinks.clickhouse.transient import (
     PERMANENT_CODES,
     RETRYABLE_CODES,
@@ -89,9 +89,10 @@ def test_connection_failures_are_retried():
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(OperationalError) as refused:
+    with pytest.raises(ServerUnreachable) as refused:  # the driver's error is its cause
         ServerTransport(f"http://default:@127.0.0.1:{port}/default")
-    assert classify(refused.value).retry
+    assert isinstance(refused.value.__cause__, OperationalError)
+    assert classify(refused.value.__cause__).retry
     for error in (ConnectionResetError("reset"), TimeoutError("timed out"), OSError(28, "full")):
         assert classify(error).retry, error
 

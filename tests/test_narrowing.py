@@ -138,7 +138,9 @@ async def test_a_narrowing_route_hands_on_bfloat16_and_a_plain_forward_route_sti
         layout_ids=[SCHEMA.layout_id("acts"), SCHEMA.layout_id("acts"), SCHEMA.layout_id("ints")],
         keys=[1, 2, 3],
     )
-    batch = RecordBatch.from_buffer(desc, payload, lambda: released.append("buffer"))
+    # Two layouts' values in one buffer: handed in as its bytes.
+    raw = payload.view(np.uint8)
+    batch = RecordBatch.from_buffer(desc, raw, lambda: released.append("buffer"))
     async with open_routing_sink(
         config, SCHEMA, {"narrow": narrow_cap, "plain": plain_cap}, unmatched="drop", hooks=hooks
     ) as sink:
