@@ -31,7 +31,15 @@ import time
 
 import numpy as np
 from _workload import Copier, CopySink, copy_into
-from harness import arguments, comparison, interleave, summary, timed_rate, write_result
+from harness import (
+    arguments,
+    comparison,
+    interleave,
+    submit_rate,
+    summary,
+    timed_rate,
+    write_result,
+)
 
 from taproute.routing.causal import CausalLimits
 from taproute.routing.root_ledger import RootLedger
@@ -43,7 +51,6 @@ from taproute.service import (
     RoutingConfig,
     RoutingSink,
     create_record_runtime,
-    make_descriptors,
     stateless_processor,
 )
 
@@ -121,18 +128,7 @@ def taproute_run(batches: list, keep: bool = False) -> tuple[float, list[np.ndar
     sink = RoutingSink(config, SCHEMA, {"first": first, "second": second}, unmatched="drop")
     n = sum(len(k) for k, _ in batches)
     with create_record_runtime(record_sink=sink) as runtime:
-        h = runtime.bind_hook("vectors", layout="vec")
-        prepared = [
-            (make_descriptors(h, WIDTH * 4, count=len(k), layout_ids=0, keys=k), v)
-            for k, v in batches
-        ]
-
-        def body() -> None:
-            for desc, payload in prepared:
-                runtime.submit_batch(desc, payload)
-            runtime.flush()
-
-        rate = timed_rate(n, body)
+        rate = submit_rate(runtime, batches, record_bytes=WIDTH * 4)
         derived = runtime.counters().causal.derived
     assert derived == n, f"{derived} derived records, expected {n}"
     return rate, second.seen
@@ -150,20 +146,8 @@ def fanout_run(batches: list) -> float:
         ]
     )
     sink = RoutingSink(config, SCHEMA, {"first": first, "second": second}, unmatched="drop")
-    n = sum(len(k) for k, _ in batches)
     with create_record_runtime(record_sink=sink) as runtime:
-        h = runtime.bind_hook("vectors", layout="vec")
-        prepared = [
-            (make_descriptors(h, WIDTH * 4, count=len(k), layout_ids=0, keys=k), v)
-            for k, v in batches
-        ]
-
-        def body() -> None:
-            for desc, payload in prepared:
-                runtime.submit_batch(desc, payload)
-            runtime.flush()
-
-        return timed_rate(n, body)
+        return submit_rate(runtime, batches, record_bytes=WIDTH * 4)
 
 
 def thread_run(batches: list, keep: bool = False) -> tuple[float, list[np.ndarray]]:

@@ -160,10 +160,13 @@ def interleave(
     warmup: int = 1,
     shuffle: bool = True,
     seed: int = 0,
+    after_warmup: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every variant ``repeat`` times, round-robin (order shuffled each
     round), after ``warmup`` unrecorded rounds; each call returns one sample
     (a rate, a time).  Returns ``{variant: summary(samples)}``.
+    ``after_warmup`` runs once when the warm-up rounds are done (a variant
+    that also records samples of its own clears them there).
 
     Interleaving matters here: on shared cores, running variants in blocks
     turns a noisy minute into a fake ratio.
@@ -172,6 +175,8 @@ def interleave(
     names = list(variants)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + repeat):
+        if round_ == warmup and after_warmup is not None:
+            after_warmup()
         order = names[:]
         if shuffle:
             rng.shuffle(order)
@@ -182,11 +187,53 @@ def interleave(
     return {name: summary(values) for name, values in samples.items()}
 
 
+#: Process CPU seconds (all threads) of the last :func:`timed_rate` body.
+LAST_CPU = [0.0]
+
+
 def timed_rate(count: int, body: Callable[[], object]) -> float:
-    """``count`` divided by the seconds ``body`` took."""
-    started = time.perf_counter()
+    """``count`` divided by the seconds ``body`` took; its process CPU seconds
+    go to :data:`LAST_CPU`."""
+    cpu, started = time.process_time(), time.perf_counter()
     body()
-    return count / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    LAST_CPU[0] = time.process_time() - cpu
+    return count / elapsed
+
+
+def submit_rate(
+    runtime: Any,
+    batches: list[tuple[Any, Any]],
+    *,
+    record_bytes: int,
+    hook: str = "vectors",
+    layout: str = "vec",
+) -> float:
+    """Records/s of one pass of a route bench's taproute variant: ``batches``
+    (``(keys, payloads)`` pairs) submitted through ``runtime`` as hook
+    ``hook`` of ``layout``, then ``flush()``; descriptors are made before the
+    clock starts."""
+    from taproute.service import make_descriptors
+
+    h = runtime.bind_hook(hook, layout=layout)
+    layout_id = runtime.schema.layout_id(layout)
+    prepared = [
+        (make_descriptors(h, record_bytes, count=len(k), layout_ids=layout_id, keys=k), v)
+        for k, v in batches
+    ]
+
+    def body() -> None:
+        for desc, payload in prepared:
+            runtime.submit_batch(desc, payload)
+        runtime.flush()
+
+    return timed_rate(sum(len(k) for k, _ in batches), body)
+
+
+def quantile(samples: list[float], q: float) -> float:
+    """The ``q`` quantile of ``samples`` (nearest rank, no interpolation)."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def ratio(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:

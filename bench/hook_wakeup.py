@@ -21,17 +21,12 @@ import time
 from typing import Any
 
 import torch
-from harness import arguments, comparison, fmt, interleave, target, write_result
+from harness import arguments, comparison, fmt, interleave, quantile, target, write_result
 from inference_cost import SCHEMA, NullSink, gpt2, hooked_modules, naive_hooks
 
 from taproute.service import create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
 from taproute.service.host.ingress import WAKE_DELAY_S
-
-
-def quantile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
@@ -96,7 +91,13 @@ def main() -> None:
 
         return run
 
-    results = interleave({k: variant(k) for k in walls}, repeat=args.repeat, warmup=1)
+    def forget_warmup() -> None:  # hook calls of the warm-up round are not samples
+        for samples in (*walls.values(), *cpus.values()):
+            samples.clear()
+
+    results = interleave(
+        {k: variant(k) for k in walls}, repeat=args.repeat, warmup=1, after_warmup=forget_warmup
+    )
     runtime.close()
     holds = {
         kind: {

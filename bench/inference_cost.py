@@ -27,13 +27,23 @@ time.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from harness import arguments, comparison, fmt, interleave, summary, target, write_result
+from harness import (
+    arguments,
+    comparison,
+    fmt,
+    interleave,
+    quantile,
+    summary,
+    target,
+    write_result,
+)
 
 from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
@@ -223,7 +233,8 @@ def hold_times(
     def start(mod: Any, _i: Any, _o: Any) -> None:
         started[id(mod)] = (time.perf_counter(), time.thread_time())
 
-    def round_of(kind: str) -> None:
+    def round_of(kind: str) -> float:
+        """One round of ``kind``; its samples are the hook calls', recorded above."""
         wall, cpu = samples[kind]["wall"], samples[kind]["cpu"]
 
         def end(mod: Any, _i: Any, _o: Any) -> None:
@@ -249,20 +260,19 @@ def hold_times(
             for binding in bindings:
                 binding.remove()
             runtime.flush()
+        return 0.0
 
-    for kind in ("naive", "taproute_null"):
-        round_of(kind)  # warm-up, not kept
-        samples[kind]["wall"].clear()
-        samples[kind]["cpu"].clear()
-    for index in range(rounds):
-        order = ["naive", "taproute_null"] if index % 2 == 0 else ["taproute_null", "naive"]
-        for kind in order:
-            round_of(kind)
+    def forget_warmup() -> None:  # hook calls of the warm-up round are not samples
+        for by in samples.values():
+            by["wall"].clear()
+            by["cpu"].clear()
 
-    def quantile(values: list[float], q: float) -> float:
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
+    interleave(
+        {kind: functools.partial(round_of, kind) for kind in samples},
+        repeat=rounds,
+        warmup=1,
+        after_warmup=forget_warmup,
+    )
     return {
         kind: {
             "p50": quantile(by["wall"], 0.5),

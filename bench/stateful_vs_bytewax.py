@@ -23,12 +23,22 @@ also waits for cores, which wall time counts and CPU time does not.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 from _workload import Copier, CopySink
-from harness import arguments, comparison, fmt, interleave, summary, target, write_result
+from harness import (
+    LAST_CPU,
+    arguments,
+    comparison,
+    fmt,
+    interleave,
+    submit_rate,
+    summary,
+    target,
+    timed_rate,
+    write_result,
+)
 
 from taproute.service import (
     Layout,
@@ -39,7 +49,6 @@ from taproute.service import (
     RoutingSink,
     SlotSpec,
     create_record_runtime,
-    make_descriptors,
     stateful_processor,
 )
 
@@ -49,18 +58,6 @@ PER_BATCH = 4096
 VEC = Layout("vec", [("values", "Array(Float32)", (WIDTH,))])
 MEAN = Layout("mean", [("key", "Int64"), ("mean", "Array(Float64)", (WIDTH,))])
 SCHEMA = RecordSchema([VEC, MEAN])
-
-
-#: CPU seconds (all threads) of the last timed body.
-LAST_CPU = [0.0]
-
-
-def timed_rate(count: int, body: Callable[[], object]) -> float:
-    """``count`` / the wall seconds ``body`` took; its CPU seconds go to LAST_CPU."""
-    cpu, started = time.process_time(), time.perf_counter()
-    body()
-    LAST_CPU[0] = time.process_time() - cpu
-    return count / (time.perf_counter() - started)
 
 
 def update_means(slots: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -123,20 +120,8 @@ def taproute_run(batches: list, owners: int, keep: bool = False) -> tuple[float,
         "mean", "*", "out", mode="stateful", processor="bench.running_mean", workers=owners
     )
     sink = RoutingSink(RoutingConfig([route]), SCHEMA, {"out": out}, unmatched="drop")
-    n = sum(len(k) for k, _ in batches)
     with create_record_runtime(record_sink=sink) as runtime:
-        h = runtime.bind_hook("vectors", layout="vec")
-        prepared = [
-            (make_descriptors(h, WIDTH * 4, count=len(k), layout_ids=0, keys=k), v)
-            for k, v in batches
-        ]
-
-        def body() -> None:
-            for desc, payload in prepared:
-                runtime.submit_batch(desc, payload)
-            runtime.flush()
-
-        rate = timed_rate(n, body)
+        rate = submit_rate(runtime, batches, record_bytes=WIDTH * 4)
     return rate, out
 
 
