@@ -4,10 +4,12 @@ and `taproute check` warning about an old spool."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from taproute.actors import RoutingSink
@@ -120,18 +122,24 @@ def test_check_warns_about_a_spool_older_than_ten_minutes(tmp_path, chdb_transpo
     assert "1 undelivered batch group(s)" in out and "20 minutes old" in out
 
 
-def test_a_full_blocking_spool_holds_a_capture_no_longer_than_max_block(tmp_path):
-    # The destination is down and its spool full with when_full="block" and
-    # no timeout: it stops taking batches, its mailbox and then ingress fill.
-    # A capture (offer_batch) still returns within max_block, the records it
-    # could not queue counted as shed, and nothing latches.
+@pytest.mark.parametrize("block_timeout", [math.inf, None])
+def test_a_full_blocking_spool_holds_a_capture_no_longer_than_max_block(tmp_path, block_timeout):
+    # The destination is down and its spool full with when_full="block": with
+    # no timeout (inf) it stops taking batches, its mailbox and then ingress
+    # fill; with the default (None: the runtime's max_block) it also sheds
+    # what waited that long, counted.  A capture (offer_batch) still returns
+    # within max_block, the records it could not queue counted as shed, and
+    # nothing latches.
     from taproute.native import make_descriptors
 
     inner = DownSink(expect=10**9)
+    config = SpoolConfig(
+        directory=tmp_path / "spool", quota_bytes=1000, block_timeout=block_timeout
+    )
     spooling = SpoolingSink(
         "cap",
         inner,
-        Spool.open(SpoolConfig(directory=tmp_path / "spool", quota_bytes=1000)),
+        Spool.open(config),
         backoff=Backoff(initial=0.01, maximum=0.05),
         drain_on_close=0.0,
     )
@@ -162,4 +170,7 @@ def test_a_full_blocking_spool_holds_a_capture_no_longer_than_max_block(tmp_path
     assert spool.appended_batches == 1 and spool.bytes > 0  # the rest wait for room
     inner.down = False  # the destination recovers: room again, everything taken drains
     runtime.close(timeout=60)
-    assert inner.records == taken
+    shed = spooling.snapshot().shed_records  # by the spool, past its block timeout
+    assert inner.records + shed == taken
+    if block_timeout == math.inf:
+        assert shed == 0
