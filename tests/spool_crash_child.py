@@ -27,6 +27,7 @@ from taproute.routing import HookRegistry
 from taproute.service.sinks.clickhouse import ChdbTransport, ClickHouseSink
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool import log as spool_log
+from taproute.service.sinks.spool.files import write_all
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
@@ -39,18 +40,18 @@ def die() -> None:
 
 def arm(kill_at: str) -> None:
     if kill_at == "append":
-        real_frame = spool_log._write_frame
+        real_frame = spool_log.write_frame
         frames = {"n": 0}
 
         def write_frame(fd: int, buffers: list[memoryview]) -> None:
             frames["n"] += 1
             if frames["n"] == 3:  # half of the third frame reaches the file
                 data = b"".join(bytes(b) for b in buffers)
-                spool_log._write_all(fd, data[: len(data) // 2])
+                write_all(fd, data[: len(data) // 2])
                 die()
             real_frame(fd, buffers)
 
-        spool_log._write_frame = write_frame  # type: ignore[assignment]
+        spool_log.write_frame = write_frame  # type: ignore[assignment]
     real_insert = ChdbTransport.insert
     inserts = {"n": 0}
 

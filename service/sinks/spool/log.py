@@ -52,6 +52,8 @@ import attrs
 # frame stops costing more than writing it.
 from isal.isal_zlib import crc32 as _crc32
 
+from taproute.service.sinks.spool.files import fsync_dir, replace_durably, write_frame
+
 MAGIC = b"TRSF"
 #: magic, crc32, sequence, written (ns since the epoch), body length
 HEADER = struct.Struct("<4sIQQQ")
@@ -96,61 +98,6 @@ def _crc(seq: int, written_ns: int, buffers: Sequence[bytes | memoryview]) -> tu
     return crc, length
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-#: Buffers one ``writev`` takes (Linux's IOV_MAX is 1024).
-_IOV_MAX = 1024
-
-
-def _write_frame(fd: int, buffers: list[memoryview]) -> None:
-    """Write ``buffers`` in order with as few system calls as the kernel allows."""
-    pending = [b for b in buffers if b.nbytes]
-    while pending:
-        chunk = pending[:_IOV_MAX]
-        written = os.writev(fd, chunk)
-        if written == sum(b.nbytes for b in chunk):
-            pending = pending[len(chunk) :]
-            continue
-        # A short write (a signal, a full disk): finish the rest one by one.
-        for i, b in enumerate(chunk):
-            if written >= b.nbytes:
-                written -= b.nbytes
-                continue
-            _write_all(fd, b[written:])
-            written = 0
-            for rest in chunk[i + 1 :]:
-                _write_all(fd, rest)
-            break
-        pending = pending[len(chunk) :]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(directory: Path, name: str, data: bytes) -> None:
-    """Replace ``directory/name`` with ``data`` atomically and durably: write
-    a temporary file, fsync it, rename it over, fsync the directory."""
-    tmp = directory / (name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, directory / name)
-    _fsync_dir(directory)
-
-
 class SpoolLocked(OSError):
     """Another sink (in this process or another) has the spool directory open."""
 
@@ -176,7 +123,7 @@ class SegmentLog:
             tmp = id_file.with_suffix(".tmp")
             tmp.write_text(uuid.uuid4().hex)
             os.replace(tmp, id_file)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         #: The directory's id (part of every deduplication token).
         self.spool_id = id_file.read_text().strip()
         #: Damage found (and truncated) when the directory was opened.
@@ -202,7 +149,7 @@ class SegmentLog:
         self._unsynced = False  # frames appended since the last sync
         self._recover()
         if self._dirty_dir:  # segments recovery deleted stay deleted
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._dirty_dir = False
 
     # -- opening -----------------------------------------------------------
@@ -301,7 +248,7 @@ class SegmentLog:
         offset = self._active_size
         header = HEADER.pack(MAGIC, crc, seq, written_ns, length)
         try:
-            _write_frame(
+            write_frame(
                 self._active_fd, [memoryview(header)] + [memoryview(b).cast("B") for b in buffers]
             )
         except BaseException:
@@ -353,7 +300,7 @@ class SegmentLog:
         if self._unsynced:  # the frames first: a replay must find the whole group
             self.sync()
         raw = struct.pack("<QQ", first, last)
-        _replace_durably(self.directory, "intent", raw + struct.pack("<I", zlib.crc32(raw)))
+        replace_durably(self.directory, "intent", raw + struct.pack("<I", zlib.crc32(raw)))
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
@@ -393,7 +340,7 @@ class SegmentLog:
             finally:
                 os.close(fd)
         if self._dirty_dir:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._dirty_dir = False
 
     @property
