@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,29 +29,17 @@ from pathlib import Path
 import numpy as np
 
 from taproute.service import make_descriptors
-from taproute.service.host.config import load_config
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.ops.parking import ParkedRecordStore
 from taproute.service.sinks.clickhouse import ChdbTransport
+from tests.park_child_setup import config, die, start
 from tests.processors import SCHEMA
 
 BATCHES, BATCH = 108, 16  # 1,728 records; 12 batches (192 records) fail while broken
 
-CONFIG = """
-processors = ["tests.park_processors"]
-
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-
+CONFIG = config(
+    "tests.park_processors",
+    """
 [[routes]]
 name = "norms"
 outputs = ["q"]
@@ -67,32 +54,13 @@ initial_backoff = 0.05
 max_backoff = 0.05
 max_failures = 1000
 failure_window = 3600.0
-
-[destinations.ch]
-path = "chdb"
-rows = ["norm"]
-
-[routing]
-unmatched = "drop"
-"""
-
-
-def die() -> None:
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def start(directory: Path):  # type: ignore[no-untyped-def]
-    path = directory / "router.toml"
-    if not path.exists():
-        path.write_text(CONFIG)
-    built = load_config(path).build()
-    return built, built.start()
+""",
+)
 
 
 def produce(directory: Path, kill_at: str) -> None:
     os.environ["TAPROUTE_PARK_MODE"] = "kill_on_retry" if kill_at == "mid_retry" else "fail"
-    _, runtime = start(directory)
+    _, runtime = start(directory, CONFIG)
     q = runtime.bind_hook("q", layout="vec")
     vec = SCHEMA.layout_id("vec")
     for b in range(BATCHES):
@@ -144,7 +112,7 @@ def _report(report: object) -> object:
 
 def recover(directory: Path, mode: str) -> None:
     os.environ["TAPROUTE_PARK_MODE"] = mode
-    built, runtime = start(directory)
+    built, runtime = start(directory, CONFIG)
     with built:
         report = runtime.flush(wait=True)
         runtime.stop()

@@ -14,33 +14,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from taproute.service import make_descriptors
-from taproute.service.host.config import load_config
+from tests.park_child_setup import config, die, start
 from tests.processors import SCHEMA
 
 BATCHES, BATCH = 64, 16  # seq s has key s % 16: key 3 gets 64 records
 
-CONFIG = """
-processors = ["tests.park_keyed_processors"]
-
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-
+CONFIG = config(
+    "tests.park_keyed_processors",
+    """
 [[routes]]
 name = "counts"
 outputs = ["q"]
@@ -54,27 +41,13 @@ deadline = 0.0
 initial_backoff = 30.0
 max_failures = 1000
 failure_window = 3600.0
-
-[destinations.ch]
-path = "chdb"
-rows = ["norm"]
-
-[routing]
-unmatched = "drop"
-"""
-
-
-def start(directory: Path):  # type: ignore[no-untyped-def]
-    path = directory / "router.toml"
-    if not path.exists():
-        path.write_text(CONFIG)
-    built = load_config(path).build()
-    return built, built.start()
+""",
+)
 
 
 def produce(directory: Path) -> None:
     os.environ["TAPROUTE_PARK_MODE"] = "fail"
-    _, runtime = start(directory)
+    _, runtime = start(directory, CONFIG)
     q = runtime.bind_hook("q", layout="vec")
     vec = SCHEMA.layout_id("vec")
     for b in range(BATCHES):
@@ -90,13 +63,12 @@ def produce(directory: Path) -> None:
     assert report is not None
     account = report.routes["counts"]
     print(f"ack {BATCHES * BATCH - 1} parked {account.parked}", flush=True)
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    die()
 
 
 def recover(directory: Path) -> None:
     os.environ["TAPROUTE_PARK_MODE"] = "ok"
-    built, runtime = start(directory)
+    built, runtime = start(directory, CONFIG)
     with built:
         runtime.flush(wait=True)
         runtime.stop()
