@@ -5,7 +5,11 @@ none: parking then stays in memory, as before stores existed) for the route
 actors.  Every store call runs in a worker thread.  Records whose retry
 succeeded are not forgotten at once: their output is only in a destination's
 buffer then, so the destination actor forgets them once it has flushed that
-output (``DestinationActor.settle``).
+output (``DestinationActor.settle``, which batches the deletes: up to 64,
+or 1 s while batches keep coming).  A crash between that flush and the
+delete retries them again after the restart: their output is then written
+twice (at least once in that window; the README says why a deduplication
+token would not close it).
 """
 
 from __future__ import annotations
