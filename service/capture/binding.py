@@ -223,7 +223,12 @@ def bind_module(
             )
 
     def _templates(records: RecordPlan, context: CaptureContext) -> Planned:
-        """What a plan gives every call with the same shape and context."""
+        """What a plan gives every call with the same shape and context.
+
+        Made at the first hook call of each context (a server sets one per
+        forward pass), so on the model's thread: one checked build, and the
+        packed template a copy of it with offsets back to back.
+        """
         in_source = make_descriptors(
             output_id,
             records.lengths,
@@ -232,13 +237,10 @@ def bind_module(
             keys=context.key_array,
             steps=context.step,
         )
-        packed = make_descriptors(
-            output_id,
-            records.lengths,
-            layout_ids=layout_id,
-            keys=context.key_array,
-            steps=context.step,
-        )
+        packed = in_source.copy()
+        offsets = packed["offset"]
+        offsets[0] = 0
+        np.cumsum(records.lengths[:-1], out=offsets[1:])
         return (
             records.token_shape,
             records.offsets,
