@@ -23,6 +23,7 @@ from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 from tests.clickhouse_backends import Backend
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
+from tests.thread_aware_clock import thread_aware_clock
 
 
 class Refused(Exception):
@@ -73,9 +74,13 @@ class FaultyTransport:
 
 @pytest.fixture
 def clock():
-    """MockClock that jumps only after 20 ms of real idleness: a quick failing
-    insert in a worker thread then never lets time skip past the retries."""
-    return trio.testing.MockClock(autojump_threshold=0.02)
+    """An autojump MockClock that never jumps while a worker thread runs (chDB
+    inserts do): mock time passes only while the sink waits on it, so an
+    outage's retries and health times do not depend on how fast the machine
+    runs each insert (a 20 ms real-idleness threshold did: under load a slow
+    failing insert let the clock skip past retries and health times)."""
+    with thread_aware_clock() as clock:
+        yield clock
 
 
 @pytest.fixture
