@@ -300,7 +300,7 @@ async def _leave_with_batches_queued(how: str, mode: str) -> list[int]:
 @pytest.mark.parametrize("mode", ["forward", "stateless", "stateful"])
 @pytest.mark.parametrize("how", ["exception", "cancellation"])
 async def test_leaving_open_routing_sink_early_releases_every_batch_once(how, mode):
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         assert await _leave_with_batches_queued(how, mode) == [1, 1, 1, 1]
 
 
@@ -319,7 +319,7 @@ async def test_a_timed_out_processor_keeps_its_buffer_until_it_returns():
         processor="fail.hangs",
         failure_policy=FailurePolicy(deadline=0.2, max_failures=1, failure_window=0),
     )
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         async with open_routing_sink(
             RoutingConfig([route]),
             SCHEMA,
@@ -356,10 +356,13 @@ async def test_a_slow_or_raising_predicate_fails_its_route_not_the_router():
         raise ConnectionError("label service unreachable")
 
     policy = FailurePolicy(deadline=0.2, max_failures=1, failure_window=0)
+    # The raising predicate gets a generous deadline: its thread can take over
+    # 0.2 s to start on a loaded machine, and it must fail by raising.
+    generous = FailurePolicy(deadline=60, max_failures=1, failure_window=0)
     config = RoutingConfig(
         [
             Route("slow", Q, "out", predicate=slow, failure_policy=policy),
-            Route("raising", Q, "out", predicate=raising, failure_policy=policy),
+            Route("raising", Q, "out", predicate=raising, failure_policy=generous),
             Route("plain", Q, "out"),
         ]
     )
@@ -367,7 +370,7 @@ async def test_a_slow_or_raising_predicate_fails_its_route_not_the_router():
     out = CaptureSink()
     failures: list[RecordFailure] = []
     try:
-        with trio.fail_after(10):
+        with trio.fail_after(60):
             async with open_routing_sink(
                 config,
                 SCHEMA,

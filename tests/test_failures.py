@@ -104,13 +104,17 @@ async def test_invalid_input_is_not_retried():
 
 async def test_a_processor_that_never_returns_is_abandoned_at_the_deadline():
     policy = FailurePolicy(deadline=0.2, max_failures=1, failure_window=0)
-    with trio.fail_after(10):
+    with trio.fail_after(60):  # a hang guard only
         failures, _, _ = await run_route("fail.hangs", batch_size=1, policy=policy)
     (failure,) = failures
     assert failure.code is FailureCode.HANDLER_TIMEOUT
     assert "0.2 s deadline" in str(failure.error)
-    # The route was not held: its only worker slot is free again.
-    failures2, _, _ = await run_route("fail.panics", batch_size=1, policy=policy)
+    # The route was not held: its only worker slot is free again (a held slot
+    # would block this call until the hang guard fires).  A deadline of its
+    # own: a quick call's thread can take over 0.2 s to start on a loaded machine.
+    quick = FailurePolicy(deadline=60, max_failures=1, failure_window=0)
+    with trio.fail_after(120):
+        failures2, _, _ = await run_route("fail.panics", batch_size=1, policy=quick)
     assert failures2[0].code is FailureCode.HANDLER_PANIC
 
 
