@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 import socket
 import threading
 import uuid
@@ -216,6 +218,33 @@ def test_run_drives_the_router_at_a_rate_and_serves_http(tmp_path, chdb_transpor
     table = f"{prefix}_raw_vec"
     rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
     assert rows == submitted
+
+
+class _HangUpOnServing(io.StringIO):
+    """Output that sends this process SIGHUP the moment the ``serving`` line is
+    written, as a supervisor (or a test) that read the line may do."""
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if text.startswith("serving "):
+            os.kill(os.getpid(), signal.SIGHUP)
+        return written
+
+
+def test_run_takes_a_sighup_sent_as_soon_as_serving_shows(tmp_path, chdb_transport):
+    # The handlers were installed after the line was printed: a SIGHUP read
+    # off it went to the process's previous handler (by default: the end of
+    # the process), which made the subprocess SIGHUP test depend on timing.
+    path = write(tmp_path, base(chdb_transport, unique("hup")))
+    missed: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: missed.append(signum))
+    try:
+        out = _HangUpOnServing()
+        run_load(load_config(path), rate=1000, duration=0.2, out=out)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert missed == []
+    assert f"reloaded {path}: generation 2" in out.getvalue()
 
 
 def test_the_shipped_load_test_config_is_valid(tmp_path):

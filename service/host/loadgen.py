@@ -76,13 +76,16 @@ def run_load(
             output_id = runtime.bind_hook(hook.name, layout=hook.layout)
             payload, record = synthetic_payload(schema.layout(hook.layout), hook, rng)
             feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
-        print(f"serving {', '.join(f'{u}/metrics' for u in runtime.http_urls)}", file=out)
         reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
         runtime.reloader = reloader
         hangup = threading.Event()
         stop = threading.Event()
         restore = _on_signals(hangup, stop)
         try:
+            # Only once the handlers are in place: whoever reads this line may
+            # signal at once (SIGHUP's default action would end the process).
+            urls = ", ".join(f"{u}/metrics" for u in runtime.http_urls)
+            print(f"serving {urls}", file=out, flush=True)
             started = time.monotonic()
             submitted = 0
             seq = 0
