@@ -71,7 +71,7 @@ class Rendezvous:
     """Lets a test prove N processor calls are in flight at the same time."""
 
     def __init__(self, parties: int) -> None:
-        self.barrier = threading.Barrier(parties, timeout=10)
+        self.barrier = threading.Barrier(parties, timeout=60)
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()

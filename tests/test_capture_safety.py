@@ -38,7 +38,7 @@ class ThreadGateSink(CaptureSink):
 
 def get(url: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -104,7 +104,7 @@ def test_healthz_says_degraded_while_capture_drops_records_and_metrics_count_the
         status, body = get(f"{url}/healthz")
         assert status == 200
         assert body == {"status": "degraded", "dropped": {"ident": {"bad_output": 1}}, "shed": 0}
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
             metrics = response.read().decode()
         assert 'taproute_capture_dropped_records_total{hook="ident",reason="bad_output"} 1.0' in (
             metrics

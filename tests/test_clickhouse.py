@@ -340,7 +340,7 @@ def test_routed_and_direct_sinks_write_identical_tables(clickhouse):
         for i in range(20):
             batch = vec_batch(q if i % 2 else k, 16, start=16 * i)
             runtime.submit_batch(batch.descriptors, batch.payload)
-        runtime.flush(timeout=30)
+        runtime.flush(timeout=60)
 
     from taproute.actors import RoutingSink
 

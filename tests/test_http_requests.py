@@ -48,7 +48,7 @@ def call(
     raw_headers: list[tuple[bytes, bytes]] = (),
 ) -> tuple[int, object]:
     """One request on a fresh connection; the reply as (status, parsed JSON)."""
-    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
     try:
         connection.putrequest(method, path)
         for name, value in (headers or {}).items():
@@ -154,7 +154,7 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed(served):
     )
     assert status == 413 and "1024-byte limit" in body["error"]
     # Not declared (chunked): refused once the stream passes the limit.
-    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
     try:
         chunks = iter([b'{"hook": "', b"x" * 4096, b'"}'])
         connection.request("POST", "/trace", body=chunks, encode_chunked=True)

@@ -169,7 +169,7 @@ def test_summaries_equal_summaries_of_the_raw_captures(served, answered, chdb_tr
 
 def test_metrics_show_server_and_taproute_side_by_side(served, answered):
     embeds, _, generates, _, report = answered
-    with urllib.request.urlopen(served.url + "/metrics", timeout=30) as response:
+    with urllib.request.urlopen(served.url + "/metrics", timeout=60) as response:
         text = response.read().decode()
     assert f'server_requests_total{{endpoint="embed",status="200"}} {len(embeds)}.0' in text
     assert f'server_requests_total{{endpoint="generate",status="200"}} {len(generates)}.0' in text

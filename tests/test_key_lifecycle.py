@@ -61,7 +61,7 @@ def seq_sum(records: Records, keys: np.ndarray, state) -> Failed | None:
     seqs = records.descriptors["seq"]
     if GATE["on"]:
         GATE["entered"].set()
-        GATE["go"].wait(10)
+        GATE["go"].wait(60)
     with FLAKY_LOCK:
         fresh = [s for s in seqs.tolist() if s in FLAKY and s not in FAILED_ONCE]
         if fresh:

@@ -167,7 +167,7 @@ def test_status_shows_the_oldest_open_key_and_check_warns_about_it(
             model(torch.randn(1, 3, 32))
         runtime.flush()
         url = runtime.http_urls[0]
-        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/status", timeout=60) as response:
             status = json.load(response)
         assert status["routes"]["summary"]["open_keys"] == 1
         assert status["routes"]["summary"]["oldest_open_key_age_s"] > 0
@@ -184,7 +184,7 @@ def test_status_shows_the_oldest_open_key_and_check_warns_about_it(
         assert "WARNING: route summary: 1 key(s) open, the oldest for" in capsys.readouterr().out
         runtime.complete(5)
         runtime.flush()
-        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/status", timeout=60) as response:
             status = json.load(response)
         assert status["oldest_open_key_age_s"] is None
     assert _rows(out) == [(5, 2, 2 * 3 * 128)]

@@ -36,7 +36,7 @@ def request(url: str, method: str = "GET", token: str | None = None) -> tuple[in
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     req = urllib.request.Request(url, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=10) as response:
+        with urllib.request.urlopen(req, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -136,7 +136,7 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
             headers={"Content-Type": "application/json"},
         )
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(unbound, timeout=10)
+            urllib.request.urlopen(unbound, timeout=60)
         assert refused.value.code == 400
         assert "'mlp.0' was never bound" in json.loads(refused.value.read())["error"]
         traced = urllib.request.Request(
@@ -145,7 +145,7 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
             data=json.dumps({"hook": "layers.0.q", "key": 3}).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(traced, timeout=10) as response:
+        with urllib.request.urlopen(traced, timeout=60) as response:
             verdicts = json.loads(response.read())
         assert verdicts["verdicts"] == [
             {"route": "r", "verdict": "match", "destination": "out", "reason": None}

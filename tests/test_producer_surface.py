@@ -60,7 +60,7 @@ def test_a_batch_through_the_runtime_is_checked_once(native_checks):
                 np.zeros((n, 4), np.float32),
             )
         runtime.submit(q, np.ones(4, np.float32).tobytes(), key=1)  # checked per record
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
         routed = runtime.counters().routes["raw"].processed
     assert native_checks == [3, 5, 7]  # the sink checked none of them again
     assert routed == 16
@@ -76,7 +76,7 @@ def test_a_runtime_with_its_own_schema_does_not_share_the_sinks_intake(native_ch
             make_descriptors(q, 16, count=4, layout_ids=SCHEMA.layout_id("vec")),
             np.zeros((4, 4), np.float32),
         )
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
         routed = runtime.counters().routes["raw"].processed
     assert native_checks == [4, 4]
     assert routed == 4

@@ -67,7 +67,7 @@ def test_refusals_are_kept_bounded_truncated_and_shown_in_status_and_trace():
         runtime.submit_batch(kb.descriptors, kb.payload)
         runtime.flush()
         snap = runtime.counters()
-        with urllib.request.urlopen(f"{url}/status", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/status", timeout=60) as response:
             status = json.loads(response.read())
         traced = sink.trace(Q, key=7, step=3)
     # Unmatched: odd steps with key >= 3 (evens declines odd steps, small_keys keys >= 3).

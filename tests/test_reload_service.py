@@ -133,7 +133,7 @@ class Output:
 
 
 def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as response:
+    with urllib.request.urlopen(url, timeout=60) as response:
         return json.loads(response.read())
 
 

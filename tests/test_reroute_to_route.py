@@ -34,7 +34,7 @@ def post(url: str, token: str | None = TOKEN) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     req = urllib.request.Request(url, method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=10) as response:
+        with urllib.request.urlopen(req, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())

@@ -243,8 +243,21 @@ async def test_stateless_workers_run_concurrently():
     out = CaptureSink()
     workers = 3
     processors.RENDEZVOUS["current"] = rendezvous = Rendezvous(workers)
+    # Each call waits at the barrier for the others: under the default 5 s
+    # deadline a loaded machine that starts the third thread late fails the
+    # first two (their deadline is not what this test is about).
     config = RoutingConfig(
-        [Route("pool", Q, "out", mode="stateless", processor="test.rendezvous", workers=workers)]
+        [
+            Route(
+                "pool",
+                Q,
+                "out",
+                mode="stateless",
+                processor="test.rendezvous",
+                workers=workers,
+                failure_policy=FailurePolicy(deadline=60),
+            )
+        ]
     )
     failures: list[RecordFailure] = []
     async with open_routing_sink(

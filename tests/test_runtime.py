@@ -41,7 +41,7 @@ class ThreadGateSink(CaptureSink):
         await super().submit(batch)
 
 
-def eventually(predicate, timeout: float = 10.0) -> None:
+def eventually(predicate, timeout: float = 60.0) -> None:
     """Wait until ``predicate()`` holds (another thread makes it so), or fail."""
     deadline = time.monotonic() + timeout
     wake = threading.Event()
@@ -70,8 +70,8 @@ def test_submit_batch_shares_memory_and_releases_once():
         q = runtime.bind_hook(Q, layout="vec")
         desc = make_descriptors(q, 16, count=64, layout_ids=SCHEMA.layout_id("vec"))
         runtime.submit_batch(desc, payload, release=lambda: (calls.append(1), released.set()))
-        runtime.flush(timeout=10)
-        assert released.wait(10)
+        runtime.flush(timeout=60)
+        assert released.wait(60)
         counters = runtime.counters()
     assert calls == [1]
     assert np.shares_memory(sink.seen_payloads[0], payload)
@@ -86,7 +86,7 @@ def test_single_submits_are_coalesced_into_batches():
         q = runtime.bind_hook(Q, layout="vec")
         for i in range(1000):
             runtime.submit(q, np.full(4, i, dtype=np.float32), key=i % 3, step=7)
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     desc = cap.descriptors()
     assert len(desc) == 1000
     assert len(cap.record_batches) < 1000  # coalesced, never one message per record
@@ -117,7 +117,7 @@ def test_bad_batches_are_refused_and_nothing_accepted_is_lost():
         with pytest.raises(UnboundOutputId, match="output_id 5 was never bound"):
             runtime.submit(5, b"\0" * 16)
         runtime.submit(q, vec_payload(1, start=100.0))
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
         assert runtime.failure is None
     assert cap.records == 3
     with pytest.raises(SinkClosed):
@@ -133,7 +133,7 @@ def test_variable_length_payloads_are_checked_against_the_tail():
         runtime.submit(t, np.array([3], np.uint32).tobytes() + vec_payload(2).tobytes())
         with pytest.raises(PayloadSizeMismatch, match="4 bytes \\+ a multiple of 4|does not fit"):
             runtime.submit(t, b"\0" * 6)
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     assert cap.descriptors()["length"].tolist() == [36]
 
 
@@ -158,7 +158,7 @@ def test_full_ingress_blocks_the_producer_until_the_destination_moves():
 
     thread = threading.Thread(target=producer)
     thread.start()
-    assert slow.entered.wait(10)
+    assert slow.entered.wait(60)
     # The destination is shut: the producer ends up blocked in submit.
     # (Stable only once ingress is full: earlier, the loop may still be catching up.)
     eventually(
@@ -172,11 +172,11 @@ def test_full_ingress_blocks_the_producer_until_the_destination_moves():
     counters = runtime.counters()
     assert counters.ingress.queued > 0
     slow.gate.set()
-    assert finished.wait(10)
+    assert finished.wait(60)
     thread.join()
-    runtime.flush(timeout=10)
+    runtime.flush(timeout=60)
     counters = runtime.counters()
-    runtime.close(timeout=10)
+    runtime.close(timeout=60)
     assert counters.ingress.blocked_seconds > 0
     assert counters.ingress.rejected == 0
     assert slow.descriptors()["seq"].tolist() == list(range(320))
@@ -197,7 +197,7 @@ def test_reject_policy_raises_instead_of_blocking():
             accepted += 1
     assert runtime.counters().ingress.rejected == 16
     slow.gate.set()
-    runtime.close(timeout=10)
+    runtime.close(timeout=60)
     assert slow.records == 16 * accepted  # every accepted record arrived
 
 
@@ -207,11 +207,11 @@ def test_failure_surfaces_in_flush_submit_and_close():
     q = runtime.bind_hook(Q, layout="vec")
     runtime.submit(q, vec_payload(1))
     with pytest.raises(RoutingFailure, match="destination 'cap', submit failed: OSError: insert"):
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     with pytest.raises(RoutingFailure, match="insert refused"):
         runtime.submit(q, vec_payload(1))
     with pytest.raises(RoutingFailure, match="insert refused"):
-        runtime.close(timeout=10)
+        runtime.close(timeout=60)
     assert "insert refused" in runtime.counters().failure
 
 
@@ -229,7 +229,7 @@ def test_submits_from_many_threads_all_arrive():
             t.start()
         for t in threads:
             t.join()
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     assert sink.records == 2000
 
 
@@ -238,7 +238,7 @@ def test_a_plain_sink_can_be_the_record_sink():
     with create_record_runtime(record_sink=cap, schema=SCHEMA) as runtime:
         q = runtime.bind_hook(Q, layout="vec")
         runtime.submit(q, vec_payload(1))
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     assert cap.records == 1 and cap.closed
 
 
@@ -282,7 +282,7 @@ def test_asyncio_submit_waits_off_the_event_loop_when_ingress_is_full():
         return ticks
 
     assert asyncio.run(main()) > 100
-    runtime.close(timeout=10)
+    runtime.close(timeout=60)
     # Concurrent submitters are ordered by who got room first, like threads.
     assert sorted(slow.descriptors()["seq"].tolist()) == list(range(128))
 
@@ -318,7 +318,7 @@ def test_the_runtime_alone_hosts_loop_tasks_and_cancels_them_at_close():
             runtime.host(companion)
         q = runtime.bind_hook(Q, layout="vec")
         runtime.submit(q, vec_payload(1))
-        runtime.flush(timeout=10)
+        runtime.flush(timeout=60)
     assert seen == ["started", "cancelled"] and cap.records == 1 and cap.closed
 
 
@@ -336,7 +336,7 @@ def test_try_submit_batch_refuses_instead_of_waiting_when_ingress_is_full():
         assert accepted < 100, "ingress never filled"
     assert runtime.counters().ingress.rejected == 0  # refused, not counted as rejected
     slow.gate.set()
-    runtime.close(timeout=10)
+    runtime.close(timeout=60)
     assert slow.records == 16 * accepted
 
 

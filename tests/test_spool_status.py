@@ -91,7 +91,7 @@ def test_an_unreachable_destination_is_degraded_with_since_and_why_then_recovers
         assert samples[("taproute_destination_spool_segments", label)] == 1
 
         inner.down = False
-        assert inner.all_in.wait(timeout=30)
+        assert inner.all_in.wait(timeout=60)
         runtime.flush()
         assert get(f"{url}/healthz") == (200, '{"status":"ok"}')
         samples = metric_samples(get(f"{url}/metrics")[1])
