@@ -25,17 +25,21 @@ from tests.test_spool_outage import clock as clock
 
 
 class HeldTransport(FaultyTransport):
-    """Inserts wait (in their worker thread) until ``release`` is set: a slow destination."""
+    """Inserts wait (in their worker thread) until ``release`` is set: a slow
+    destination.  ``held_too_long``: an insert gave up waiting after 60 s (real
+    time), as one does when the test itself waits on the held insert."""
 
     def __init__(self, inner, **kwargs):
         super().__init__(inner, **kwargs)
         self.release = threading.Event()
         self.waiting = 0
+        self.held_too_long = False
 
     def insert(self, table, data, *, dedup_token):
         with self._lock:
             self.waiting += 1
-        self.release.wait(timeout=60)
+        if not self.release.wait(timeout=60):
+            self.held_too_long = True
         super().insert(table, data, dedup_token=dedup_token)
 
 
@@ -143,9 +147,13 @@ async def test_a_destination_behind_spills_to_the_spool_and_drains_back_in_order
     sink = spooling(backend, tmp_path, slow, batching=batching, spill_at=0.5)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
-        with trio.fail_after(5):  # never waits on the slow destination
-            for i in range(40):
-                await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+        # Never waits on the slow destination: every submission returns while
+        # an insert is held.  (Not a mock-time bound: the clock stands still
+        # while the held insert's thread runs; a submission that waited on it
+        # would wait out its 60 s hold, and held_too_long says so below.)
+        for i in range(40):
+            await sink.submit(vec_batch(0, 4, seq_start=i * 4))
+        assert not slow.held_too_long
         c = sink.snapshot()
         assert c.spilled_records > 0 and c.spool.frames > 0
         assert sink.health.healthy  # behind is not down
@@ -159,6 +167,7 @@ async def test_a_destination_behind_spills_to_the_spool_and_drains_back_in_order
     assert c.spool.frames == 0 and c.spool.acked_records == c.spilled_records
     # The spilled frames drained as grouped inserts, not one insert per batch.
     assert slow.inserts < 40
+    assert not slow.held_too_long
 
 
 class TableFaults(FaultyTransport):
