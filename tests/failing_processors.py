@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import trio
@@ -71,6 +72,14 @@ def transient_then_ok(records: Records):
 @stateless_processor("fail.hangs", input="vec", output="norm", needs_thread=True)
 def hangs(records: Records) -> np.ndarray:
     SCRIPT.release_hang.wait(30)
+    return norms(records)
+
+
+@stateless_processor("fail.takes_a_second", input="vec", output="norm", needs_thread=True)
+def takes_a_second(records: Records) -> np.ndarray:
+    """A slow call: each takes 1 s of real time, measured from its own start
+    (past a 0.2 s deadline, well within the default 5 s), whenever it starts."""
+    time.sleep(1.0)  # the call's own duration, not synchronisation
     return norms(records)
 
 
