@@ -145,11 +145,15 @@ def test_bad_ids_tokens_and_unreachable_services_are_one_line(capsys, tmp_path):
     huge = "9" * 23
     line = one_line_error(capsys, ["trace", "--config", "x", "--hook", "h", "--key", huge], 2)
     assert line.endswith(f"--key: must be a 64-bit integer, got {huge} (see --help)")
-    with socket.socket() as probe:  # a port nothing listens on
+    # A port bound but never listened on: refused, and no other process can
+    # take it meanwhile (a port freed again could be, by a busy machine).
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    line = one_line_error(capsys, ["dead-letters", "skip", "1", "--url", url, "--token", "t"], 1)
+        url = f"http://127.0.0.1:{port}"
+        line = one_line_error(
+            capsys, ["dead-letters", "skip", "1", "--url", url, "--token", "t"], 1
+        )
     assert line.startswith(f"taproute: cannot reach {url}: ") and "refused" in line
     line = one_line_error(
         capsys, ["dead-letters", "skip", "1", "--url", url, "--token", "jéton"], 2

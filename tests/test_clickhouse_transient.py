@@ -86,10 +86,12 @@ def test_other_statuses_without_a_code_are_not_retried(status):
 
 
 def test_connection_failures_are_retried():
-    with socket.socket() as probe:  # a port nobody listens on
+    # A port bound but never listened on: refused, and no other process can
+    # take it meanwhile (a port freed again could be, by a busy machine).  The
+    # driver's error is the cause of taproute's.
+    with socket.socket() as probe, pytest.raises(ServerUnreachable) as refused:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(ServerUnreachable) as refused:  # the driver's error is its cause
         ServerTransport(f"http://default:@127.0.0.1:{port}/default")
     assert isinstance(refused.value.__cause__, OperationalError)
     assert classify(refused.value.__cause__).retry

@@ -402,11 +402,13 @@ def test_unusable_destination_and_dead_letter_paths_are_one_line(capsys, tmp_pat
 
 
 def test_an_unreachable_url_is_one_line(capsys, tmp_path):
-    with socket.socket() as probe:  # a port nothing listens on
+    # A port bound but never listened on: refused, and no other process can
+    # take it meanwhile (a port freed again could be, by a busy machine).
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    text = VALID.replace("127.0.0.1:8123", f"127.0.0.1:{port}")
-    problem = refused(capsys, tmp_path, text)
+        text = VALID.replace("127.0.0.1:8123", f"127.0.0.1:{port}")
+        problem = refused(capsys, tmp_path, text)
     assert problem.startswith(f"destinations.ch.url: cannot open http://127.0.0.1:{port}/db: ")
 
 
