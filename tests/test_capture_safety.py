@@ -163,7 +163,7 @@ def test_without_max_block_a_full_ingress_still_blocks_until_room():
             assert not done.wait(0.05)  # held: ingress is full and there is no bound
         finally:
             sink.gate.set()
-        thread.join(10)
+        thread.join(60)
         assert done.is_set()
         runtime.flush()
         assert sink.records == 4 and runtime.counters().ingress.shed == 0
