@@ -2,11 +2,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from taproute.native import make_descriptors
 from taproute.routing import RecordBatch
 from tests.clickhouse_backends import BACKENDS
 from tests.processors import SCHEMA
+
+# No per-example deadline for property tests: speed lives in bench/, and
+# Hypothesis's default (200 ms) fails a quick example that a loaded machine
+# descheduled, as "Unreliable test timings" once the rerun is quick.
+settings.register_profile("taproute", deadline=None)
+settings.load_profile("taproute")
 
 
 class ReleaseLog:
