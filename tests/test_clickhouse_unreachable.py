@@ -9,6 +9,7 @@ and start it again on the same data and port."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -37,14 +38,18 @@ from tests.processors import SCHEMA
 GUARD_S = 120
 
 
-def closed_port() -> int:
-    with socket.socket() as probe:  # a port nothing listens on once closed
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A port bound but never listened on, held for the test: connections are
+    refused, and no other process can take it meanwhile (a port freed again
+    could be, on a busy machine)."""
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        yield int(probe.getsockname()[1])
 
 
-def test_an_unreachable_server_url_is_refused_naming_the_url_and_reason():
-    url = f"http://127.0.0.1:{closed_port()}/default"
+def test_an_unreachable_server_url_is_refused_naming_the_url_and_reason(refusing_port):
+    url = f"http://127.0.0.1:{refusing_port}/default"
     with pytest.raises(ServerUnreachable) as caught:
         ClickHouseSink.server(SCHEMA, url, raw=["vec"])
     error = caught.value
@@ -54,16 +59,16 @@ def test_an_unreachable_server_url_is_refused_naming_the_url_and_reason():
     assert isinstance(error.__cause__, OperationalError)  # the driver's error, kept
 
 
-def test_credentials_in_the_url_stay_out_of_the_error():
-    port = closed_port()
+def test_credentials_in_the_url_stay_out_of_the_error(refusing_port):
+    port = refusing_port
     with pytest.raises(ServerUnreachable) as caught:
         ServerTransport(f"http://ops:s3cret@127.0.0.1:{port}/db")
     assert "s3cret" not in str(caught.value)
     assert f"http://127.0.0.1:{port}/db" in str(caught.value)
 
 
-def test_a_runtime_names_the_destination_whose_server_is_unreachable():
-    url = f"http://127.0.0.1:{closed_port()}/default"
+def test_a_runtime_names_the_destination_whose_server_is_unreachable(refusing_port):
+    url = f"http://127.0.0.1:{refusing_port}/default"
     hooks = HookRegistry()
     hooks.bind("q", layout="vec")
     sink = RoutingSink(
