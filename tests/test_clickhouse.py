@@ -41,7 +41,7 @@ from taproute.service import (
     SchemaMismatch,
     create_record_runtime,
 )
-from taproute.service.sinks.clickhouse import ServerTransport
+from taproute.service.sinks.clickhouse import ServerTransport, ServerUnreachable
 from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table
 from tests.clickhouse_backends import SERVER_URL, Backend, FaultyProxy, FlakyTransport
 
@@ -540,8 +540,10 @@ async def test_server_over_tls_on_any_port_verifies_the_certificate(
     proxy = FaultyProxy(SERVER_URL, [], tls=tls)
     try:
         assert proxy.url.startswith("https://") and ":443" not in proxy.url
-        with pytest.raises(OperationalError, match="CERTIFICATE_VERIFY_FAILED"):
+        with pytest.raises(ServerUnreachable, match="to connect") as refused:
             ServerTransport(proxy.url)  # an unknown CA is refused
+        cause = refused.value.__cause__  # the driver's error, kept
+        assert isinstance(cause, OperationalError) and "CERTIFICATE_VERIFY_FAILED" in str(cause)
         transport = ServerTransport(f"{proxy.url}?ca_cert={cert}")
         try:
             server = Backend("server", transport)
