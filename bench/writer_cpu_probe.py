@@ -1,0 +1,129 @@
+"""Where the CPU of a chDB destination goes, per thread, in the model process
+and in the writer process (a probe, not part of the suite).
+
+    python bench/writer_cpu_probe.py process   # WriterProcessSink
+    python bench/writer_cpu_probe.py thread    # ClickHouseSink in-process
+
+GPT-2 (4 layers x 256, batch 8 x 64 with half the rows padded to half length,
+12 hooks, torch on 1 thread), every hook's output routed raw to chDB; rounds of
+5 forward passes + ``flush()``.  CPU seconds come from ``/proc`` (user +
+system, 10 ms ticks), so a loaded machine's waits are not counted as work:
+per round for the model thread, the model process's other threads and the
+writer process, and for the rounds together by thread name (chDB's own
+threads: ``ThreadPool`` inserts, ``MergeMutate`` merges; ``Trio thread N``
+the sink's insert threads: Arrow build and ``Connection.query``).  The output
+is printed; keep it under ``bench/profiles/`` with the commit.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inference_cost import SCHEMA, gpt2
+
+from taproute.service import ClickHouseSink, create_record_runtime
+from taproute.service.capture import bind_modules, capture_context
+from taproute.service.sinks.writer import WriterProcessSink
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu(pid: int, tid: str | None = None) -> float:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def by_thread(pid: int) -> dict[str, tuple[str, float]]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            out[tid] = (name, cpu(pid, tid))
+        except OSError:
+            pass
+    return out
+
+
+def by_name(pid: int) -> collections.Counter[str]:
+    totals: collections.Counter[str] = collections.Counter()
+    for name, seconds in by_thread(pid).values():
+        totals[name] += seconds
+    return totals
+
+
+def main() -> None:
+    kind = sys.argv[1] if len(sys.argv) > 1 else "process"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    torch.set_num_threads(1)
+    model, patterns, forward = gpt2(4, 256)
+    ids = torch.randint(3, 1000, (8, 64))
+    mask = torch.ones(8, 64, dtype=torch.long)
+    mask[::2, 32:] = 0
+    keys = list(range(8))
+    me = os.getpid()
+    model_tid = str(threading.get_native_id())
+    with tempfile.TemporaryDirectory() as data:
+        sink: Any
+        if kind == "process":
+            sink = WriterProcessSink.embedded(SCHEMA, f"{data}/x", raw=["acts"])
+            pool, watched = sink.buffer_pool, sink.writer_pid
+        else:
+            sink = ClickHouseSink.embedded(SCHEMA, f"{data}/x", raw=["acts"])
+            pool, watched = None, me
+        runtime = create_record_runtime(record_sink=sink)
+        for pattern in patterns:
+            bind_modules(runtime, model, pattern, layout="acts", pool=pool)
+        per_round = []
+        start: collections.Counter[str] = collections.Counter()
+        for r in range(rounds + 1):  # round 0 warms up
+            if r == 1:
+                start = by_name(watched)
+            before = by_thread(me)
+            child_before = cpu(watched) if kind == "process" else 0.0
+            began = time.perf_counter()
+            with torch.inference_mode(), capture_context(keys, attention_mask=mask):
+                for _ in range(5):
+                    forward(ids, mask)
+            forwarded = time.perf_counter()
+            runtime.flush()
+            flushed = time.perf_counter()
+            after = by_thread(me)
+            child = (cpu(watched) - child_before) if kind == "process" else 0.0
+            if r:
+                model_cpu = after[model_tid][1] - before[model_tid][1]
+                others = sum(
+                    v[1] - before.get(k, ("", 0.0))[1] for k, v in after.items() if k != model_tid
+                )
+                per_round.append((model_cpu, others, child, forwarded - began, flushed - forwarded))
+        names = by_name(watched)
+        names.subtract(start)
+
+        def med(i: int) -> float:
+            return statistics.median(p[i] for p in per_round)
+
+        print(
+            f"{kind}: {rounds} rounds, load {os.getloadavg()[0]:.1f}; CPU s per round: "
+            f"model thread {med(0):.3f}, model process's other threads {med(1):.3f}, "
+            f"writer process "
+            f"{med(2):.3f}; wall s per round: forward {med(3):.3f}, flush {med(4):.3f}"
+        )
+        watched_what = "writer process" if kind == "process" else "model process"
+        top = [(k, round(v, 2)) for k, v in names.most_common(6)]
+        print(f"  {watched_what} CPU s by thread name over the rounds: {top}")
+        runtime.close()
+
+
+if __name__ == "__main__":
+    main()
