@@ -221,3 +221,23 @@ def test_an_output_that_requires_grad_is_captured_from_a_detached_view():
     for row, tokens in enumerate([4, 2, 3]):
         want = y[row, :tokens].detach().numpy()
         assert batch.payload_of(row).tobytes() == want.tobytes()
+
+
+def test_a_negated_view_is_captured_with_its_values_not_its_memory():
+    """A tensor with the negative bit (what ``.imag`` of a conjugated tensor
+    is) may be contiguous while its memory holds the values un-negated: the
+    capture must hold the values the model sees."""
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 1
+    negated = torch._neg_view(base)  # the public path: complex.conj().imag
+    assert negated.is_neg() and negated.is_contiguous()
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=SCHEMA) as runtime:
+        module = Emit()
+        bind_module(runtime, module, "neg", layout="f32", on_error="raise")
+        with capture_context([0, 1], lengths=[3, 2]):
+            module(negated)
+        runtime.flush()
+    (batch,) = sink.record_batches
+    for row, tokens in enumerate([3, 2]):
+        want = (-base[row, :tokens]).numpy()
+        assert batch.payload_of(row).tobytes() == want.tobytes()

@@ -65,8 +65,10 @@ def to_host(
     if not source.is_cpu or pool.cpu_outputs:
         payload, release = _pooled(source, pool)
         return payload, release, False
-    if not source.is_contiguous():
-        source, owned = source.contiguous(), True
+    if not source.is_contiguous() or source.is_neg():
+        # A negated view (``.imag`` of a conjugated tensor) can be contiguous
+        # while its memory holds the values un-negated: the bytes are read raw.
+        source, owned = source.resolve_neg().contiguous(), True
     nbytes = source.nbytes
     if owned and covered == nbytes:
         # Records covering every byte of an array only we hold: it is the
