@@ -387,3 +387,37 @@ def test_make_descriptors_names_the_field_that_does_not_fit():
         make_descriptors(0, 4, steps=np.array([0.5]))
     # Narrower integer arrays are taken as they are.
     assert list(make_descriptors(0, 4, keys=np.arange(3, dtype=np.uint32))["key"]) == [0, 1, 2]
+
+
+def test_a_control_queued_while_the_dead_loop_is_being_wound_up_fails_with_its_error():
+    # The window: trio.run has ended (a loop task failed) but the loop thread
+    # has not yet emptied ingress. A close in that window used to raise Trio's
+    # RunFinishedError from run_sync_soon; it must fail with the loop's error.
+    runtime = RecordRuntime(CaptureSink(), schema=SCHEMA)
+    boom = threading.Event()
+    wound_up, proceed = threading.Event(), threading.Event()
+
+    async def doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.to_thread.run_sync(boom.wait, 60)
+        raise OSError("the loop task failed")
+
+    runtime.host(doomed)
+    real_fail = runtime._ingress.fail
+
+    def held_fail(error, *, loop_gone=False):
+        if loop_gone:
+            wound_up.set()
+            assert proceed.wait(60)
+        return real_fail(error, loop_gone=loop_gone)
+
+    runtime._ingress.fail = held_fail  # type: ignore[method-assign]
+    runtime.start()
+    boom.set()
+    assert wound_up.wait(60)
+    future = runtime._ingress.put_control("close")  # raised RunFinishedError before
+    proceed.set()
+    with pytest.raises(RoutingFailure, match="runtime loop failed: OSError: the loop task failed"):
+        future.result(60)
+    with pytest.raises(RoutingFailure, match="runtime loop failed: OSError: the loop task failed"):
+        runtime.close(timeout=60)

@@ -15,6 +15,7 @@ record.  ``submit_batch`` never copies the payload; ``submit`` copies its
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Awaitable, Callable
@@ -194,7 +195,11 @@ class RecordRuntime(SinkControls, Producer[ServiceSnapshot], ClosesOnExit):
     def _schedule_wake(self) -> None:
         # Called by producers with the ingress lock held.
         assert self._token is not None
-        self._token.run_sync_soon(self._wake)
+        # RunFinishedError: the loop died and its thread has not yet emptied
+        # ingress (that needs the lock we hold). What was just queued is failed
+        # there with the loop's error, so the caller learns why, not that Trio ended.
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._wake)
 
     def _wake(self) -> None:
         # A run_sync_soon callback: must never raise.
