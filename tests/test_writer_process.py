@@ -385,15 +385,13 @@ batch = 16
 """
 
 
-def test_a_config_file_destination_in_a_writer_process(tmp_path, capsys):
+@pytest.mark.parametrize("spool", ["off", "outage", "always"])
+def test_a_config_file_destination_in_a_writer_process(tmp_path, capsys, spool):
     from taproute.service.host.cli import main as cli_main
-    from taproute.service.host.config import ConfigFileError, load_config
+    from taproute.service.host.config import load_config
 
     path = tmp_path / "router.toml"
-    path.write_text(CONFIG.replace("@SPOOL@", "outage"))
-    with pytest.raises(ConfigFileError, match=r"ch\.writer: 'process' takes no spool"):
-        load_config(path)
-    path.write_text(CONFIG.replace("@SPOOL@", "off"))
+    path.write_text(CONFIG.replace("@SPOOL@", spool))
     assert cli_main(["check", "--config", str(path)]) == 0
     assert "checked by a writer process" in capsys.readouterr().out
     config = load_config(path)
@@ -404,7 +402,9 @@ def test_a_config_file_destination_in_a_writer_process(tmp_path, capsys):
             output_id, np.full(8, 16), offsets=np.arange(8) * 16, layout_ids=0, keys=np.arange(8)
         )
         service.submit_batch(descriptors, values)
-        service.flush()
+        service.flush(wait=True)
+    # The spool sits beside the chDB directory, in this process.
+    assert (tmp_path / "data-spool" / "ch").is_dir() == (spool != "off")
     reader = WriterProcessSink.embedded(RecordSchema([VEC]), tmp_path / "data", raw=["vec"])
     try:
         got = reader.query("SELECT count() AS n, sum(arraySum(values)) AS s FROM raw_vec")

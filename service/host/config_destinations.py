@@ -50,8 +50,8 @@ class DestinationConfig:
     server.
 
     ``writer = "process"`` runs the destination's inserts in a writer process
-    (:class:`~taproute.service.sinks.writer.WriterProcessSink`); it takes no
-    spool yet (``spool = "off"`` is required with it)."""
+    (:class:`~taproute.service.sinks.writer.WriterProcessSink`), with the same
+    spool modes: the spool stays in this process and drains into the writer."""
 
     path: str | None = None
     url: str | None = None
@@ -117,11 +117,6 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
                 yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
     if dest.path == "":
         yield f"{where}.path: empty"
-    if dest.writer == "process" and dest.spool != "off":
-        yield (
-            f"{where}.writer: 'process' takes no spool yet: set spool = \"off\" "
-            '(or writer = "thread")'
-        )
     if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
         found = dest.spool_block_timeout
         yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
@@ -179,7 +174,6 @@ def spooled(
     """
     if dest.spool == "off":
         return inner
-    assert isinstance(inner, ClickHouseSink), "a writer process takes no spool (checked)"
     directory = dest.spool_directory(source.parent, name)
     where = f"destinations.{name}.spool_dir"
     dead_letter = (
@@ -199,10 +193,10 @@ def spooled(
             dead_letter=dead_letter,
         )
     except OSError as exc:  # unwritable, or held by another sink or process
-        inner.transport.close()
+        _close_unstarted(inner)
         raise ConfigFileError(source, [f"{where}: cannot open spool {directory}: {exc}"]) from None
     except BaseException:
-        inner.transport.close()
+        _close_unstarted(inner)
         raise
     for damage in spool.damage:
         logging.getLogger("taproute.spool").warning("destination %r: %s", name, damage)
@@ -214,6 +208,14 @@ def spooled(
         dead_letter=dead_letter,
         group_bytes=dest.batching.max_bytes,
     )
+
+
+def _close_unstarted(sink: ClickHouseSink | WriterProcessSink) -> None:
+    """Release a destination opened but never run (its writer process, or its transport)."""
+    if isinstance(sink, WriterProcessSink):
+        sink.close_unstarted()
+    else:
+        sink.transport.close()
 
 
 def _lock_holder(data: Path) -> int | None:

@@ -115,13 +115,17 @@ class SpoolingSink:
             group_bytes=group_bytes,
         )
         # The inner sink's own batched path, when it hands failed blocks back.
+        # In ``always`` mode it is told too (its batched path is not used): a
+        # sink that adapts to an owner keeping a durable queue does so (a
+        # writer process is then restarted however often it dies).
         self._batched: HandsOverFailures | None = None
-        if mode == "outage" and isinstance(inner, HandsOverFailures):
+        if mode != "off" and isinstance(inner, HandsOverFailures):
             if not isinstance(inner, InsertsWithToken):
                 raise ConfigError(
                     f"destination {name!r}: a sink handing blocks back needs insert_now"
                 )
-            self._batched = inner
+            if mode == "outage":
+                self._batched = inner
             inner.hand_over_failures(self._failed_block, self._inserted)
         self._in_inner = 0  # records passed to the inner sink, not yet inserted nor handed back
         self._nursery: trio.Nursery | None = None

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import trio
 
+from taproute.routing.batch import Batch
 from taproute.service.sinks.writer.protocol import Answer, RawItem, RowItem
 
 
@@ -40,18 +41,32 @@ class WriterHealth:
     reason: str | None
 
 
-QUEUED, SENT, WAITING, DONE = "queued", "sent", "waiting", "done"
+QUEUED, SENT, WAITING, HANDING, DONE = "queued", "sent", "waiting", "handing", "done"
 
 
 class Block:
     """A block of batches sent to the writer as one insert under one token."""
 
-    __slots__ = ("failures", "holds", "id", "items", "nbytes", "rows", "state", "token", "waiter")
+    __slots__ = (
+        "batches",
+        "failures",
+        "holds",
+        "id",
+        "items",
+        "nbytes",
+        "rows",
+        "state",
+        "token",
+        "waiter",
+    )
 
     def __init__(self, block_id: int, token: str) -> None:
         self.id = block_id
         self.token = token
         self.items: list[RawItem | RowItem] = []
+        #: The batches themselves, kept only while an owner (a spool) takes
+        #: failed blocks over: what it is handed.
+        self.batches: list[Batch] = []
         self.holds: list[Any] = []
         self.rows = 0
         self.nbytes = 0

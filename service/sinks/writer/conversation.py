@@ -1,21 +1,30 @@
 """The writer sink's conversation with its writer process: sending blocks and
 queries, handling what the writer answers (persisted, failed, retried), and
 supervising the process (a death is counted, reported, and answered with a
-restart that re-sends every unfinished block, or latched)."""
+restart that re-sends every unfinished block, or latched).
+
+When an owner keeps its own durable queue (a spool: :meth:`hand_over_failures`),
+a block whose insert fails, or that was unfinished when the writer died, is
+handed to it under its token instead of being retried or re-sent here, and a
+dying writer is restarted for as long as it keeps dying (the spool holds the
+data meanwhile; only a writer that cannot be started at all latches)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 
 import trio
 
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.service.sinks.clickhouse.batching import Retry
+from taproute.service.sinks.clickhouse.batching import Batching, Retry
+from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
 from taproute.service.sinks.writer.blocks import (
     DONE,
+    HANDING,
     QUEUED,
     SENT,
     WAITING,
@@ -47,6 +56,7 @@ class WriterConversation:
 
     config: WriterConfig
     hooks: HookRegistry | None
+    batching: Batching
     retry: Retry
     restarts: int
     start_timeout: float
@@ -65,6 +75,29 @@ class WriterConversation:
     _idle: trio.lowlevel.ParkingLot
     _nursery: trio.Nursery | None
     _closing: bool
+    _failed_blocks: FailedBlockHandler | None
+    _inserted: Callable[[int, int], None] | None
+
+    def hand_over_failures(
+        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Give every sealed block whose insert fails, or that is unfinished when
+        the writer dies, to ``handler`` (a spool) under its token instead of
+        retrying or re-sending it here; tell ``inserted(records, batches)``
+        about every block persisted.  Writer deaths are then answered with
+        restarts however many come in a row (``restarts`` no longer latches)."""
+        self._failed_blocks = handler
+        self._inserted = inserted
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes buffered or on their way to the writer."""
+        return self._pending_bytes
+
+    @property
+    def max_backlog_bytes(self) -> int:
+        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
+        return self.batching.max_buffered_bytes
 
     def _queue(self, item: Block | PendingQuery) -> None:
         if isinstance(item, Block):
@@ -104,7 +137,9 @@ class WriterConversation:
         for block in list(self._blocks.values()):  # insert_now's are the spool's to retry
             if block.waiter is not None:
                 self._finish(block, WriterCrashed(reason))
-        if self._crashes_in_a_row > self.restarts:
+            elif self._failed_blocks is not None and block.state != HANDING:
+                self._hand_over_later(block, WriterCrashed(reason))
+        if self._failed_blocks is None and self._crashes_in_a_row > self.restarts:
             self._give_up(WriterCrashed(f"{reason}; {self.restarts} restart(s) in a row failed"))
             return False
         await trio.sleep(self.retry.backoff(self._crashes_in_a_row))
@@ -127,7 +162,9 @@ class WriterConversation:
         )
         for block in resend:
             block.state = QUEUED
-        self._unsent = deque(resend)
+        # Queries asked while it restarted wait in _unsent: they go to the new one.
+        asked = [q for q in self._unsent if isinstance(q, PendingQuery) and q.id in self._queries]
+        self._unsent = deque([*resend, *asked])
         self._wake_sender.unpark_all()
         return True
 
@@ -186,6 +223,8 @@ class WriterConversation:
             self.counters.blocks += 1
             self.counters.records += block.rows
             self.counters.bytes += block.nbytes
+            if block.waiter is None and self._inserted is not None:
+                self._inserted(block.rows, len(block.batches))
             self._finish(block, None)
             return
         self.counters.errors += 1
@@ -198,6 +237,8 @@ class WriterConversation:
         error.__cause__ = message.error
         if block.waiter is not None:
             self._finish(block, error)
+        elif self._failed_blocks is not None:
+            self._hand_over_later(block, error)
         elif message.transient and block.failures < self.retry.attempts:
             self.counters.retries += 1
             block.state = WAITING
@@ -210,6 +251,26 @@ class WriterConversation:
                 where=f"insert of {block.rows} rows after {block.failures} attempt(s)",
             )
             self._finish(block, error)
+
+    def _hand_over_later(self, block: Block, error: BaseException) -> None:
+        block.state = HANDING
+        assert self._nursery is not None
+        self._nursery.start_soon(self._hand_over, block, error)
+
+    async def _hand_over(self, block: Block, error: BaseException) -> None:
+        """Give failed ``block`` to the owner's handler; it is done once handed
+        (a flush waits for that: the spool has it durably then)."""
+        assert self._failed_blocks is not None
+        try:
+            await self._failed_blocks(list(block.batches), block.token, error)
+        except Exception as handler_error:
+            self._latch.latch(
+                handler_error,
+                destination=self.config.where,
+                where=f"handing over a failed insert of {block.rows} rows",
+            )
+        finally:
+            self._finish(block, None)
 
     async def _retry_later(self, block: Block) -> None:
         await trio.sleep(self.retry.backoff(block.failures))

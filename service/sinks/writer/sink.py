@@ -142,6 +142,8 @@ class WriterProcessSink(WriterConversation):
         self._space = trio.lowlevel.ParkingLot()
         self._idle = trio.lowlevel.ParkingLot()
         self._buffer_started = trio.lowlevel.ParkingLot()
+        self._failed_blocks = None
+        self._inserted = None
         self._nursery: trio.Nursery | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._closing = False
@@ -232,6 +234,8 @@ class WriterProcessSink(WriterConversation):
             self._buffer_started_at = trio.current_time()
             self._buffer_started.unpark_all()
         buffer.items.append(item)
+        if self._failed_blocks is not None:
+            buffer.batches.append(batch)
         if hold is not None:
             buffer.holds.append(hold)
         buffer.rows += len(batch)
