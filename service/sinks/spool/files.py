@@ -1,12 +1,23 @@
 """Blocking file primitives a spool's segment log is built on: whole writes
 (``os.write`` and ``os.writev`` may write less than asked), a directory's
-fsync (what makes a new or renamed name durable), and a durable atomic
-replace of a small file."""
+fsync (what makes a new or renamed name durable), a durable atomic
+replace of a small file, and the reserve given up on a full disk."""
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+#: Errors that mean the file system has no room: a full disk, a disk quota,
+#: a file-size limit (RLIMIT_FSIZE).
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: Bytes held in a directory's ``reserve`` file and given up when the disk is
+#: full, so that small files written as new files and renamed over (a spool's
+#: ``ack`` and ``intent``) can still be written: the spool then drains, and
+#: draining frees room.
+RESERVE_BYTES = 64 << 10
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -67,3 +78,37 @@ def replace_durably(directory: Path, name: str, data: bytes) -> None:
 
 
 __all__ = ["IOV_MAX", "fsync_dir", "replace_durably", "write_all", "write_frame"]
+
+
+def with_room(directory: Path, write: Callable[[], None]) -> bool:
+    """Run ``write``; on a full disk, give up ``directory``'s reserve and run
+    it again.  True when the reserve was given up (a name left the directory)."""
+    try:
+        write()
+    except OSError as exc:
+        reserve = directory / "reserve"
+        if exc.errno not in NO_ROOM or not reserve.exists():
+            raise
+        reserve.unlink()
+        write()
+        return True
+    return False
+
+
+def make_reserve(directory: Path) -> bool:
+    """Put ``directory``'s reserve (:data:`RESERVE_BYTES`) back if it is missing
+    and there is room; True when a new name was made."""
+    reserve = directory / "reserve"
+    if reserve.exists():
+        return False
+    tmp = directory / "reserve.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(bytes(RESERVE_BYTES))
+        os.replace(tmp, reserve)
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            raise
+        tmp.unlink(missing_ok=True)
+        return False
+    return True

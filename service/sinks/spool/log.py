@@ -13,7 +13,9 @@ A spool directory holds:
 - ``intent``: the first and last sequence of the group of frames being
   inserted together now (replaced atomically, and fsynced with its
   directory entry, before the insert), so a restart inserts exactly that
-  group again, under the same token.
+  group again, under the same token;
+- ``reserve``: 64 KiB held back for a full disk (given up so the ``ack`` and
+  ``intent`` can still be written, and the spool drain and free room).
 
 What survives a power loss: frames as the fsync policy made them durable,
 and every frame of a group about to be inserted (an intent syncs the frames
@@ -52,7 +54,13 @@ import attrs
 # frame stops costing more than writing it.
 from isal.isal_zlib import crc32 as _crc32
 
-from taproute.service.sinks.spool.files import fsync_dir, replace_durably, write_frame
+from taproute.service.sinks.spool.files import (
+    fsync_dir,
+    make_reserve,
+    replace_durably,
+    with_room,
+    write_frame,
+)
 
 MAGIC = b"TRSF"
 #: magic, crc32, sequence, written (ns since the epoch), body length
@@ -148,6 +156,7 @@ class SegmentLog:
         self._dirty_dir = False
         self._unsynced = False  # frames appended since the last sync
         self._recover()
+        self._dirty_dir |= make_reserve(self.directory)
         if self._dirty_dir:  # segments recovery deleted stay deleted
             fsync_dir(self.directory)
             self._dirty_dir = False
@@ -265,6 +274,34 @@ class SegmentLog:
         self.unacked_bytes += size
         return entry
 
+    def retire_active(self) -> bool:
+        """Close and delete the segment being appended to when every frame in
+        it is acknowledged, so the next append starts a new file; False when
+        it still holds an unacknowledged frame (or nothing).
+
+        Segments are deleted once wholly delivered, but the active one only
+        when it rolls: on a full disk (or a file-size limit) a spool that
+        has delivered everything would otherwise keep its last segment's
+        bytes and refuse every append.
+        """
+        active = self._active
+        if active is None or self._active_fd is None or self._active_size == 0:
+            return False
+        if self.entries and self.entries[-1].segment == active:
+            return False
+        os.close(self._active_fd)
+        self._active_fd = None
+        self._active = None
+        self._active_size = 0
+        self.segments.pop(active, None)
+        reader = self._readers.pop(active, None)
+        if reader is not None:
+            os.close(reader)  # an open descriptor keeps the bytes allocated
+        active.unlink()
+        make_reserve(self.directory)
+        self._dirty_dir = True
+        return True
+
     def _roll(self, seq: int) -> None:
         if self._active_fd is not None:
             os.fsync(self._active_fd)
@@ -300,7 +337,8 @@ class SegmentLog:
         if self._unsynced:  # the frames first: a replay must find the whole group
             self.sync()
         raw = struct.pack("<QQ", first, last)
-        replace_durably(self.directory, "intent", raw + struct.pack("<I", zlib.crc32(raw)))
+        data = raw + struct.pack("<I", zlib.crc32(raw))
+        with_room(self.directory, lambda: replace_durably(self.directory, "intent", data))
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
@@ -314,8 +352,13 @@ class SegmentLog:
         if self.intent is not None and self.intent[1] <= self.acked:
             self.intent = None
         tmp = self.directory / "ack.tmp"
-        tmp.write_bytes(ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked))))
-        os.replace(tmp, self.directory / "ack")
+        acked = ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked)))
+
+        def write() -> None:
+            tmp.write_bytes(acked)
+            os.replace(tmp, self.directory / "ack")
+
+        with_room(self.directory, write)
         self._dirty_dir = True  # the rename is durable once the directory is synced
         for path, last in list(self.segments.items()):
             if last <= self.acked and path != self._active:
@@ -325,6 +368,8 @@ class SegmentLog:
                     os.close(reader)
                 path.unlink()
                 self._dirty_dir = True
+        if done:
+            self._dirty_dir |= make_reserve(self.directory)
         return done
 
     def sync(self) -> None:

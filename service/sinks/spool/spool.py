@@ -16,6 +16,7 @@ it.  Nothing leaves without a counter.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +28,7 @@ import trio
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.service.sinks.spool.codec import decode, encode
 from taproute.service.sinks.spool.config import SpoolConfig
+from taproute.service.sinks.spool.files import NO_ROOM
 from taproute.service.sinks.spool.log import HEADER, Damage, Entry, SegmentLog
 
 #: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds
@@ -44,6 +46,11 @@ class CannotDeadLetter(Exception):
 _INLINE_BYTES = 256 << 10
 
 Outcome = Literal["spooled", "dropped", "dead_lettered"]
+
+#: How often ``block`` retries on a full disk when nothing was acknowledged.
+_DISK_POLL = 1.0
+
+logger = logging.getLogger("taproute.spool")
 
 
 class SpoolFull(Exception):
@@ -69,6 +76,7 @@ class SpoolCounters:
     dead_lettered_records: int = 0
     damaged_bytes: int = 0
     blocked_seconds: float = 0.0
+    disk_full_errors: int = 0  # appends the file system refused for want of room
 
 
 @attrs.frozen
@@ -118,6 +126,7 @@ class Spool:
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
         self._budget: float | None = None  # the producer's, when block_timeout is unset
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
+        self._no_room: OSError | None = None  # the last disk-full error, until an append succeeds
 
     @classmethod
     def open(
@@ -177,6 +186,9 @@ class Spool:
         ``"spooled"``: it is in the spool (durable per the fsync policy);
         ``"dropped"`` / ``"dead_lettered"``: the policy shed it (counted).
         Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``.
+        A file system out of room (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is a
+        full spool too: the same policy applies (``block`` retries at every
+        acknowledgement, and at least every second), never an error.
         ``token``: a deduplication token the batch was already sent with.
         """
         batches = [batch] if isinstance(batch, (RecordBatch, RowBatch)) else list(batch)
@@ -184,42 +196,109 @@ class Spool:
         buffers = encode(batches, token)
         size = HEADER.size + sum(memoryview(b).nbytes for b in buffers)
         if not self._has_room(size):
-            policy = self.config.when_full
-            if policy == "drop_newest":
-                self.counters.dropped_batches += len(batches)
-                self.counters.dropped_records += records
-                return "dropped"
-            if policy == "dead_letter":
-                assert self._dead_letter is not None
-                for shed in batches:
-                    try:
-                        await self._dead_letter(shed, "spool_full")
-                    except CannotDeadLetter:
-                        self.counters.dropped_batches += 1
-                        self.counters.dropped_records += len(shed)
-                    else:
-                        self.counters.dead_lettered_batches += 1
-                        self.counters.dead_lettered_records += len(shed)
-                return "dead_lettered"
+            shed = await self._shed(batches, records)
+            if shed is not None:
+                return shed
             await self._wait_for_room(size)
+        deadline: float | None = None  # of ``block`` on a full disk
+        while True:
+            try:
+                await self._write(buffers, records, len(batches))
+            except OSError as exc:
+                if exc.errno not in NO_ROOM:
+                    raise
+                self._note_no_room(exc)
+                shed = await self._shed(batches, records)
+                if shed is not None:
+                    return shed
+                if deadline is None:
+                    deadline = trio.current_time() + self.block_timeout
+                await self._wait_for_disk(exc, deadline)
+                continue
+            if self._no_room is not None:
+                logger.warning("spool %s: appending again", self.config.directory)
+                self._no_room = None
+            self._changed_now()
+            return "spooled"
+
+    async def _shed(self, batches: Sequence[Batch], records: int) -> Outcome | None:
+        """Apply a shedding ``when_full`` policy (counted); None for ``block``."""
+        policy = self.config.when_full
+        if policy == "drop_newest":
+            self.counters.dropped_batches += len(batches)
+            self.counters.dropped_records += records
+            return "dropped"
+        if policy == "dead_letter":
+            assert self._dead_letter is not None
+            for shed in batches:
+                try:
+                    await self._dead_letter(shed, "spool_full")
+                except CannotDeadLetter:
+                    self.counters.dropped_batches += 1
+                    self.counters.dropped_records += len(shed)
+                else:
+                    self.counters.dead_lettered_batches += 1
+                    self.counters.dead_lettered_records += len(shed)
+            return "dead_lettered"
+        return None
+
+    async def _write(
+        self, buffers: Sequence[bytes | memoryview], records: int, batches: int
+    ) -> None:
         async with self._lock:
             now = self._clock()
             written_ns = int(now * 1e9)
-            if size <= _INLINE_BYTES:
-                entry = self._log.append(buffers, written_ns)
-            else:
-                entry = await trio.to_thread.run_sync(self._log.append, buffers, written_ns)
-            self._records[entry.seq] = (records, len(batches))
+            size = HEADER.size + sum(memoryview(b).nbytes for b in buffers)
+            try:
+                entry = await self._append_frame(buffers, written_ns, size)
+            except OSError as exc:
+                # A full disk may be our own delivered last segment: free it, try once more.
+                if exc.errno not in NO_ROOM or not self._log.retire_active():
+                    raise
+                entry = await self._append_frame(buffers, written_ns, size)
+            self._records[entry.seq] = (records, batches)
             self._unsynced = True
-            self.counters.appended_batches += len(batches)
+            self.counters.appended_batches += batches
             self.counters.appended_records += records
             policy_sync = self.config.fsync
             if policy_sync == "batch" or (
                 policy_sync == "interval" and now - self._last_sync >= self.config.fsync_interval
             ):
                 await self._sync_locked()
-        self._changed_now()
-        return "spooled"
+
+    async def _append_frame(
+        self, buffers: Sequence[bytes | memoryview], written_ns: int, size: int
+    ) -> Entry:
+        if size <= _INLINE_BYTES:
+            return self._log.append(buffers, written_ns)
+        return await trio.to_thread.run_sync(self._log.append, buffers, written_ns)
+
+    def _note_no_room(self, exc: OSError) -> None:
+        self.counters.disk_full_errors += 1
+        if self._no_room is None:
+            logger.warning(
+                "spool %s: no room on disk (%s); when_full=%r applies until an append succeeds",
+                self.config.directory,
+                exc,
+                self.config.when_full,
+            )
+        self._no_room = exc
+
+    async def _wait_for_disk(self, error: OSError, deadline: float) -> None:
+        """``block`` on a full disk: wait for an acknowledgement (which may
+        delete a segment) or, at most :data:`_DISK_POLL` seconds, for room
+        made by others; at ``deadline`` (``block_timeout``) raise :class:`SpoolFull`."""
+        started = trio.current_time()
+        if started >= deadline:
+            raise SpoolFull(
+                f"spool {self.config.directory}: no room on disk ({error}) for "
+                f"{self.block_timeout} s (when_full='block')"
+            )
+        try:
+            with trio.move_on_at(min(deadline, started + _DISK_POLL)):
+                await self._changed.wait()
+        finally:
+            self.counters.blocked_seconds += trio.current_time() - started
 
     def use_blocking_budget(self, seconds: float) -> None:
         """Wait at most ``seconds`` for room when ``block_timeout`` is unset (the

@@ -1,0 +1,138 @@
+"""A spool on a file system with no room left: the quota policy, never an error.
+
+A real refusal from the kernel, without root: each scenario runs in a child
+process whose file-size limit (``RLIMIT_FSIZE``, SIGXFSZ ignored) makes a
+segment's write past the limit fail with ``EFBIG``, as a full disk fails
+with ``ENOSPC`` (both are "no room": :data:`taproute.service.sinks.spool.log.NO_ROOM`).
+Before the fix, the ``OSError`` left ``Spool.append`` and latched the
+destination's failure: the router stopped (seen with a spool on a full
+tmpfs under ``taproute run``: ``RoutingFailure ... No space left on device``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+#: Each segment file may hold this many bytes: about 25 frames of 20 records.
+LIMIT = 16 << 10
+
+SCENARIO = textwrap.dedent(
+    """
+    import json, sys
+    import trio, trio.testing
+    from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
+    from tests.conftest import vec_batch
+
+    directory, when_full = sys.argv[1], sys.argv[2]
+    timeout = None if sys.argv[3] == "none" else float(sys.argv[3])
+    out = {}
+
+    async def fill(spool):
+        # Append until the file system refuses a frame (the policy's outcome).
+        for i in range(10_000):
+            outcome = await spool.append(vec_batch(1, 20, seq_start=i))
+            if outcome != "spooled":
+                return i, outcome
+        raise AssertionError("the file-size limit never refused a frame")
+
+    async def main():
+        config = SpoolConfig(
+            directory=directory, when_full=when_full, block_timeout=timeout,
+            segment_bytes=1 << 20, quota_bytes=1 << 30,
+        )
+        spool = Spool.open(config, dead_letter=None)
+        if when_full == "drop_newest":
+            spooled, outcome = await fill(spool)
+            out["spooled"], out["outcome"] = spooled, outcome
+            out["dropped_records"] = spool.snapshot().dropped_records
+            out["disk_full_errors"] = spool.snapshot().disk_full_errors
+            # Deliver everything: the last segment, wholly acknowledged, is
+            # given up for a new one, and appending works again.
+            while (entry := spool.first()) is not None:
+                await spool.ack((await spool.read(entry)).seq)
+            out["after_ack"] = await spool.append(vec_batch(1, 20, seq_start=99_999))
+        elif timeout is not None:  # block with a timeout: shed as SpoolFull
+            try:
+                await fill(spool)
+            except SpoolFull as exc:
+                out["raised"] = str(exc)
+        else:  # block without a timeout: waits until a delivery makes room
+            async def fill_until_blocked():
+                for i in range(10_000):
+                    outcome = await spool.append(vec_batch(1, 20, seq_start=i))
+                    if spool.snapshot().disk_full_errors:
+                        out["last"] = outcome  # the append that had to wait
+                        return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fill_until_blocked)
+                while spool.snapshot().disk_full_errors == 0:
+                    await trio.sleep(1)  # mock time
+                out["waiting_before_ack"] = "last" not in out
+                frames = len(spool)
+                while (entry := spool.first()) is not None:
+                    await spool.ack((await spool.read(entry)).seq)
+            out["acked_frames"] = frames
+            out["unacked_frames"] = len(spool)
+        await spool.aclose()
+        reopened = Spool.open(config)
+        out["damage"] = [d.reason for d in reopened.damage]
+        await reopened.aclose()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    print(json.dumps(out))
+    """
+)
+
+
+def _limit_file_size() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+def run_scenario(directory: Path, when_full: str, timeout: str) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", SCENARIO, str(directory), when_full, timeout],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        preexec_fn=_limit_file_size,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard only
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_drop_newest_on_a_full_disk_counts_and_appends_again_after_delivery(tmp_path):
+    got = run_scenario(tmp_path / "spool", "drop_newest", "none")
+    assert got["outcome"] == "dropped"
+    assert got["spooled"] > 0
+    assert got["dropped_records"] == 20
+    assert got["disk_full_errors"] == 1
+    assert got["after_ack"] == "spooled"  # the delivered last segment made room
+    assert got["damage"] == []  # the refused frame left no torn tail
+
+
+def test_block_with_a_timeout_on_a_full_disk_raises_spool_full(tmp_path):
+    got = run_scenario(tmp_path / "spool", "block", "5")
+    assert "no room on disk" in got["raised"]
+    assert "5.0 s" in got["raised"]
+    assert got["damage"] == []
+
+
+def test_block_on_a_full_disk_waits_for_delivery_then_appends(tmp_path):
+    got = run_scenario(tmp_path / "spool", "block", "none")
+    assert got["waiting_before_ack"] is True
+    assert got["acked_frames"] > 0
+    assert got["last"] == "spooled"  # the blocked append went through after the acks
+    assert got["unacked_frames"] == 1  # just that one: nothing lost, nothing doubled
+    assert got["damage"] == []
