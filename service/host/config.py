@@ -72,6 +72,7 @@ from taproute.routing.sink import RecordSink
 from taproute.service.host.built_service import BuiltService
 from taproute.service.host.config_destinations import (
     DestinationConfig,
+    chdb_holder,
     destination_problems,
     open_destination,
     prepare_directory,
@@ -250,15 +251,26 @@ class ServiceConfig:
         except ConfigError as exc:
             raise ConfigFileError(self.source, plan_problems(exc)) from None
 
-    def check_destinations(self) -> list[str]:
+    def check_destinations(self, *, running: bool = False) -> list[str]:
         """Build every destination once (checking its tables) and close it again.
 
-        Returns one line per destination saying what was checked.
+        Returns one line per destination saying what was checked.  With
+        ``running`` (the file's service runs now: ``taproute check --url``), a
+        chDB directory another process holds is that service's, said as such
+        and not opened (chDB allows one process per directory).
         """
         self.import_processors()
         schema = self.schema()
         lines = []
         for name, dest in self.destinations.items():
+            path = dest.path_under(self.source.parent)
+            holder = chdb_holder(path) if running and path is not None else None
+            if holder is not None:
+                lines.append(
+                    f"destination {name!r}: chDB at {path} is open in process {holder} "
+                    "(the running service): tables not checked from here"
+                )
+                continue
             sink = open_destination(
                 self.source, name, dest, schema, dest.path_under(self.source.parent)
             )

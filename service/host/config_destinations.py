@@ -218,7 +218,7 @@ def _close_unstarted(sink: ClickHouseSink | WriterProcessSink) -> None:
         sink.transport.close()
 
 
-def _lock_holder(data: Path) -> int | None:
+def chdb_holder(data: Path) -> int | None:
     """The pid of another process holding chDB directory ``data`` (its ``status``
     file's lock, as listed in Linux's /proc/locks), or None."""
     try:
@@ -271,7 +271,7 @@ def open_destination(
     try:
         if path is not None:
             prepare_directory(source, path, f"{where}.path")
-            holder = _lock_holder(path)
+            holder = chdb_holder(path)
             if holder is not None:  # chDB would print to stderr, then fail
                 raise ConfigFileError(
                     source,

@@ -23,7 +23,7 @@ def check(path: Path, url: str | None = None, open_key_age: float = OPEN_KEY_SEC
     letters and, with ``url`` (a running service), keys open past ``open_key_age``."""
     config = load_config(path)
     with config.build() as built:
-        lines = config.check_destinations()
+        lines = config.check_destinations(running=url is not None)
         print(f"{path}: {len(config.routes)} route(s), {len(config.layouts)} layout(s) OK")
         for line in lines:
             print(f"  {line}")
