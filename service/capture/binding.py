@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -71,6 +72,9 @@ Planned = tuple[
     npt.NDArray[np.void],
     npt.NDArray[np.void],
 ]
+
+#: A forward hook: (module, inputs, output) -> None.
+_Hook = Callable[[Any, Any, Any], None]
 
 
 def _layout_element(target: CaptureTarget, layout: str, name: str) -> np.dtype[Any]:
@@ -310,7 +314,10 @@ def bind_module(
                 "detached and drops its records from now on (reason 'detached')",
             )
 
-    binding._handle = module.register_forward_hook(hook)
+    # Under torch.compile, Dynamo would trace the hook's Python (and fail on
+    # it, detaching the binding): run it eagerly, a graph break at the hook.
+    eager: Callable[[_Hook], _Hook] = torch.compiler.disable
+    binding._handle = module.register_forward_hook(eager(hook))
     return binding
 
 
