@@ -99,6 +99,7 @@ from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
 from taproute.service.sinks.spool.log import SpoolLocked
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 from taproute.service.sinks.writer import (
+    DirectoryInUse,
     SharedBufferPool,
     WriterCrashed,
     WriterProcessSink,
@@ -106,6 +107,7 @@ from taproute.service.sinks.writer import (
 )
 
 __all__ = [
+    "DirectoryInUse",
     "SharedBufferPool",
     "WriterCrashed",
     "WriterProcessSink",

@@ -28,6 +28,26 @@ def int64(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 10**9:
+        raise argparse.ArgumentTypeError(f"must be in [1, 1e9], got {text}")
+    return value
+
+
 def token(text: str) -> str:
     if not text or not text.isascii() or not text.isprintable() or " " in text:
         raise argparse.ArgumentTypeError("a token is printable ASCII without spaces")

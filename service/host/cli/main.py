@@ -1,4 +1,4 @@
-"""The ``taproute`` command: demo, check, run, trace, dead-letters, replay.
+"""The ``taproute`` command: demo, check (doctor), run, trace, dead-letters, replay, report.
 
 Exit codes: 0 done; 1 the work failed (a latched failure, a refused
 control); 2 bad input (arguments, a config file, a missing or unreadable
@@ -22,10 +22,19 @@ def _parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser(
         "demo", help="capture a real transformer's activations, route them into chDB, query"
     )
-    demo_parser.add_argument("--sentences", type=int, default=320)
-    demo_parser.add_argument("--data", type=Path, default=Path("taproute-data"))
+    demo_parser.add_argument(
+        "--sentences", type=arguments.count, default=320, help="sentences to encode (default 320)"
+    )
+    demo_parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("taproute-data"),
+        help="chDB directory (default taproute-data)",
+    )
     demo_parser.add_argument("--serve", action="store_true", help="keep /metrics up after")
-    demo_parser.add_argument("--port", type=int, default=9464)
+    demo_parser.add_argument(
+        "--port", type=arguments.port, default=9464, help="HTTP port with --serve (default 9464)"
+    )
 
     # The issues and operators' habits call it "doctor"; one command, two names.
     check_parser = commands.add_parser(
@@ -56,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     run_parser.add_argument(
         "--call-timeout",
         type=arguments.seconds,
-        help="every route's processor deadline, in seconds (overrides the file's)",
+        help="every route's processor deadline, in seconds (overrides the file's; 0: none)",
     )
 
     trace_parser = commands.add_parser("trace", help="where would a record go, and why (dry run)")
