@@ -43,6 +43,10 @@ def test_check_with_url_beside_the_running_service(tmp_path, capsys):
         assert main(["check", "--config", str(path)]) == 2
         assert f"in use by process {child.pid}" in capsys.readouterr().err
 
+        # The demo refuses the directory at once too (it loaded the model first).
+        assert main(["demo", "--data", str(tmp_path / "data")]) == 2
+        assert f"chDB directory in use by process {child.pid}" in capsys.readouterr().err
+
         child.send_signal(signal.SIGINT)
         assert child.wait(timeout=120) == 0
     finally:

@@ -1,7 +1,9 @@
 """``taproute demo``'s arguments are checked like every other command's: a port
-out of range was a traceback (attrs' ValueError from HttpConfig, exit 1) and
-``--sentences 0`` or ``-3`` ran a demo of nothing; each is now one line, exit 2,
-before anything loads."""
+out of range was a traceback (attrs' ValueError from HttpConfig, exit 1),
+``--sentences 0`` or ``-3`` ran a demo of nothing, and a ``--data`` that is a
+regular file was a traceback (FileExistsError) after the model loaded; each is
+now one line, exit 2, before anything loads.  (A ``--data`` another process
+holds: ``tests/test_check_running.py``.)"""
 
 from __future__ import annotations
 
@@ -24,3 +26,13 @@ def test_bad_demo_arguments_are_one_line_exit_2(capsys, tmp_path, argv, expected
     line = one_line_error(capsys, ["demo", "--data", str(tmp_path / "d"), *argv], 2)
     assert expected in line
     assert not (tmp_path / "d").exists()  # refused before anything was made
+
+
+def test_a_data_path_that_is_not_a_directory_is_one_line_exit_2(capsys, tmp_path):
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    line = one_line_error(capsys, ["demo", "--data", str(regular)], 2)
+    assert f"--data {regular}: cannot create the directory: exists and is not a directory" in line
+    line = one_line_error(capsys, ["demo", "--data", str(regular / "under")], 2)
+    assert f"--data {regular / 'under'}: cannot create the directory" in line
+    assert regular.read_text() == "not a directory"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from taproute.service.host.cli.errors import CommandError
 from taproute.service.host.config import ConfigFileError, ServiceConfig, load_config
 from taproute.service.host.http import HttpConfig
 
@@ -13,9 +14,25 @@ def demo(sentences: int, data: Path, serve: bool, port: int) -> int:
     """Run all-MiniLM-L6-v2 with its captures routed into chDB (see taproute.service.demo)."""
     from taproute.service.demo import run as minilm_demo
 
+    _check_data_directory(data)
     http = HttpConfig(port=port) if serve else None
     minilm_demo.run(data=data, count=sentences, http=http, serve_forever=serve)
     return 0
+
+
+def _check_data_directory(data: Path) -> None:
+    """Refuse, in one line and before the model loads, a ``--data`` that chDB
+    cannot use: not a directory (or not creatable), or held by another process."""
+    from taproute.service.host.config_destinations import chdb_holder
+
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "exists and is not a directory" if isinstance(exc, FileExistsError) else exc
+        raise CommandError(f"--data {data}: cannot create the directory: {reason}", 2) from None
+    holder = chdb_holder(data)
+    if holder is not None:
+        raise CommandError(f"--data {data}: chDB directory in use by process {holder}", 2)
 
 
 def run(path: Path, rate: float, duration: float, call_timeout: float | None = None) -> int:
