@@ -20,6 +20,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+from taproute.service import DeadLetterStore
+from taproute.service.sinks.spool import Spool, SpoolConfig
+from taproute.service.sinks.spool.dead_letters import destination_dead_letters
+from tests.conftest import vec_batch
+
 #: Each segment file may hold this many bytes: about 25 frames of 20 records.
 LIMIT = 16 << 10
 
@@ -136,3 +141,24 @@ def test_block_on_a_full_disk_waits_for_delivery_then_appends(tmp_path):
     assert got["last"] == "spooled"  # the blocked append went through after the acks
     assert got["unacked_frames"] == 1  # just that one: nothing lost, nothing doubled
     assert got["damage"] == []
+
+
+async def test_a_full_dead_letter_store_drops_and_counts_what_the_quota_sheds(tmp_path):
+    """``when_full = "dead_letter"`` with the store out of room too (a full disk
+    is usually both): the batch is dropped and counted.  Before, SQLite's
+    ``database or disk is full`` left the spool and latched the router (seen
+    with both on a full tmpfs under ``taproute run``).  SQLite refuses for real
+    here: the store may grow no further than its size now (``max_page_count``)."""
+    store = DeadLetterStore(tmp_path / "dl.sqlite")
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    config = SpoolConfig(directory=tmp_path / "spool", quota_bytes=1, when_full="dead_letter")
+    spool = Spool.open(config, dead_letter=destination_dead_letters(store.handle, "ch"))
+    assert await spool.append(vec_batch(1, 4)) == "spooled"  # an empty spool takes any batch
+    await spool.append(vec_batch(1, 1000))  # past the quota: to the store, which is full
+    counters = spool.snapshot()
+    assert counters.dropped_records == 1000
+    assert counters.dead_lettered_records == 0
+    assert store.list() == []
+    await spool.aclose()
+    store.close()

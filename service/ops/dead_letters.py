@@ -191,7 +191,10 @@ class DeadLetterStore:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # SQLite rolls back by itself on some errors (SQLITE_FULL): a
+                # second ROLLBACK would raise and hide the first error.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
