@@ -11,6 +11,7 @@ tmpfs under ``taproute run``: ``RoutingFailure ... No space left on device``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -35,7 +36,8 @@ SCENARIO = textwrap.dedent(
     from taproute.service.sinks.spool import Spool, SpoolConfig, SpoolFull
     from tests.conftest import vec_batch
 
-    directory, when_full = sys.argv[1], sys.argv[2]
+    directory, scenario = sys.argv[1], sys.argv[2]
+    when_full = "block" if scenario == "ack" else scenario
     timeout = None if sys.argv[3] == "none" else float(sys.argv[3])
     out = {}
 
@@ -63,6 +65,23 @@ SCENARIO = textwrap.dedent(
             while (entry := spool.first()) is not None:
                 await spool.ack((await spool.read(entry)).seq)
             out["after_ack"] = await spool.append(vec_batch(1, 20, seq_start=99_999))
+        elif scenario == "ack":  # the ack itself refused: nothing changes, retried later
+            import resource
+            for i in range(3):
+                await spool.append(vec_batch(1, 20, seq_start=i))
+            last = spool._log.entries[-1].seq
+            soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # no file may grow now
+            try:
+                await spool.ack(last)
+            except OSError as exc:
+                out["refused"] = exc.errno
+            out["frames_after_refusal"] = len(spool)
+            out["acked_after_refusal"] = spool.snapshot().acked_records
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            await spool.ack(last)  # the same call, again
+            out["frames_after_ack"] = len(spool)
+            out["acked_after_ack"] = spool.snapshot().acked_records
         elif timeout is not None:  # block with a timeout: shed as SpoolFull
             try:
                 await fill(spool)
@@ -89,6 +108,7 @@ SCENARIO = textwrap.dedent(
         await spool.aclose()
         reopened = Spool.open(config)
         out["damage"] = [d.reason for d in reopened.damage]
+        out["replayed_frames"] = len(reopened)
         await reopened.aclose()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -140,6 +160,22 @@ def test_block_on_a_full_disk_waits_for_delivery_then_appends(tmp_path):
     assert got["acked_frames"] > 0
     assert got["last"] == "spooled"  # the blocked append went through after the acks
     assert got["unacked_frames"] == 1  # just that one: nothing lost, nothing doubled
+    assert got["damage"] == []
+
+
+def test_an_ack_the_disk_refuses_changes_nothing_and_can_be_made_again(tmp_path):
+    """The drain retries an ack (or a group's intent) the disk has no room for
+    (``Delivery._with_room``); for that the refused ack must leave the spool as
+    it was.  Before, its frames were already dropped from memory and counted
+    nowhere, and the drain task's OSError failed the runtime ("runtime loop
+    failed: OSError: [Errno 28]" under ``taproute run`` on a full tmpfs)."""
+    got = run_scenario(tmp_path / "spool", "ack", "none")
+    assert got["refused"] == errno.EFBIG
+    assert got["frames_after_refusal"] == 3
+    assert got["acked_after_refusal"] == 0
+    assert got["frames_after_ack"] == 0
+    assert got["acked_after_ack"] == 60
+    assert got["replayed_frames"] == 0  # the ack is on disk
     assert got["damage"] == []
 
 

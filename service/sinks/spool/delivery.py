@@ -13,9 +13,10 @@ crash repeats the same tries and the deduplication window drops the repeats.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import trio
@@ -23,10 +24,16 @@ import trio
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import RecordSink
+from taproute.service.sinks.spool.files import NO_ROOM
 from taproute.service.sinks.spool.health import HealthTracker, SpoolingCounters
 from taproute.service.sinks.spool.spool import CannotDeadLetter, DeadLetter, Spool
 
 _log = logging.getLogger("taproute.spool")
+
+T = TypeVar("T")
+
+#: Seconds between tries to record a spool's progress on a disk with no room.
+NO_ROOM_WAIT = 1.0
 
 
 @runtime_checkable
@@ -199,11 +206,30 @@ class Delivery:
         assert spool is not None
         while True:
             await spool.wait_nonempty()
-            group = await spool.read_group(self.group_bytes)
+            group = await self._with_room(functools.partial(spool.read_group, self.group_bytes))
             delivered = await self.settle(group.batches, group.token)
             self.counters.delivered_records += delivered
             self.counters.delivered_batches += len(group.batches)
-            await spool.ack(group.seq)
+            await self._with_room(functools.partial(spool.ack, group.seq))
+
+    async def _with_room(self, action: Callable[[], Awaitable[T]]) -> T:
+        """``action`` (a group's intent or an ack), again every
+        :data:`NO_ROOM_WAIT` seconds while the disk has no room for its few
+        bytes: the drain waits for room, the router goes on (a crash
+        meanwhile replays the group under its token)."""
+        while True:
+            try:
+                return await action()
+            except OSError as exc:
+                if exc.errno not in NO_ROOM:
+                    raise
+                _log.warning(
+                    "destination %r: spool cannot record its progress (%s); again in %g s",
+                    self.name,
+                    exc,
+                    NO_ROOM_WAIT,
+                )
+                await trio.sleep(NO_ROOM_WAIT)
 
 
 __all__ = [

@@ -342,24 +342,30 @@ class SegmentLog:
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
-        """Acknowledge every frame up to ``seq``; delete segments wholly delivered."""
+        """Acknowledge every frame up to ``seq``; delete segments wholly delivered.
+
+        The ``ack`` file is written first: when that fails (a full disk with
+        the reserve already given up) nothing has changed, and the same call
+        can be made again."""
+        acked = max(self.acked, seq)
+        tmp = self.directory / "ack.tmp"
+        data = ACK.pack(acked, zlib.crc32(struct.pack("<Q", acked)))
+
+        def write() -> None:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.directory / "ack")
+
+        with_room(self.directory, write)
+        self._dirty_dir = True  # the rename is durable once the directory is synced
         done: list[Entry] = []
         while self.entries and self.entries[0].seq <= seq:
             entry = self.entries.popleft()
             self.unacked_bytes -= entry.size
             done.append(entry)
-        self.acked = max(self.acked, seq)
+        self.acked = acked
         if self.intent is not None and self.intent[1] <= self.acked:
             self.intent = None
-        tmp = self.directory / "ack.tmp"
-        acked = ACK.pack(self.acked, zlib.crc32(struct.pack("<Q", self.acked)))
-
-        def write() -> None:
-            tmp.write_bytes(acked)
-            os.replace(tmp, self.directory / "ack")
-
-        with_room(self.directory, write)
-        self._dirty_dir = True  # the rename is durable once the directory is synced
+        deleted = False
         for path, last in list(self.segments.items()):
             if last <= self.acked and path != self._active:
                 del self.segments[path]
@@ -367,9 +373,10 @@ class SegmentLog:
                 if reader is not None:
                     os.close(reader)
                 path.unlink()
-                self._dirty_dir = True
-        if done:
-            self._dirty_dir |= make_reserve(self.directory)
+                deleted = True
+        if deleted:  # room made: hold the reserve back again
+            make_reserve(self.directory)
+            self._dirty_dir = True
         return done
 
     def sync(self) -> None:
