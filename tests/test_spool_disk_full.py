@@ -26,8 +26,9 @@ from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.dead_letters import destination_dead_letters
 from tests.conftest import vec_batch
 
-#: Each segment file may hold this many bytes: about 25 frames of 20 records.
-LIMIT = 16 << 10
+#: Each file may hold this many bytes: a segment about 150 frames of 20
+#: records (the spool's 64 KiB reserve file fits).
+LIMIT = 256 << 10
 
 SCENARIO = textwrap.dedent(
     """

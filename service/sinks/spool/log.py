@@ -38,13 +38,14 @@ decides when it runs and on which thread.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -156,7 +157,8 @@ class SegmentLog:
         self._dirty_dir = False
         self._unsynced = False  # frames appended since the last sync
         self._recover()
-        self._dirty_dir |= make_reserve(self.directory)
+        self._reserve_held = False  # the reserve file is there (see _restore_reserve)
+        self._restore_reserve()
         if self._dirty_dir:  # segments recovery deleted stay deleted
             fsync_dir(self.directory)
             self._dirty_dir = False
@@ -247,8 +249,33 @@ class SegmentLog:
         return last
 
     # -- appending ---------------------------------------------------------
+    def _restore_reserve(self) -> bool:
+        """Hold the reserve back again if there is room; True when it is held."""
+        if not self._reserve_held:
+            made = make_reserve(self.directory)
+            self._dirty_dir |= made
+            self._reserve_held = made or (self.directory / "reserve").exists()
+        return self._reserve_held
+
+    def _record_progress(self, write: Callable[[], None]) -> None:
+        """Write the ``ack`` or the ``intent`` (giving up the reserve on a full
+        disk); appends wait for the reserve to be back (see :meth:`append`)."""
+        try:
+            with_room(self.directory, write)
+        finally:
+            if self._reserve_held and not (self.directory / "reserve").exists():
+                self._reserve_held = False
+
     def append(self, buffers: Sequence[bytes | memoryview], written_ns: int) -> Entry:
-        """Write one frame holding ``buffers`` (not yet fsynced: see :meth:`sync`)."""
+        """Write one frame holding ``buffers`` (not yet fsynced: see :meth:`sync`).
+
+        Refused as a full disk (``ENOSPC``) while the reserve, given up for
+        an ack or an intent, cannot be held back again: the room it freed is
+        the drain's, which frees more."""
+        if not self._reserve_held and not self._restore_reserve():
+            raise OSError(
+                errno.ENOSPC, "no room: the spool's reserve is given up until room is made"
+            )
         seq = self.last_seq + 1
         crc, length = _crc(seq, written_ns, buffers)
         if self._active_fd is None or self._active_size >= self.segment_bytes:
@@ -298,7 +325,7 @@ class SegmentLog:
         if reader is not None:
             os.close(reader)  # an open descriptor keeps the bytes allocated
         active.unlink()
-        make_reserve(self.directory)
+        self._restore_reserve()
         self._dirty_dir = True
         return True
 
@@ -338,7 +365,7 @@ class SegmentLog:
             self.sync()
         raw = struct.pack("<QQ", first, last)
         data = raw + struct.pack("<I", zlib.crc32(raw))
-        with_room(self.directory, lambda: replace_durably(self.directory, "intent", data))
+        self._record_progress(lambda: replace_durably(self.directory, "intent", data))
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
@@ -355,7 +382,7 @@ class SegmentLog:
             tmp.write_bytes(data)
             os.replace(tmp, self.directory / "ack")
 
-        with_room(self.directory, write)
+        self._record_progress(write)
         self._dirty_dir = True  # the rename is durable once the directory is synced
         done: list[Entry] = []
         while self.entries and self.entries[0].seq <= seq:
@@ -375,7 +402,7 @@ class SegmentLog:
                 path.unlink()
                 deleted = True
         if deleted:  # room made: hold the reserve back again
-            make_reserve(self.directory)
+            self._restore_reserve()
             self._dirty_dir = True
         return done
 
