@@ -46,6 +46,7 @@ from taproute.routing.causal import (
 from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.errors import (
     ConfigError,
+    PayloadDtypeMismatch,
     PayloadSizeMismatch,
     PlanErrors,
     RerouteRefused,
@@ -192,6 +193,7 @@ __all__ += [
     "ConfigError",
     "ConfigFileError",
     "DeadLetterNotFound",
+    "PayloadDtypeMismatch",
     "PayloadSizeMismatch",
     "PlanErrors",
     "RerouteRefused",
