@@ -12,22 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from taproute.service.host.config import load_config
+from tests.processors import LAYOUTS_TOML
 
 #: The ``vec`` layout records are captured in and the ``norm`` rows the
 #: children's processors return (the layouts of ``tests.processors.SCHEMA``).
-LAYOUTS = """
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-"""
+LAYOUTS = LAYOUTS_TOML
 
 #: chDB in the run's directory, writing the ``norm`` rows; nothing else is routed.
 DESTINATION = """

@@ -22,6 +22,21 @@ SUM = Layout("sum", [("key", "Int64"), ("total", "Array(Float64)", (4,)), ("coun
 TOKENS = Layout("tokens", [("position", "UInt32"), ("hidden", "Array(Float32)")])
 SCHEMA = RecordSchema([VEC, NORM, SUM, TOKENS])
 
+#: ``VEC`` and ``NORM`` as a config file writes them (``[[layouts]]`` tables).
+LAYOUTS_TOML = """\
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[layouts]]
+name = "norm"
+columns = [
+  { name = "key", type = "Int64" },
+  { name = "seq", type = "Int64" },
+  { name = "norm", type = "Float32" },
+]
+"""
+
 KEY_RANGE = 16
 
 

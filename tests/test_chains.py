@@ -24,7 +24,7 @@ from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
 from tests.chain_processors import SPRAY_ROWS
 from tests.conftest import vec_batch
-from tests.processors import NORM, SCHEMA
+from tests.processors import LAYOUTS_TOML, NORM, SCHEMA
 
 Q = "layers.0.q"
 NO_DEADLINE = FailurePolicy(deadline=0)  # a frozen MockClock never reaches a deadline anyway
@@ -213,21 +213,13 @@ async def test_limits_stay_pinned_per_root_when_the_next_configuration_changes_t
     fanout.clear()
 
 
-CONFIG = """
+CONFIG = (
+    """
 processors = ["tests.processors", "tests.chain_processors"]
 
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-
+"""
+    + LAYOUTS_TOML
+    + """
 [[routes]]
 name = "norms"
 outputs = ["layers.*"]
@@ -252,6 +244,7 @@ rows_table = "@PREFIX@_{layout}"
 unmatched = "drop"
 @ROUTING@
 """
+)
 
 
 def chain_config(tmp_path, chdb_transport, doubled: str, routing: str = "") -> Path:

@@ -19,22 +19,15 @@ from taproute.service.host.config import ConfigFileError, load_config
 from taproute.service.host.loadgen import run_load
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.ops.parking import ParkedRecordStore
+from tests.processors import LAYOUTS_TOML
 
-BASE = """
+BASE = (
+    """
 processors = ["tests.processors"]
 
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-
+"""
+    + LAYOUTS_TOML
+    + """
 [[routes]]
 name = "raw"
 outputs = ["layers.*"]
@@ -65,6 +58,7 @@ name = "layers.0"
 layout = "vec"
 batch = 16
 """
+)
 
 
 #: What a [[routes]] entry may set: Route's fields but the predicate (code, not data).

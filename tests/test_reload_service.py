@@ -20,25 +20,17 @@ from taproute.routing import RoutingConfig
 from taproute.service import CaptureSink, HttpConfig, RoutingSink, create_record_runtime
 from taproute.service.host.config import ConfigFileError, load_config
 from taproute.service.host.reload import ConfigReloader
-from tests.processors import SCHEMA
+from tests.processors import LAYOUTS_TOML, SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LAYOUTS = """
+LAYOUTS = (
+    """
 processors = ["tests.processors"]
 
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
 """
+    + LAYOUTS_TOML
+)
 
 TAIL = """
 [destinations.ch]

@@ -8,7 +8,7 @@ from pathlib import Path
 from taproute.routing import FailurePolicy, HookRegistry, Route, RoutingConfig
 from taproute.service import CaptureSink, HttpConfig, RoutingSink, create_record_runtime
 from taproute.service.host.cli import main
-from tests.processors import SCHEMA
+from tests.processors import LAYOUTS_TOML, SCHEMA
 from tests.sampling_processors import RecentOnly
 
 NOW_S = 1_000.0
@@ -74,21 +74,13 @@ async def test_a_candidate_is_traced_without_being_applied():
     assert out.records == 0
 
 
-CONFIG = """
+CONFIG = (
+    """
 processors = ["tests.processors", "tests.sampling_processors"]
 
-[[layouts]]
-name = "vec"
-columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
-
-[[layouts]]
-name = "norm"
-columns = [
-  { name = "key", type = "Int64" },
-  { name = "seq", type = "Int64" },
-  { name = "norm", type = "Float32" },
-]
-
+"""
+    + LAYOUTS_TOML
+    + """
 [[routes]]
 name = "n"
 outputs = ["layers.0.q"]
@@ -108,6 +100,7 @@ unmatched = "drop"
 name = "layers.0.q"
 layout = "vec"
 """
+)
 
 
 def write_config(tmp_path: Path) -> Path:
