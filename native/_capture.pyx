@@ -66,14 +66,36 @@ def gather_ranges(
     keeps the GIL: it is short, and releasing it inside a forward pass would
     let another thread take it from the model.
     """
-    cdef Py_ssize_t i, n = offsets.shape[0]
+    cdef Py_ssize_t n = offsets.shape[0]
     cdef Py_ssize_t size = source.shape[0]
-    cdef int64_t sum = 0, off, length
     if lengths.shape[0] != n:
         raise ValueError(f"{n} offsets but {lengths.shape[0]} lengths")
+    return _gather(
+        &source[0] if size else NULL,
+        size,
+        &offsets[0] if n else NULL,
+        &lengths[0] if n else NULL,
+        n,
+        total,
+    )
+
+
+cdef cnp.ndarray _gather(
+    const unsigned char* src,
+    int64_t size,
+    const int64_t* offs,
+    const int64_t* lens,
+    Py_ssize_t n,
+    int64_t total,
+):
+    """The ranges checked, then copied back to back into a new read-only
+    ``uint8`` array of ``total`` bytes: what both gathers do once they have
+    their source and ranges as pointers."""
+    cdef Py_ssize_t i
+    cdef int64_t sum = 0, off, length
     for i in range(n):
-        off = offsets[i]
-        length = lengths[i]
+        off = offs[i]
+        length = lens[i]
         if off < 0 or length < 0 or off > size or length > size - off:
             raise ValueError(
                 f"range {i} [{off}, {off} + {length}) is outside the {size}-byte source"
@@ -85,9 +107,9 @@ def gather_ranges(
     cdef unsigned char* dst = <unsigned char*> cnp.PyArray_DATA(out)
     cdef int64_t at = 0
     for i in range(n):
-        if lengths[i]:
-            memcpy(dst + at, &source[offsets[i]], lengths[i])
-        at += lengths[i]
+        if lens[i]:
+            memcpy(dst + at, src + offs[i], lens[i])
+        at += lens[i]
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
 
@@ -120,31 +142,16 @@ def gather_address(
     """
     if not _int64_vector(offsets) or not _int64_vector(lengths):
         raise ValueError("offsets and lengths must be 1-D C-contiguous int64 arrays")
-    cdef Py_ssize_t i, n = cnp.PyArray_DIM(offsets, 0)
+    cdef Py_ssize_t n = cnp.PyArray_DIM(offsets, 0)
     if cnp.PyArray_DIM(lengths, 0) != n:
         raise ValueError(f"{n} offsets but {cnp.PyArray_DIM(lengths, 0)} lengths")
     if address == 0 and size:
         raise ValueError("null address")
-    cdef const int64_t* offs = <const int64_t*> cnp.PyArray_DATA(offsets)
-    cdef const int64_t* lens = <const int64_t*> cnp.PyArray_DATA(lengths)
-    cdef int64_t sum = 0, off, length
-    for i in range(n):
-        off = offs[i]
-        length = lens[i]
-        if off < 0 or length < 0 or off > size or length > size - off:
-            raise ValueError(
-                f"range {i} [{off}, {off} + {length}) is outside the {size}-byte source"
-            )
-        sum += length
-    if sum != total:
-        raise ValueError(f"the ranges cover {sum} bytes, not {total}")
-    cdef cnp.ndarray out = _empty(total, _UINT8)
-    cdef unsigned char* dst = <unsigned char*> cnp.PyArray_DATA(out)
-    cdef const unsigned char* src = <const unsigned char*> address
-    cdef int64_t at = 0
-    for i in range(n):
-        if lens[i]:
-            memcpy(dst + at, src + offs[i], lens[i])
-        at += lens[i]
-    cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
-    return out
+    return _gather(
+        <const unsigned char*> address,
+        size,
+        <const int64_t*> cnp.PyArray_DATA(offsets),
+        <const int64_t*> cnp.PyArray_DATA(lengths),
+        n,
+        total,
+    )
