@@ -2,7 +2,11 @@ import numpy as np
 import numpy.typing as npt
 
 def stamped_copy(
-    template: npt.NDArray[np.void], output_id: int, timestamp_ns: int
+    template: npt.NDArray[np.void],
+    output_id: int,
+    timestamp_ns: int,
+    keys: npt.NDArray[np.int64] | None = None,
+    step: int = 0,
 ) -> npt.NDArray[np.void]: ...
 def gather_ranges(
     source: npt.NDArray[np.uint8],

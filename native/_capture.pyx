@@ -1,11 +1,13 @@
 # cython: language_level=3
 """The tail of a capture hook in two native calls: its payload and its descriptors.
 
-A capture hook plans once per output shape and capture context which bytes
-of the output each record holds; every call then needs those bytes packed
-into a fresh buffer (:func:`gather_ranges`) and a fresh descriptor array with
-its own output_id and capture time (:func:`stamped_copy`).  Each is one call
-here instead of several Python operations on the model's thread.
+A capture hook plans once per output shape and mask which bytes of the
+output each record holds (a plan shared by capture contexts alike in both);
+every call then needs those bytes packed into a fresh buffer
+(:func:`gather_ranges`) and a fresh descriptor array from the plan's
+template with its own output_id, capture time, and its context's keys and
+step (:func:`stamped_copy`).  Each is one call here instead of several
+Python operations on the model's thread.
 """
 
 import numpy as np
@@ -24,12 +26,28 @@ cdef object _UINT8 = np.dtype(np.uint8)
 cdef object _empty = np.empty
 
 
-def stamped_copy(cnp.ndarray template, uint32_t output_id, int64_t timestamp_ns):
+cdef inline bint _int64_vector(cnp.ndarray a):
+    return (
+        cnp.PyArray_NDIM(a) == 1
+        and cnp.PyArray_TYPE(a) == cnp.NPY_INT64
+        and cnp.PyArray_IS_C_CONTIGUOUS(a)
+    )
+
+
+def stamped_copy(
+    cnp.ndarray template,
+    uint32_t output_id,
+    int64_t timestamp_ns,
+    cnp.ndarray keys=None,
+    int64_t step=0,
+):
     """A new, read-only copy of ``template`` with every record's ``output_id``
-    and ``timestamp_ns`` set.
+    and ``timestamp_ns`` set, and with ``keys``: record ``i``'s ``key`` set to
+    ``keys[i]`` and every record's ``step`` to ``step``.
 
     ``template`` must be a 1-D, C-contiguous array of ``DESCRIPTOR_DTYPE``
-    (ValueError otherwise); the other fields are copied as they are.
+    and ``keys`` (when given) a 1-D, C-contiguous ``int64`` array of the same
+    length (ValueError otherwise); the other fields are copied as they are.
     """
     if (
         cnp.PyArray_NDIM(template) != 1
@@ -41,6 +59,14 @@ def stamped_copy(cnp.ndarray template, uint32_t output_id, int64_t timestamp_ns)
             f"{template.dtype} with shape {(<object> template).shape}"
         )
     cdef Py_ssize_t i, n = cnp.PyArray_DIM(template, 0)
+    cdef const int64_t* k = NULL
+    if keys is not None:
+        if not _int64_vector(keys) or cnp.PyArray_DIM(keys, 0) != n:
+            raise ValueError(
+                f"stamped_copy needs {n} keys as a 1-D C-contiguous int64 array, got "
+                f"{keys.dtype} with shape {(<object> keys).shape}"
+            )
+        k = <const int64_t*> cnp.PyArray_DATA(keys)
     # A byte copy: numpy's own copy of a structured dtype goes field by field.
     cdef cnp.ndarray out = _empty(n, _DTYPE)
     cdef Descriptor* d = <Descriptor*> cnp.PyArray_DATA(out)
@@ -48,6 +74,10 @@ def stamped_copy(cnp.ndarray template, uint32_t output_id, int64_t timestamp_ns)
     for i in range(n):
         d[i].output_id = output_id
         d[i].timestamp_ns = timestamp_ns
+    if k != NULL:
+        for i in range(n):
+            d[i].key = k[i]
+            d[i].step = step
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
 
@@ -112,14 +142,6 @@ cdef cnp.ndarray _gather(
         at += lens[i]
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
-
-
-cdef inline bint _int64_vector(cnp.ndarray a):
-    return (
-        cnp.PyArray_NDIM(a) == 1
-        and cnp.PyArray_TYPE(a) == cnp.NPY_INT64
-        and cnp.PyArray_IS_C_CONTIGUOUS(a)
-    )
 
 
 def gather_address(

@@ -206,6 +206,21 @@ def test_stamped_copy_sets_output_id_and_time_and_keeps_the_rest():
         stamped_copy(template[::2], 1, 2)
 
 
+def test_stamped_copy_with_keys_sets_each_records_key_and_the_step():
+    template = make_descriptors(3, [4, 8, 12], layout_ids=1)  # a shared plan's: keys 0, step 0
+    keys = np.array([-5, 2**62, 7], dtype=np.int64)
+    out = stamped_copy(template, 42, 99, keys, 6)
+    assert out["key"].tolist() == keys.tolist() and (out["step"] == 6).all()
+    assert (out["output_id"] == 42).all() and (out["timestamp_ns"] == 99).all()
+    for field in ("layout_id", "seq", "offset", "length"):
+        assert out[field].tolist() == template[field].tolist()
+    assert (template["key"] == 0).all() and (template["step"] == 0).all()  # untouched
+    with pytest.raises(ValueError, match="needs 3 keys as a 1-D C-contiguous int64 array"):
+        stamped_copy(template, 1, 2, keys[:2], 0)
+    with pytest.raises(ValueError, match="needs 3 keys"):
+        stamped_copy(template, 1, 2, keys.astype(np.int32), 0)
+
+
 def test_an_output_that_requires_grad_is_captured_from_a_detached_view():
     torch.manual_seed(0)
     layer = nn.Linear(5, 5)  # outside inference_mode its output requires grad

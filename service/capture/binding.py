@@ -25,11 +25,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from taproute.native import BufferLease, make_descriptors, stamped_copy
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull
+from taproute.service.capture import plans as shared_plans
 from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 from taproute.service.capture.extract import (
@@ -40,6 +40,7 @@ from taproute.service.capture.extract import (
     check_select,
     pick,
     plan,
+    real_positions,
     torch_dtype,
 )
 from taproute.service.capture.hook_binding import (
@@ -54,6 +55,7 @@ from taproute.service.capture.hook_binding import (
     HookBinding,
 )
 from taproute.service.capture.host_copy import numpy_view_dtype, to_host
+from taproute.service.capture.plans import SharedPlan
 from taproute.service.capture.pool import HostBufferPool
 
 if TYPE_CHECKING:
@@ -61,17 +63,6 @@ if TYPE_CHECKING:
 
 OnError = Literal["detach", "raise"]
 
-#: A record plan as each call uses it: token shape, the records' offsets and
-#: lengths in the source, the bytes they cover, and the descriptor template
-#: for a packed payload and for one laid out as the source.
-Planned = tuple[
-    tuple[int, ...] | None,
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64],
-    int,
-    npt.NDArray[np.void],
-    npt.NDArray[np.void],
-]
 
 #: A forward hook: (module, inputs, output) -> None.
 _Hook = Callable[[Any, Any, Any], None]
@@ -151,6 +142,10 @@ def bind_module(
     plain = select is None
     tensor_type = torch.Tensor
     as_numpy = numpy_view_dtype(dst)
+    element_size = dst.itemsize
+    # Plans differ by layout (the template's layout_id) and element size (a
+    # layout id means different layouts in different runtimes' schemas).
+    element_key = (layout_id, element_size)
 
     def capture(output: Any, context: CaptureContext) -> None:
         """Copy and submit one call's records; CaptureError when impossible.
@@ -180,16 +175,13 @@ def bind_module(
             owned = True
         token_axis = token_major or len(shape) >= 3
         # One plan per output shape and context, shared by every hook of the
-        # forward pass (a gathered, non-run mask needs a fresh source each call).
-        plan_key = (shape, token_axis, layout_id)
-        cached = context.plans.get(plan_key) if context.runs else None
+        # forward pass, and built from a plan shared between contexts.
+        plan_key = (shape, token_axis, element_key)
+        cached = context.plans.get(plan_key)
         if cached is None:
-            records = plan(tensor, context, hook=name, token_axis=token_axis)
-            cached = _templates(records, context)
-            if records.source is not tensor:
-                tensor, owned = records.source, True
-            if context.runs:
-                context.plans[plan_key] = cached
+            cached = _context_plan(shape, token_axis, plan_key, context)
+        if token_axis and not context.runs:
+            tensor, owned = real_positions(tensor, context), True
         token_shape, offsets, lengths, covered, packed, in_source = cached
         if not shape_noted or shape_noted[0] != token_shape:
             _note_shape(token_shape)
@@ -205,7 +197,13 @@ def bind_module(
         # Descriptors made here from the plan are right by construction: the
         # batch is offered as it is, without the intake's check.
         batch = RecordBatch(
-            stamped_copy(packed if is_packed else in_source, output_id, time.time_ns()),
+            stamped_copy(
+                packed if is_packed else in_source,
+                output_id,
+                time.time_ns(),
+                context.key_array,
+                context.step,
+            ),
             payload,
             BufferLease(release),
             covered,
@@ -226,25 +224,36 @@ def bind_module(
                 "(counted as dropped, reason 'max_block')",
             )
 
-    def _templates(records: RecordPlan, context: CaptureContext) -> Planned:
-        """What a plan gives every call with the same shape and context.
+    def _context_plan(
+        shape: tuple[int, ...], token_axis: bool, plan_key: Any, context: CaptureContext
+    ) -> SharedPlan:
+        """The plan for ``shape`` and the context's real positions, built at
+        most once while the shared cache keeps it; the context's keys and step
+        are stamped per call, so contexts alike in shape and mask share it."""
+        shared_key = (plan_key, context.positions_key)
+        plans = shared_plans.SHARED_PLANS
+        shared = plans.get(shared_key)
+        if shared is None:
+            records = plan(shape, element_size, context, hook=name, token_axis=token_axis)
+            shared = _templates(records)
+            plans.put(shared_key, shared)
+        context.plans[plan_key] = shared
+        return shared
 
-        Made at the first hook call of each context (a server sets one per
-        forward pass), so on the model's thread: one checked build, and the
-        packed template a copy of it with offsets back to back.
+    def _templates(records: RecordPlan) -> SharedPlan:
+        """What a plan gives every context with the same key: one checked
+        build of the descriptors (keys and step 0, output_id stamped per
+        call), and the packed template a copy of it with offsets back to back.
         """
         in_source = make_descriptors(
-            output_id,
-            records.lengths,
-            offsets=records.offsets,
-            layout_ids=layout_id,
-            keys=context.key_array,
-            steps=context.step,
+            0, records.lengths, offsets=records.offsets, layout_ids=layout_id
         )
         packed = in_source.copy()
         offsets = packed["offset"]
         offsets[0] = 0
         np.cumsum(records.lengths[:-1], out=offsets[1:])
+        in_source.flags.writeable = False
+        packed.flags.writeable = False
         return (
             records.token_shape,
             records.offsets,

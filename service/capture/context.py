@@ -10,7 +10,6 @@ contextvars on its own.
 from __future__ import annotations
 
 import contextvars
-import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -57,10 +56,30 @@ class CaptureContext:
     #: computed by the first hook that sees a shape and shared by the others.
     plans: dict[Any, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
-    @functools.cached_property
-    def key_array(self) -> npt.NDArray[np.int64]:
-        """``keys`` as an int64 array (computed once per context, not per hook)."""
+    #: ``keys`` as an int64 array, and what a record plan takes from this
+    #: context (its real positions: None when every position is real) as a
+    #: hashable value, contexts with equal ones sharing plans
+    #: (:mod:`~taproute.service.capture.plans`).  Both computed here, when
+    #: the server sets the context, not in its first hook call.
+    key_array: npt.NDArray[np.int64] = attrs.field(init=False, eq=False, repr=False)
+    positions_key: tuple[int | None, bool, bytes, bytes] | None = attrs.field(
+        init=False, eq=False, repr=False
+    )
+
+    @key_array.default
+    def _key_array(self) -> npt.NDArray[np.int64]:
         return np.asarray(self.keys, dtype=np.int64)
+
+    @positions_key.default
+    def _positions_key(self) -> tuple[int | None, bool, bytes, bytes] | None:
+        if self.counts is None or self.starts is None:
+            return None
+        return (
+            self.positions,
+            self.runs,
+            np.ascontiguousarray(self.counts, dtype=np.int64).tobytes(),
+            np.ascontiguousarray(self.starts, dtype=np.int64).tobytes(),
+        )
 
     @property
     def has_positions(self) -> bool:

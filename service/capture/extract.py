@@ -4,7 +4,8 @@ Pure functions over tensors and the capture context, in the order a hook
 applies them: :func:`pick` the tensor out of the output, reshape a
 :func:`token_major <by_row>` tensor to ``(batch, tokens, ...)``, refuse a
 :func:`lossy cast <check_cast>`, and :func:`plan` which bytes of the copied
-tensor each record holds.  Every refusal is a :class:`CaptureError` naming
+tensor each record holds (gathering a mask's :func:`real_positions` first
+when they are not one run per row).  Every refusal is a :class:`CaptureError` naming
 the hook and what was expected and found.
 """
 
@@ -179,14 +180,19 @@ def by_row(
 
 @attrs.frozen
 class RecordPlan:
-    """Which bytes of ``source`` (copied whole, contiguous) each record holds.
+    """Which bytes of a captured tensor (copied whole, contiguous) each record holds.
 
     ``token_shape`` is the shape of one position's values (records hold
     ``[tokens, *token_shape]``), or None when the output has no token axis;
-    ``covered`` is the bytes the records cover together.
+    ``covered`` is the bytes the records cover together.  For a context
+    whose real positions are not one run per row, the tensor is
+    :func:`real_positions` of the output, not the output itself.
+
+    A plan depends only on the tensor's shape and element size, whether it
+    has a token axis, and the context's real positions (its
+    ``positions_key``): never on the values, the keys or the step.
     """
 
-    source: torch.Tensor
     offsets: npt.NDArray[np.int64]
     lengths: npt.NDArray[np.int64]
     token_shape: tuple[int, ...] | None
@@ -198,50 +204,61 @@ class RecordPlan:
 
 
 def plan(
-    tensor: torch.Tensor, context: CaptureContext, *, hook: str, token_axis: bool
+    shape: tuple[int, ...],
+    element: int,
+    context: CaptureContext,
+    *,
+    hook: str,
+    token_axis: bool,
 ) -> RecordPlan:
-    """The records of ``tensor`` (``(rows, ...)``, one row per key).
+    """The records of a tensor of ``shape`` (``(rows, ...)``, one row per key)
+    and ``element`` bytes per value.
 
     With a token axis (dimension 1; every output of 3 or more dimensions, and
     token-major ones), each record holds its row's real positions; without
     one, the whole row.
     """
-    rows = tensor.shape[0]
-    element = tensor.element_size()
-    row_items = math.prod(tensor.shape[1:])
-    if tensor.dim() == 1 or not token_axis or not context.has_positions:
+    rows = shape[0]
+    row_items = math.prod(shape[1:])
+    if len(shape) == 1 or not token_axis or not context.has_positions:
         row_bytes = row_items * element
-        token_shape = tuple(tensor.shape[2:]) if token_axis else None
+        token_shape = tuple(shape[2:]) if token_axis else None
         return RecordPlan(
-            tensor,
             np.arange(rows, dtype=np.int64) * row_bytes,
             np.full(rows, row_bytes, dtype=np.int64),
             token_shape,
         )
-    positions = tensor.shape[1]
-    token_shape = tuple(tensor.shape[2:])
+    positions = shape[1]
+    token_shape = tuple(shape[2:])
     per_token = math.prod(token_shape) * element
     counts, starts = context.counts, context.starts
     assert counts is not None and starts is not None
     if context.positions is not None and context.positions != positions:
         raise ContextMismatch(
             f"hook {hook!r}: the attention mask has {context.positions} positions but the "
-            f"output has {positions} (shape {tuple(tensor.shape)})"
+            f"output has {positions} (shape {tuple(shape)})"
         )
     too_long = np.flatnonzero(counts > positions)
     if len(too_long):
         row = int(too_long[0])
         raise ContextMismatch(
             f"hook {hook!r}: lengths[{row}] = {counts[row]} but the output has only "
-            f"{positions} positions per row (shape {tuple(tensor.shape)})"
+            f"{positions} positions per row (shape {tuple(shape)})"
         )
     lengths = counts * per_token
     if context.runs:
         offsets = np.arange(rows, dtype=np.int64) * (positions * per_token) + starts * per_token
-        return RecordPlan(tensor, offsets, lengths, token_shape)
-    mask = context.mask
-    assert mask is not None
-    gathered = tensor[mask.to(tensor.device, non_blocking=True)]  # (real positions, ...)
+        return RecordPlan(offsets, lengths, token_shape)
+    # Not one run per row: the records are the mask's positions, gathered
+    # (real_positions) into one tensor, back to back.
     offsets = np.zeros(rows, dtype=np.int64)
     np.cumsum(lengths[:-1], out=offsets[1:])
-    return RecordPlan(gathered, offsets, lengths, token_shape)
+    return RecordPlan(offsets, lengths, token_shape)
+
+
+def real_positions(tensor: torch.Tensor, context: CaptureContext) -> torch.Tensor:
+    """``tensor``'s real positions, row after row (``(real positions, ...)``),
+    for a context whose mask is not one run per row (``context.runs`` False)."""
+    mask = context.mask
+    assert mask is not None
+    return tensor[mask.to(tensor.device, non_blocking=True)]
