@@ -15,7 +15,8 @@ import numpy as np
 from taproute.native import make_descriptors
 from taproute.routing.batch import RecordBatch
 from taproute.service import create_record_runtime
-from taproute.service.host.ingress import Control, Ingress
+from taproute.service.host.ingress import Ingress
+from taproute.service.host.ingress_control import Control
 from tests.processors import SCHEMA
 from tests.sinks import NullSink
 from tests.test_runtime import Q, eventually, routing_sink, vec_payload

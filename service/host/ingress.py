@@ -31,13 +31,12 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 import attrs
-import numpy as np
 
-from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
-from taproute.routing.keys import KeyAction
+from taproute.service.host.coalesce import coalesce
 from taproute.service.host.counters import IngressCounters
+from taproute.service.host.ingress_control import Control, ControlKind, Item
 
 WhenFull = Literal["block", "reject"]
 
@@ -49,30 +48,6 @@ WAKE_DELAY_S = 0.02
 #: model's core to the loop thread: a model whose hooks pause for a poll or
 #: two (a slow step, a preempted thread) must not pay one per pause.
 PARK_AFTER_S = 1.0
-
-
-#: A flush, a close, a key-lifecycle request (with its keys) or a reload;
-#: ``deliver`` is a flush that waits for full delivery (``flush(wait=True)``).
-ControlKind = Literal["flush", "deliver", "close", "reload"] | KeyAction
-
-
-class Control:
-    """A flush, close, key-lifecycle request (``keys``) or reload (``payload``:
-    the prepared generation), ordered with the batches around it."""
-
-    __slots__ = ("future", "keys", "kind", "payload")
-
-    def __init__(
-        self, kind: ControlKind, keys: tuple[int, ...] = (), payload: object = None
-    ) -> None:
-        self.kind = kind
-        self.keys = keys
-        self.payload = payload
-        #: Done with None, or a flush's report.
-        self.future: Future[Any] = Future()
-
-
-Item = RecordBatch | Control
 
 
 class Ingress:
@@ -322,20 +297,11 @@ class Ingress:
 
     def _seal_pending(self) -> None:
         """With the lock held: turn coalesced single records into one batch."""
-        rows = self._pending_rows
-        if not rows:
+        if not self._pending_rows:
             return
-        payloads = self._pending_payloads
+        batch = coalesce(self._pending_rows, self._pending_payloads)
         self._pending_rows, self._pending_payloads = [], []
-        desc = np.array(rows, dtype=_ROW_DTYPE)
-        full = np.empty(len(rows), dtype=DESCRIPTOR_DTYPE)
-        for name in _ROW_DTYPE.names or ():
-            full[name] = desc[name]
-        lengths = np.fromiter((len(p) for p in payloads), dtype=np.int64, count=len(payloads))
-        full["length"] = lengths
-        full["offset"][0] = 0
-        np.cumsum(lengths[:-1], out=full["offset"][1:])
-        self._queue.append(RecordBatch.from_buffer(full, b"".join(payloads)))
+        self._queue.append(batch)
         self.counters.batches += 1
 
     # -- record worker side ------------------------------------------------
@@ -420,12 +386,3 @@ class Ingress:
                 dropped={hook: dict(r) for hook, r in counters.dropped.items()},
                 skipped={hook: dict(r) for hook, r in counters.skipped.items()},
             )
-
-
-#: Descriptor fields a single-record submit provides (offset/length come at seal time).
-_ROW_DTYPE = np.dtype(
-    [
-        (name, DESCRIPTOR_DTYPE.fields[name][0])  # type: ignore[index]
-        for name in ("output_id", "layout_id", "flags", "key", "step", "seq", "timestamp_ns")
-    ]
-)

@@ -26,7 +26,8 @@ from taproute.routing.plan import Unmatched
 from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.sink import RecordSink, Reloads, WaitsForDelivery
-from taproute.service.host.ingress import Control, Ingress
+from taproute.service.host.ingress import Ingress
+from taproute.service.host.ingress_control import Control
 
 
 class SinkControls:

@@ -1,0 +1,129 @@
+"""The producer's calls of :class:`~taproute.service.host.runtime.RecordRuntime`:
+submit a batch (blocking, never waiting, bounded by ``max_block``, from a
+capture hook, from asyncio) or a single record, and count what a producer
+dropped or skipped.
+
+Each checks what it is handed with the runtime's intake in the producer's own
+thread and queues it on the ingress; none crosses into the loop itself.  A
+mixin of ``RecordRuntime``, which sets the state declared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from taproute.routing.batch import RecordBatch
+from taproute.routing.intake import Intake
+from taproute.service.host.ingress import Ingress
+
+
+class ProducerCalls:
+    """The thread-safe submit verbs, queued on the ingress."""
+
+    # Set by RecordRuntime (and Producer, for the intake).
+    intake: Intake
+    max_block: float | None
+    _ingress: Ingress
+
+    def submit_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> None:
+        """Submit many records sharing one payload buffer, without copying it.
+
+        ``release`` runs once, on the loop thread, after the last route and
+        destination are done with the buffer.  A batch that fails validation
+        is refused whole (and ``release`` is not called: the buffer is still
+        the caller's); blocks while ingress is full.
+        """
+        self._ingress.put_batch(self.intake.batch(descriptors, payload, release))
+
+    def try_submit_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> bool:
+        """``submit_batch`` that never waits: False (nothing queued) when ingress is full.
+
+        Safe on the loop thread itself, where waiting for room would deadlock.
+        """
+        return self._ingress.try_put_batch(self.intake.batch(descriptors, payload, release))
+
+    def offer_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> bool:
+        """``submit_batch`` that waits at most ``max_block`` seconds for ingress room.
+
+        False when the wait ran out: nothing was queued (``release`` is not
+        called; the buffer is still the caller's) and the records are counted
+        as shed.  Without a ``max_block`` it waits as long as ``submit_batch``.
+        The bound a model's capture hooks use, so telemetry never stalls the
+        forward pass longer than the user configured.  It does not wake the
+        loop itself: the batch waits at most the ingress ``wake_delay``.
+        """
+        batch = self.intake.batch(descriptors, payload, release)
+        return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
+
+    def offer_captured(self, batch: RecordBatch) -> bool:
+        """``offer_batch`` for a batch a capture hook built itself.
+
+        Its descriptors come from the hook's record plan (bound output_id,
+        the layout's id, ranges inside the copied buffer), right by
+        construction, so it is queued without the intake's check: that pass
+        would run on the model's thread, and nothing checks it later (the
+        routing sink takes the runtime's batches as checked).  The capture
+        tests run the intake's check over every kind of batch a hook builds.
+        Same ``max_block`` bound and result as :meth:`offer_batch`.
+        """
+        return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
+
+    def count_dropped(self, hook: str, reason: str, records: int) -> None:
+        """Count ``records`` of ``hook`` a producer dropped before submitting (``reason``)."""
+        self._ingress.count_dropped(hook, reason, records)
+
+    def count_skipped(self, hook: str, reason: str) -> None:
+        """Count one call of ``hook`` that captured nothing (``reason``)."""
+        self._ingress.count_skipped(hook, reason)
+
+    async def asubmit_batch(
+        self,
+        descriptors: Any,
+        payload: Any,
+        release: Callable[[], object] | None = None,
+    ) -> None:
+        """``submit_batch`` for asyncio servers: never blocks the event loop.
+
+        When ingress has room the batch is queued at once; when it is full,
+        the wait happens in a worker thread while the event loop runs on.
+        """
+        import asyncio
+
+        batch = self.intake.batch(descriptors, payload, release)
+        if not self._ingress.try_put_batch(batch):
+            await asyncio.get_running_loop().run_in_executor(None, self._ingress.put_batch, batch)
+
+    def submit(
+        self,
+        output_id: int,
+        payload: Any,
+        *,
+        key: int = 0,
+        step: int = 0,
+        seq: int | None = None,
+        timestamp_ns: int | None = None,
+    ) -> None:
+        """Submit one record; its payload bytes are copied into a coalesced batch.
+
+        The layout is the one its hook was bound with (layout 0 otherwise).
+        """
+        row, data = self.intake.record(
+            output_id, payload, key=key, step=step, seq=seq, timestamp_ns=timestamp_ns
+        )
+        self._ingress.put_record(row, data)
