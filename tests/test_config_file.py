@@ -212,6 +212,28 @@ def test_run_drives_the_router_at_a_rate_and_serves_http(tmp_path, chdb_transpor
     assert rows == submitted
 
 
+def test_run_progress_counts_records_once_and_labels_rows_per_destination(
+    tmp_path, chdb_transport, capsys
+):
+    """Two routes take every record: the progress line says how many records
+    were submitted, and the destination's rows as rows (one per route), never
+    a summed "delivered" figure twice the records."""
+    path = write(tmp_path, base(chdb_transport, unique("progress")))
+    assert main(["run", "--config", str(path), "--rate", "2000", "--duration", "0.3"]) == 0
+    out = capsys.readouterr().out
+    redraws = re.findall(r"([\d,]+) records submitted .* rows sent: ch ([\d,]+), failed 0,", out)
+    assert redraws, out
+    found = redraws[-1]  # the last redraw, after the final flush
+    submitted, rows = (int(g.replace(",", "")) for g in found)
+    assert submitted >= 16
+    assert rows == 2 * submitted  # raw and norms each send one row per record
+    assert "delivered" not in out
+    assert (
+        f"destination ch: {rows:,} rows sent (from routes raw {submitted:,}, "
+        f"norms {submitted:,})" in out
+    )
+
+
 class _HangUpOnServing(io.StringIO):
     """Output that sends this process SIGHUP the moment the ``serving`` line is
     written, as a supervisor (or a test) that read the line may do."""

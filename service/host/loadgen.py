@@ -55,7 +55,7 @@ def run_load(
     rate: float,
     duration: float,
     seed: int = 0,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     call_timeout: float | None = None,
 ) -> ServiceSnapshot:
     """Submit ``rate`` records/s for ``duration`` seconds; return the final counters.
@@ -64,6 +64,7 @@ def run_load(
     to apply to it again); the outcome is printed on its own line. SIGINT or
     SIGTERM stops the producer between two submissions, then flushes and
     closes as at the end of ``duration`` (a second SIGINT interrupts at once)."""
+    out = sys.stdout if out is None else out  # the one in place now, not at import
     if not config.producer.hooks:
         raise ConfigFileError(
             config.source, ["producer.hooks: [[producer.hooks]] names no hook to generate for"]
@@ -170,18 +171,41 @@ def _serving(built: BuiltService) -> BuiltService:
     return built if built.http is not None else attrs.evolve(built, http=HttpConfig())
 
 
-def _progress(
-    out: TextIO, elapsed: float, duration: float, submitted: int, counters: ServiceSnapshot
-) -> None:
+#: Destinations named one by one on the progress line; past this many their
+#: rows show as one total (the per-destination lines follow at the end).
+PROGRESS_DESTINATIONS = 3
+
+
+def progress_line(
+    elapsed: float, duration: float, submitted: int, counters: ServiceSnapshot
+) -> str:
+    """The ``taproute run`` progress line: records the producer submitted and,
+    per destination, the rows handed to it.
+
+    Rows, not records: a record two routes take is two rows (one per route),
+    and a processor may emit any number of rows per record, so the rows are
+    never summed into one "delivered" figure beside the records submitted.
+    """
     width = 30
     done = min(1.0, elapsed / duration)
     bar = "#" * int(done * width) + "." * (width - int(done * width))
     blocked = counters.ingress.blocked_seconds
-    delivered = sum(d.records for d in counters.destinations.values())
     failed = sum(r.failed for r in counters.routes.values())
     rate = submitted / elapsed if elapsed > 0 else 0.0
-    out.write(
-        f"\r[{bar}] {done:4.0%} {submitted:>10,} records {rate:>10,.0f}/s "
-        f"delivered {delivered:,} failed {failed:,} blocked {blocked:.2f}s"
+    destinations = counters.destinations
+    if len(destinations) <= PROGRESS_DESTINATIONS:
+        sent = ", ".join(f"{name} {d.records:,}" for name, d in destinations.items()) or "none"
+    else:
+        total = sum(d.records for d in destinations.values())
+        sent = f"{total:,} to {len(destinations)} destinations"
+    return (
+        f"[{bar}] {done:4.0%} {submitted:>10,} records submitted {rate:>10,.0f}/s, "
+        f"rows sent: {sent}, failed {failed:,}, blocked {blocked:.2f}s"
     )
+
+
+def _progress(
+    out: TextIO, elapsed: float, duration: float, submitted: int, counters: ServiceSnapshot
+) -> None:
+    out.write("\r" + progress_line(elapsed, duration, submitted, counters))
     out.flush()

@@ -50,6 +50,13 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
             f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
             f"failed {route.failed:,}"
         )
+    for name, destination in counters.destinations.items():
+        feeding = [r for r in counters.routes.values() if r.destination == name]
+        sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
+        print(
+            f"destination {name}: {destination.records:,} rows sent"
+            + (f" (from routes {sources})" if sources else "")
+        )
     return 0 if counters.failure is None else 1
 
 
