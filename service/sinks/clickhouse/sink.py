@@ -187,7 +187,7 @@ class ClickHouseSink(OwnerInserts):
                     f"table {spec.name!r} does not exist in {self.transport.description}; "
                     "create it, or pass create_tables=True"
                 )
-            self.transport.execute(spec.create_sql())
+            self.transport.execute(spec.create_sql(self.transport.table_settings))
             found = self.transport.describe(spec.name)
             assert found is not None
         check_table(spec, found)

@@ -9,6 +9,7 @@ rows land in one table per output layout, column for column.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import attrs
 import numpy as np
@@ -55,13 +56,16 @@ class TableSpec:
     order_by: str
     raw: bool
 
-    def create_sql(self) -> str:
+    def create_sql(self, settings: Mapping[str, int] | None = None) -> str:
         """``CREATE TABLE IF NOT EXISTS``: MergeTree, with a deduplication window
-        so that a retried insert (same token) is not written twice."""
+        so that a retried insert (same token) is not written twice, and
+        ``settings`` (MergeTree settings, a transport's ``table_settings``)."""
         cols = ",\n  ".join(f"`{c.name}` {c.type}" for c in self.columns)
+        extra = "".join(f", {name} = {int(value)}" for name, value in (settings or {}).items())
         return (
             f"CREATE TABLE IF NOT EXISTS `{self.name}` (\n  {cols}\n) ENGINE = MergeTree "
             f"ORDER BY {self.order_by} SETTINGS non_replicated_deduplication_window = 10000"
+            f"{extra}"
         )
 
     @property

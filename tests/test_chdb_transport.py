@@ -1,0 +1,150 @@
+"""chDB's transport: inserts on connections of their own (in parallel, never
+behind the shared session's lock), each block written once whichever
+connection carries it, and the settings tables created on chDB get."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pyarrow as pa
+
+from taproute.routing import Layout, RecordSchema
+from taproute.service import ClickHouseSink
+from taproute.service.sinks.clickhouse import ChdbTransport, ServerTransport
+from taproute.service.sinks.clickhouse.tables import raw_table_spec
+from taproute.service.sinks.clickhouse.transport import CHDB_TABLE_SETTINGS
+
+HANG_GUARD = 60.0  # seconds; only reached when an insert waits for the held lock
+
+VEC = Layout("vec", [("values", "Array(Float32)", (4,))])
+
+
+def _table(transport: ChdbTransport) -> str:
+    name = "t" + uuid.uuid4().hex[:10]
+    transport.execute(
+        f"CREATE TABLE `{name}` (writer UInt8, block UInt32, v Array(Float32)) "
+        "ENGINE = MergeTree ORDER BY (writer, block) "
+        "SETTINGS non_replicated_deduplication_window = 1000"
+    )
+    return name
+
+
+def _block(writer: int, block: int, rows: int = 20, width: int = 64) -> pa.Table:
+    """``rows`` rows whose every value says which writer and block made it."""
+    values = np.full(rows * width, writer * 1000 + block, dtype=np.float32)
+    offsets = np.arange(0, rows * width + 1, width, dtype=np.int32)
+    return pa.table(
+        {
+            "writer": pa.array(np.full(rows, writer, dtype=np.uint8)),
+            "block": pa.array(np.full(rows, block, dtype=np.uint32)),
+            "v": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+        }
+    )
+
+
+def test_an_insert_does_not_wait_for_the_shared_session(chdb_transport):
+    """A query or DDL holding the directory's shared session (and its lock)
+    does not hold up an insert: inserts run on connections of their own."""
+    table = _table(chdb_transport)
+    done = threading.Event()
+
+    def insert() -> None:
+        chdb_transport.insert(table, _block(1, 1), dedup_token=uuid.uuid4().hex)
+        done.set()
+
+    with chdb_transport._lock:  # what a query on the shared session holds
+        inserter = threading.Thread(target=insert, daemon=True)
+        inserter.start()
+        finished = done.wait(HANG_GUARD)
+    inserter.join(HANG_GUARD)
+    assert finished, "the insert waited for the shared session's lock"
+    count = chdb_transport.query(f"SELECT count() AS n FROM `{table}`")
+    assert count.column("n").to_pylist() == [20]
+
+
+def test_concurrent_inserts_each_land_once_with_their_own_rows(chdb_transport):
+    """Several threads inserting at once (each through ``Python()`` on its own
+    Arrow table) write exactly their own rows; a repeat of a block with its
+    token, from another thread, writes nothing."""
+    table = _table(chdb_transport)
+    writers, blocks = 4, 6
+    tokens = {(w, b): uuid.uuid4().hex for w in range(writers) for b in range(blocks)}
+    errors: list[BaseException] = []
+    start = threading.Barrier(writers)
+
+    def writer(w: int) -> None:
+        try:
+            start.wait(HANG_GUARD)
+            for b in range(blocks):
+                chdb_transport.insert(table, _block(w, b), dedup_token=tokens[w, b])
+            # The retry of another writer's first block: same data, same token.
+            other = (w + 1) % writers
+            chdb_transport.insert(table, _block(other, 0), dedup_token=tokens[other, 0])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,), daemon=True) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_GUARD)
+    assert not errors
+    assert not any(thread.is_alive() for thread in threads)
+    result = chdb_transport.query(
+        f"SELECT writer, block, count() AS n, "
+        f"countIf(arrayAll(x -> x = writer * 1000 + block, v)) AS right "
+        f"FROM `{table}` GROUP BY writer, block ORDER BY writer, block"
+    ).to_pydict()
+    expected = [(w, b) for w in range(writers) for b in range(blocks)]
+    assert list(zip(result["writer"], result["block"], strict=True)) == expected
+    assert result["n"] == [20] * len(expected)
+    assert result["right"] == [20] * len(expected)
+
+
+def test_a_closed_transport_refuses_inserts(chdb_transport):
+    """Closing releases every insert connection (and this transport's share of
+    the directory); a later insert says so, the other transports go on."""
+    transport = ChdbTransport(chdb_transport.path)  # chDB has one directory per process
+    try:
+        table = _table(transport)
+        transport.insert(table, _block(1, 1), dedup_token="a")
+    finally:
+        transport.close()
+    try:
+        transport.insert(table, _block(1, 2), dedup_token="b")
+    except RuntimeError as exc:
+        assert "is closed" in str(exc)
+    else:
+        raise AssertionError("an insert into a closed transport went through")
+    transport.close()  # idempotent
+    count = chdb_transport.query(f"SELECT count() AS n FROM `{table}`")
+    assert count.column("n").to_pylist() == [20]
+
+
+def test_tables_created_on_chdb_merge_less_eagerly(chdb_transport):
+    schema = RecordSchema([VEC])
+    name = "t" + uuid.uuid4().hex[:10] + "_raw_{layout}"
+    sink = ClickHouseSink(
+        chdb_transport,
+        schema,
+        raw=["vec"],
+        raw_table=name,
+        create_tables=True,
+        owns_transport=False,
+    )
+    (table,) = sink.tables
+    created = chdb_transport.query(f"SHOW CREATE TABLE `{table}`").column(0)[0].as_py()
+    for setting, value in CHDB_TABLE_SETTINGS.items():
+        assert f"{setting} = {value}" in created
+    assert "non_replicated_deduplication_window = 10000" in created
+
+
+def test_server_tables_get_only_the_deduplication_window():
+    """A server's version (and the settings it knows) is the user's: tables
+    created there get nothing beyond the deduplication window."""
+    spec = raw_table_spec(VEC, "raw_vec")
+    sql = spec.create_sql(ServerTransport.table_settings)
+    assert sql.endswith("SETTINGS non_replicated_deduplication_window = 10000")
+    assert spec.create_sql() == sql
