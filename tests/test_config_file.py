@@ -329,6 +329,10 @@ def refused(capsys, tmp_path, text: str) -> str:
             ("[http]", "[ingress]\ncapacity_records = -5\n[http]"),
             "ingress.capacity_records: must be in [1, 2**32], found -5",
         ),
+        (
+            ("[http]", "[ingress]\nmax_block = -1\n[http]"),
+            "ingress.max_block: must be in [0, 3600], found -1",
+        ),
         (("port = 0", "port = 70000"), "http.port: must be in [0, 65535], found 70000"),
         (("port = 0", "port = -1"), "http.port: must be in [0, 65535], found -1"),
         # 10.18: no silent coercion.

@@ -147,6 +147,31 @@ def test_a_full_spool_sheds_by_the_configured_policy_and_counts_it(
         assert letters_kept == []
 
 
+def test_the_files_ingress_max_block_bounds_a_full_spools_wait(
+    tmp_path, chdb_transport, monkeypatch
+):
+    """``[ingress] max_block`` is the built service's capture budget, and so the
+    default ``spool_block_timeout``: a spool at its quota on a destination that
+    is down sheds (counted) instead of holding ``submit`` until there is room.
+    (A config-built service had no way to set a budget: the file refused the
+    key and ``start()`` passed none, so this blocked for good.)"""
+    prefix = unique("mb")
+    lines = f'spool_dir = "{tmp_path / "spool"}"\nspool_quota_bytes = 600\n'
+    text = with_spool(base(chdb_transport, prefix), lines)
+    text = text.replace("[http]", "[ingress]\nmax_block = 0.05\n\n[http]", 1)
+    faulty_chdb(monkeypatch, down=True)
+    with load_config(write(tmp_path, text)).build() as built, built.start() as runtime:
+        assert runtime.max_block == 0.05
+        q = runtime.bind_hook("layers.0", layout="vec")
+        for seq in range(30):
+            runtime.submit(q, np.full(4, seq, np.float32), seq=seq)
+            runtime.flush()  # one batch (one frame) per record
+        assert runtime.failure is None
+        status = runtime.snapshot().destinations["ch"]
+        shed = status.spool_shed_records
+        assert shed is not None and 0 < shed < 60
+
+
 def test_dead_letter_when_full_needs_a_dead_letter_store(tmp_path):
     text = """
 [[layouts]]

@@ -42,6 +42,7 @@ class BuiltService:
             capacity_records=ingress.capacity_records,
             capacity_bytes=ingress.capacity_bytes,
             when_full=ingress.when_full,
+            max_block=ingress.max_block,
             http=self.http,
             dead_letters=self.dead_letters,
         )

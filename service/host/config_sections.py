@@ -28,11 +28,18 @@ class RoutingOptions:
 
 @attrs.frozen(kw_only=True)
 class IngressOptions:
-    """Bounds of the runtime's ingress and what a full ingress does to producers."""
+    """Bounds of the runtime's ingress and what a full ingress does to producers.
+
+    ``max_block``: seconds a capture hook may wait for ingress room before its
+    records are shed and counted (``create_record_runtime(max_block=...)``;
+    also the default ``spool_block_timeout``); unset, a full ingress blocks
+    the model until there is room.
+    """
 
     capacity_records: int = QUEUE_RECORDS
     capacity_bytes: int = QUEUE_BYTES
     when_full: Literal["block", "reject"] = "block"
+    max_block: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -60,5 +67,12 @@ class ProducerConfig:
 
 
 add_limits(CausalLimits, CAUSAL_LIMITS)
-add_limits(IngressOptions, {"capacity_records": Limit(1, 2**32), "capacity_bytes": Limit(1, 2**44)})
+add_limits(
+    IngressOptions,
+    {
+        "capacity_records": Limit(1, 2**32),
+        "capacity_bytes": Limit(1, 2**44),
+        "max_block": Limit(0, 3600),
+    },
+)
 add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})
