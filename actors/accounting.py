@@ -29,4 +29,14 @@ def flush_report(snapshot: RouterSnapshot, *, parked_durable: bool, waited: bool
         unmatched_forwarded=snapshot.unmatched_forwarded,
         unmatched_dropped=snapshot.unmatched_dropped,
         waited=waited,
+        shed_records={
+            name: destination.spool_shed_records
+            for name, destination in snapshot.destinations.items()
+            if destination.spool_shed_records is not None
+        },
+        refused_records={
+            name: destination.refused_records
+            for name, destination in snapshot.destinations.items()
+            if destination.refused_records is not None
+        },
     )

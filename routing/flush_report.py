@@ -3,7 +3,9 @@
 ``flush()`` returns once every record accepted before it is in one of these
 states: **delivered** (its route processed it, or forwarded it, and the
 destination flushed the result: written, or durable in the destination's
-spool), **dead-lettered** (given up, handed to the failure handler),
+spool; a spooling destination may still shed or refuse it afterwards,
+counted per destination in ``shed_records`` / ``refused_records``),
+**dead-lettered** (given up, handed to the failure handler),
 **dropped** (discarded by an explicit, counted policy: a cancel, terminal
 records with ``terminal_records = "drop"``) or **parked** (waiting for a
 retry, or behind a failing record of its key).  Parked records are durable
@@ -48,6 +50,11 @@ class FlushReport:
     in it (delivered as far as a flush is concerned: durable on local disk).
     ``unmatched_forwarded`` / ``unmatched_dropped``: records no route took.
     ``waited``: the flush waited for full delivery (``wait=True``).
+    ``shed_records`` / ``refused_records``: per destination with a spool, the
+    records it took from its routes (so ``delivered`` there) and then did not
+    write, since the sink started: shed by its full spool's policy (dropped,
+    or dead-lettered as ``spool_full``), or refused by the destination
+    (dead-lettered as ``destination_refused``).
     """
 
     routes: dict[str, RouteAccount]
@@ -56,6 +63,8 @@ class FlushReport:
     unmatched_forwarded: int
     unmatched_dropped: int
     waited: bool = False
+    shed_records: dict[str, int] = attrs.field(factory=dict)
+    refused_records: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def parked(self) -> int:

@@ -99,6 +99,9 @@ def test_a_config_destination_dead_letters_only_the_records_it_refuses(
                 runtime.submit(q, np.full(4, seq, np.float32), seq=seq)
             runtime.flush()  # the refused block is durable in the spool, nothing latched
             assert runtime.failure is None
+            report = runtime.flush(wait=True)  # drained: the refused block split
+            assert report is not None and report.refused_records == {"ch": 1}
+            assert report.shed_records == {"ch": 0}
         # Closing delivered what the spool held (the destination is healthy):
         # the refused group was split and only record 21 dead-lettered.
         store = built.dead_letters
@@ -130,13 +133,17 @@ def test_a_full_spool_sheds_by_the_configured_policy_and_counts_it(
         q = runtime.bind_hook("layers.0", layout="vec")
         for seq in range(30):
             runtime.submit(q, np.full(4, seq, np.float32), seq=seq)
-            runtime.flush()  # one batch (one frame) per record
+            report = runtime.flush()  # one batch (one frame) per record
         assert runtime.failure is None  # a full spool never latches the router
         status = runtime.snapshot().destinations["ch"]
         # 30 raw records and their 30 norm rows, all to the one destination
         assert status.healthy == 0 and status.records == 60
         shed = status.spool_shed_records
         assert shed is not None and 0 < shed < 60
+        # The routes handed every record over ("delivered" for them); the
+        # flush report also says how many the destination shed after that.
+        assert report is not None and report.routes["raw"].delivered == 30
+        assert report.shed_records == {"ch": shed}
         assert built.dead_letters is not None
         letters_kept = built.dead_letters.list()
     if policy == "dead_letter":
