@@ -133,10 +133,26 @@ class RoutePlan:
         self.default_destination = default_destination if unmatched == "default" else None
         routes: list[PlannedRoute] = []
         for i, route in enumerate(config.routes):
+            # A route's destination and its processor are checked apart, so a
+            # route wrong in both gets both reported.
+            unknown = route.destination not in known
+            if unknown:
+                errors.append(
+                    at(
+                        UnknownDestination(
+                            f"route {route.name!r}: unknown destination "
+                            f"{route.destination!r}; given {sorted(known)}"
+                        ),
+                        f"routes[{i}]",
+                    )
+                )
             try:
-                routes.append(_plan_route(i, route, schema, known, registry))
+                planned = _plan_route(i, route, schema, registry)
             except ConfigError as exc:
                 errors.append(at(exc, f"routes[{i}]"))
+                continue
+            if not unknown:
+                routes.append(planned)
         chains: Chains | None = None
         if len(routes) == len(config.routes):
             chains, chain_errors = resolve_chains(
@@ -186,13 +202,9 @@ class RoutePlan:
 
 
 def _plan_route(
-    index: int, route: Route, schema: RecordSchema, known: set[str], registry: ProcessorRegistry
+    index: int, route: Route, schema: RecordSchema, registry: ProcessorRegistry
 ) -> PlannedRoute:
     where = f"route {route.name!r}"
-    if route.destination not in known:
-        raise UnknownDestination(
-            f"{where}: unknown destination {route.destination!r}; given {sorted(known)}"
-        )
     hooks = [o for o in route.outputs if not o.startswith(DERIVED_PREFIX)]
     # No hook output (the route only takes other routes' output): match no hook.
     pattern = re.compile("|".join(f"(?:{translate(o)})" for o in hooks) or "(?!)")

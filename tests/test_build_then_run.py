@@ -47,6 +47,20 @@ def test_every_plan_problem_is_reported_together_at_its_location():
     assert "destination 'bad': expected a RecordSink" in message
 
 
+def test_a_route_wrong_twice_gets_both_problems_reported():
+    """A route with an unknown destination *and* an unknown processor: both
+    are reported (only the destination was; fixing it then showed the next)."""
+    config = RoutingConfig([Route("twice", "a", "nowhere", mode="stateless", processor="no.such")])
+    with pytest.raises(PlanErrors) as caught:
+        RoutingSink(config, SCHEMA, {"out": NullSink()}, unmatched="drop")
+    assert [(type(e), e.where) for e in caught.value.errors] == [
+        (UnknownDestination, "routes[0]"),
+        (UnknownProcessor, "routes[0]"),
+    ]
+    assert "route 'twice': unknown destination 'nowhere'; given ['out']" in str(caught.value)
+    assert "route 'twice': unknown processor 'no.such'" in str(caught.value)
+
+
 def test_one_problem_still_raises_its_own_class_with_its_location():
     with pytest.raises(UnknownDestination, match="route 'r': unknown destination") as caught:
         RoutingSink(RoutingConfig([Route("r", "a", "x")]), SCHEMA, {"out": NullSink()}, "out")
