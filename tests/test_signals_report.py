@@ -101,3 +101,35 @@ def test_report_command_writes_charts_and_fails_clearly_without_tables(
     assert "index.html" in capsys.readouterr().out
     assert main([*args, "--prefix", "nothing_here_"]) == 1
     assert "no signal table with rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["report", "--data", "{typo}", "--out", "{out}"],
+        [
+            "replay",
+            "--chdb",
+            "{typo}",
+            "--schema",
+            "tests.processors:SCHEMA",
+            "--layout",
+            "vec",
+            "--processor",
+            "test.norms",
+            "--dry-run",
+        ],
+    ],
+)
+def test_a_mistyped_chdb_directory_is_bad_input_and_not_created(tmp_path, capsys, command):
+    """``report --data`` / ``replay --chdb`` name a directory to read: a path
+    with nothing there is refused as bad input (exit 2, naming it), and left
+    absent (chDB created it, and the command then failed on the empty store)."""
+    typo = tmp_path / "taproute-dtaa"
+    args = [a.format(typo=typo, out=tmp_path / "out") for a in command]
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert f"--{args[1].lstrip('-')} {typo}: no chDB directory there" in capsys.readouterr().err
+    assert not typo.exists()
+    assert not (tmp_path / "out").exists()

@@ -122,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"dead-letters {args.action} takes no --route (list and reroute do)")
         if args.action == "reroute" and args.url is None and args.config is None:
             parser.error("dead-letters reroute needs --config (or --url)")
+    # What reads a chDB directory never makes one: chDB would create a mistyped
+    # path, and the command would then fail on an empty store (exit 1).
+    if args.command == "report" and args.url is None and not args.data.is_dir():
+        parser.error(f"report --data {args.data}: no chDB directory there")
+    if args.command == "replay" and args.chdb is not None and not args.chdb.is_dir():
+        parser.error(f"replay --chdb {args.chdb}: no chDB directory there")
     if args.command == "trace":
         if args.samples and (args.url is not None or args.hook is not None):
             parser.error("trace --samples takes --config only (the samples are its routes')")
