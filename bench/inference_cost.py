@@ -17,7 +17,14 @@ hooks), torch on one thread.  Variants, per forward pass:
   (data persisted);
 - ``taproute_chdb_process``: the same, with chDB in a writer process
   (``WriterProcessSink``; hooks copy into its shared-memory pool, so only
-  descriptors cross), timed the same two ways.
+  descriptors cross), timed the same two ways;
+- ``naive_chdb``: the until-flush figures' peer, which persists the same
+  rows: the naive copy hook, then after the forward passes one insert of
+  everything it kept (padding cut off, one row per sequence and hook, with
+  its hook, key and shape, as the raw table holds it) into a chDB table,
+  timed until the insert returned.  The targets stay those of the issue (against the naive copy,
+  which persists nothing); this peer says what persisting costs a user who
+  writes it directly.
 
 Hold time is measured in separate rounds (timer hooks registered around the
 measured hook would otherwise weigh on the timed forwards), naive and
@@ -47,6 +54,7 @@ from harness import (
 
 from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
+from taproute.service.sinks.clickhouse import ChdbTransport
 from taproute.service.sinks.writer import WriterProcessSink
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
@@ -105,6 +113,75 @@ def naive_hooks(model: torch.nn.Module, patterns: list[str], kept: list[Any]) ->
     ]
 
 
+NAIVE_TABLE = (
+    "CREATE TABLE IF NOT EXISTS naive_acts (hook LowCardinality(String), key Int64, "
+    "values Array(Float32), values_shape Array(UInt32)) ENGINE = MergeTree ORDER BY (hook, key)"
+)
+
+
+def naive_persist(
+    model: torch.nn.Module, patterns: list[str], mask: torch.Tensor, transport: ChdbTransport
+) -> Callable[[Callable[[], float]], tuple[float, float]]:
+    """The naive copy hook (named), then one insert of what it kept: a user
+    persisting the same rows as taproute's raw table without taproute.
+    Returns ``run(passes) -> (seconds per pass forward, seconds until the
+    insert returned)``."""
+    import fnmatch
+
+    lengths = mask.sum(dim=1).tolist()
+    kept: list[tuple[str, Any]] = []
+    blocks = iter(range(1, 1 << 62))
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            tensor = output[0] if isinstance(output, tuple) else output
+            kept.append((name, tensor.detach().cpu().numpy().copy()))
+
+        return hook
+
+    def run(passes: Callable[[], float]) -> tuple[float, float]:
+        import numpy as np
+        import pyarrow as pa
+
+        handles = [
+            module.register_forward_hook(hook_for(name))
+            for name, module in model.named_modules()
+            if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        ]
+        try:
+            started = time.perf_counter()
+            per_pass = passes()
+            rows = [
+                (n, row[:length])
+                for n, out in kept
+                for row, length in zip(out, lengths, strict=True)
+            ]
+            flat = np.concatenate([r.reshape(-1) for _, r in rows])
+            sizes = np.array([r.size for _, r in rows], dtype=np.int32)
+            offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(sizes, out=offsets[1:])
+            shapes = np.array([r.shape for _, r in rows], dtype=np.uint32).reshape(-1)
+            table = pa.table(
+                {
+                    "hook": pa.array([n for n, _ in rows]).dictionary_encode(),
+                    "key": pa.array(np.tile(np.arange(len(lengths)), len(kept))),
+                    "values": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)),
+                    "values_shape": pa.ListArray.from_arrays(
+                        pa.array(np.arange(0, shapes.size + 1, 2, dtype=np.int32)),
+                        pa.array(shapes),
+                    ),
+                }
+            )
+            transport.insert("naive_acts", table, dedup_token=f"naive-{next(blocks)}")
+            return per_pass, (time.perf_counter() - started)
+        finally:
+            for handle in handles:
+                handle.remove()
+            kept.clear()
+
+    return run
+
+
 def hooked_modules(model: torch.nn.Module, patterns: list[str]) -> list[torch.nn.Module]:
     import fnmatch
 
@@ -131,7 +208,11 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     process_runtime = create_record_runtime(record_sink=process_sink)
     flush_times: list[float] = []
     process_flush_times: list[float] = []
+    naive_persisted_times: list[float] = []
     kept: list[Any] = []
+    naive_transport = ChdbTransport(f"{data_dir}/{name}")  # chDB: one directory per process
+    naive_transport.execute(NAIVE_TABLE)
+    persist = naive_persist(model, patterns, mask, naive_transport)
 
     def run_passes() -> float:
         started = time.perf_counter()
@@ -151,6 +232,11 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
             for handle in handles:
                 handle.remove()
             kept.clear()
+
+    def naive_chdb() -> float:
+        per_pass, until_inserted = persist(run_passes)
+        naive_persisted_times.append(until_inserted / passes)
+        return per_pass
 
     def with_taproute(
         runtime: Any, flush_into: list[float] | None, pool: Any = None
@@ -183,10 +269,12 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         "taproute_chdb_process": with_taproute(
             process_runtime, process_flush_times, process_sink.buffer_pool
         ),
+        "naive_chdb": naive_chdb,
     }
     results = interleave(variants, repeat=args.repeat, warmup=1)
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
     results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
+    results["naive_chdb_persisted"] = summary(naive_persisted_times[-args.repeat :])
     holds = hold_times(
         model, patterns, forward, ids, mask, keys, null_runtime, kept, rounds=args.repeat
     )
@@ -194,6 +282,7 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     null_runtime.close()
     chdb_runtime.close()
     process_runtime.close()
+    naive_transport.close()
     return {
         "results": results,
         "holds": holds,
@@ -333,6 +422,22 @@ def main() -> None:
                         higher_is_better=False,
                     )
                 )
+            for flushed, label in (
+                ("taproute_chdb_flushed", "taproute -> chDB"),
+                ("taproute_chdb_process_flushed", "taproute -> chDB writer process"),
+            ):
+                comparisons.append(
+                    comparison(
+                        f"{name}: until the rows are persisted, {label} vs naive copy + "
+                        "one chDB insert",
+                        results[flushed],
+                        results["naive_chdb_persisted"],
+                        taproute_label=f"{label} (until flush)",
+                        peer_label="naive copy, then one insert (until it returned)",
+                        unit="s per forward",
+                        higher_is_better=False,
+                    )
+                )
             for variant, summ in results.items():
                 ratio = summ["median"] / base["median"]
                 rows.append(
@@ -351,6 +456,7 @@ def main() -> None:
             flushed_ratio = results["taproute_chdb_flushed"]["median"] / base["median"]
             process_ratio = results["taproute_chdb_process"]["median"] / base["median"]
             process_flushed = results["taproute_chdb_process_flushed"]["median"] / base["median"]
+            persisted = results["naive_chdb_persisted"]["median"] / base["median"]
             notes.append(
                 f"{name} ({measured['hooks']} hooks, {tokens} real of "
                 f"{measured['padded_tokens_per_pass']} positions per pass): forward time "
@@ -362,6 +468,13 @@ def main() -> None:
                 f"{fmt(holds['naive']['p50'] * 1e6)}/{fmt(holds['naive']['p99'] * 1e6)} us, "
                 f"taproute {fmt(holds['taproute_null']['p50'] * 1e6)}/"
                 f"{fmt(holds['taproute_null']['p99'] * 1e6)} us."
+            )
+            notes.append(
+                f"{name}: the naive copy hook followed by one insert of the same rows into "
+                f"chDB took {fmt(persisted)}x the no-hooks forward time until the insert "
+                f"returned (taproute until flush: {fmt(flushed_ratio)}x in-process, "
+                f"{fmt(process_flushed)}x writer process); the until-flush targets are "
+                "set against the naive copy alone, which persists nothing."
             )
             targets.append(
                 target(

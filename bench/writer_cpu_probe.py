@@ -11,7 +11,9 @@ system, 10 ms ticks), so a loaded machine's waits are not counted as work:
 per round for the model thread, the model process's other threads and the
 writer process, and for the rounds together by thread name (chDB's own
 threads: ``ThreadPool`` inserts, ``MergeMutate`` merges; ``Trio thread N``
-the sink's insert threads: Arrow build and ``Connection.query``).  The output
+the sink's insert threads: Arrow build and ``Connection.query``), and per
+thread name while ``flush()`` runs (from ``schedstat``, nanoseconds): what
+the time until flush returns is made of once the model is done.  The output
 is printed; keep it under ``bench/profiles/`` with the commit.
 """
 
@@ -56,11 +58,30 @@ def by_thread(pid: int) -> dict[str, tuple[str, float]]:
     return out
 
 
-def by_name(pid: int) -> collections.Counter[str]:
-    totals: collections.Counter[str] = collections.Counter()
-    for name, seconds in by_thread(pid).values():
-        totals[name] += seconds
-    return totals
+def on_cpu(pid: int) -> dict[str, tuple[str, float]]:
+    """Per thread id: its name and seconds on CPU (``schedstat``: nanoseconds,
+    where ``stat`` counts 10 ms ticks, too coarse for a flush of tens of ms)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:
+            continue
+        out[tid] = (name, ns / 1e9)
+    return out
+
+
+def spent_by_name(
+    before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]
+) -> collections.Counter[str]:
+    """CPU seconds between two :func:`on_cpu` readings, per thread name at the
+    end (chDB renames pool threads while they run a query, so names are
+    compared per thread id, never summed per name first)."""
+    spent: collections.Counter[str] = collections.Counter()
+    for tid, (name, seconds) in after.items():
+        spent[name] += seconds - before.get(tid, (name, 0.0))[1]
+    return spent
 
 
 def main() -> None:
@@ -86,19 +107,28 @@ def main() -> None:
         for pattern in patterns:
             bind_modules(runtime, model, pattern, layout="acts", pool=pool)
         per_round = []
-        start: collections.Counter[str] = collections.Counter()
+        start: dict[str, tuple[str, float]] = {}
+        # CPU per thread name while flush() runs (the model is done): the tail.
+        tail: collections.Counter[str] = collections.Counter()
+        watched_pids = [me] + ([watched] if kind == "process" else [])
         for r in range(rounds + 1):  # round 0 warms up
             if r == 1:
-                start = by_name(watched)
+                start = on_cpu(watched)
             before = by_thread(me)
             child_before = cpu(watched) if kind == "process" else 0.0
             began = time.perf_counter()
             with torch.inference_mode(), capture_context(keys, attention_mask=mask):
                 for _ in range(5):
                     forward(ids, mask)
+            tail_before = [on_cpu(pid) for pid in watched_pids]
             forwarded = time.perf_counter()
             runtime.flush()
             flushed = time.perf_counter()
+            if r:
+                for pid, before_tail in zip(watched_pids, tail_before, strict=True):
+                    prefix = "model process: " if pid == me else "writer process: "
+                    for name, seconds in spent_by_name(before_tail, on_cpu(pid)).items():
+                        tail[prefix + name] += seconds
             after = by_thread(me)
             child = (cpu(watched) - child_before) if kind == "process" else 0.0
             if r:
@@ -107,8 +137,7 @@ def main() -> None:
                     v[1] - before.get(k, ("", 0.0))[1] for k, v in after.items() if k != model_tid
                 )
                 per_round.append((model_cpu, others, child, forwarded - began, flushed - forwarded))
-        names = by_name(watched)
-        names.subtract(start)
+        names = spent_by_name(start, on_cpu(watched))
 
         def med(i: int) -> float:
             return statistics.median(p[i] for p in per_round)
@@ -122,6 +151,8 @@ def main() -> None:
         watched_what = "writer process" if kind == "process" else "model process"
         top = [(k, round(v, 2)) for k, v in names.most_common(6)]
         print(f"  {watched_what} CPU s by thread name over the rounds: {top}")
+        tail_top = [(k, round(v / rounds * 1e3, 1)) for k, v in tail.most_common(8) if v > 0]
+        print(f"  during flush() (the tail), CPU ms per round by thread name: {tail_top}")
         runtime.close()
 
 
