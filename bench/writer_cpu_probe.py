@@ -84,6 +84,43 @@ def spent_by_name(
     return spent
 
 
+def watch_blocks(sink: ClickHouseSink) -> list[tuple[float, float, float, float]]:
+    """Record each block of ``sink`` (in-process) as (sealed, insert began,
+    insert ended, MB), by wrapping this instance's seal and insert."""
+    blocks: list[tuple[float, float, float, float]] = []
+    sealed: dict[int, float] = {}
+    seal, insert = sink._seal, sink._insert_blocking
+
+    def timed_seal(table: str) -> None:
+        if sink._buffers[table].items:
+            sealed[id(sink._buffers[table])] = time.perf_counter()
+        seal(table)
+
+    def timed_insert(table: str, buffer: Any, token: str) -> None:
+        began = time.perf_counter()
+        insert(table, buffer, token)
+        at = sealed.pop(id(buffer), began)
+        blocks.append((at, began, time.perf_counter(), buffer.bytes / 1e6))
+
+    sink._seal = timed_seal  # type: ignore[method-assign]
+    sink._insert_blocking = timed_insert  # type: ignore[method-assign]
+    return blocks
+
+
+def timeline(
+    blocks: list[tuple[float, float, float, float]], began: float, forwarded: float, end: float
+) -> str:
+    """One round's blocks in ms from its start: sealed, insert began-ended."""
+
+    def ms(t: float) -> str:
+        return f"{(t - began) * 1e3:.0f}"
+
+    shown = " ".join(
+        f"[{mb:.1f} MB sealed@{ms(s)} insert {ms(b)}-{ms(e)}]" for s, b, e, mb in sorted(blocks)
+    )
+    return f"forward ended @{ms(forwarded)}, flush returned @{ms(end)} ms: {shown}"
+
+
 def main() -> None:
     kind = sys.argv[1] if len(sys.argv) > 1 else "process"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -106,6 +143,7 @@ def main() -> None:
         runtime = create_record_runtime(record_sink=sink)
         for pattern in patterns:
             bind_modules(runtime, model, pattern, layout="acts", pool=pool)
+        blocks = watch_blocks(sink) if kind == "thread" else None
         per_round = []
         start: dict[str, tuple[str, float]] = {}
         # CPU per thread name while flush() runs (the model is done): the tail.
@@ -117,6 +155,8 @@ def main() -> None:
             before = by_thread(me)
             child_before = cpu(watched) if kind == "process" else 0.0
             began = time.perf_counter()
+            if blocks is not None:
+                blocks.clear()
             with torch.inference_mode(), capture_context(keys, attention_mask=mask):
                 for _ in range(5):
                     forward(ids, mask)
@@ -124,6 +164,8 @@ def main() -> None:
             forwarded = time.perf_counter()
             runtime.flush()
             flushed = time.perf_counter()
+            if r and blocks is not None:
+                print(f"  round {r}: " + timeline(blocks, began, forwarded, flushed))
             if r:
                 for pid, before_tail in zip(watched_pids, tail_before, strict=True):
                     prefix = "model process: " if pid == me else "writer process: "
