@@ -101,7 +101,7 @@ def run_sink(transport: Transport, data, table: str, routed: bool) -> float:
 def run_bare(transport: Transport, data, table: str) -> float:
     transport.execute(f"DROP TABLE IF EXISTS `{table}`")
     spec = raw_table_spec(SCHEMA.layout("act"), table)
-    transport.execute(spec.create_sql())
+    transport.execute(spec.create_sql(transport.table_settings))  # as the sink creates it
     hooks = HookRegistry()
     for i in range(4):
         hooks.bind(f"layers.{i}.act")

@@ -115,7 +115,8 @@ def naive_hooks(model: torch.nn.Module, patterns: list[str], kept: list[Any]) ->
 
 NAIVE_TABLE = (
     "CREATE TABLE IF NOT EXISTS naive_acts (hook LowCardinality(String), key Int64, "
-    "values Array(Float32), values_shape Array(UInt32)) ENGINE = MergeTree ORDER BY (hook, key)"
+    "values Array(Float32), values_shape Array(UInt32)) ENGINE = MergeTree ORDER BY (hook, key) "
+    "SETTINGS non_replicated_deduplication_window = 10000"
 )
 
 
@@ -211,7 +212,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     naive_persisted_times: list[float] = []
     kept: list[Any] = []
     naive_transport = ChdbTransport(f"{data_dir}/{name}")  # chDB: one directory per process
-    naive_transport.execute(NAIVE_TABLE)
+    settings = "".join(f", {k} = {v}" for k, v in naive_transport.table_settings.items())
+    naive_transport.execute(NAIVE_TABLE + settings)  # the settings taproute's tables get
     persist = naive_persist(model, patterns, mask, naive_transport)
 
     def run_passes() -> float:

@@ -362,7 +362,7 @@ def bare_soak(folder: str, duration: float) -> dict[str, Any]:
     table = f"soak_bare_{time.time_ns()}"
     layout = SCHEMA.layout(SHAPE)
     spec = raw_table_spec(layout, table)
-    transport.execute(spec.create_sql())
+    transport.execute(spec.create_sql(transport.table_settings))  # as the sink creates it
     hooks = HookRegistry()
     hook = hooks.bind("a", layout=SHAPE)
     desc = descriptors(hook, SHAPE, PER_BATCH)
