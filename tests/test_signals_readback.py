@@ -77,3 +77,21 @@ def test_a_missing_table_or_a_hook_that_is_not_a_name_is_a_read_back_error(raw):
     with pytest.raises(ReadBackError, match=r"hook must be a name or a glob \(str\), got int"):
         load_captures(raw, TABLE, hook=5)  # type: ignore[arg-type]
     assert len(load_captures(raw, TABLE, hook="head", key=0)) == 4
+
+
+@pytest.mark.parametrize(
+    ("filters", "named"),
+    [
+        ({"key": 1.5}, "key"),
+        ({"key": [0, 2.7]}, "key"),
+        ({"steps": (0.5, 3)}, "steps"),
+        ({"layer": "x"}, "layer"),
+        ({"layer": 1.9}, "layer"),
+        ({"key": True}, "key"),
+    ],
+)
+def test_a_filter_that_is_not_an_integer_is_refused_by_name(raw, filters, named):
+    """``key=1.5`` read key 1 and ``layer=1.9`` layer 1 (silently rounded);
+    ``layer="x"`` was int()'s bare ValueError."""
+    with pytest.raises(ReadBackError, match=rf"^{named} must be integers, got "):
+        load_captures(raw, TABLE, **filters)

@@ -70,6 +70,14 @@ def _glob_regex(pattern: str) -> str:
     return "".join(out) + "$"
 
 
+def _integer(name: str, value: object) -> int:
+    """``value`` as a filter's integer; anything else (``1.5``, ``"3"``, a bool)
+    is refused by name, never rounded into another key, step or layer."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    raise ReadBackError(f"{name} must be integers, got {type(value).__name__} {value!r}")
+
+
 def _where(
     *,
     hook: str | None,
@@ -88,14 +96,18 @@ def _where(
         else:
             terms.append(f"hook = {_literal(hook)}")
     if key is not None:
-        keys = [int(key)] if isinstance(key, (int, np.integer)) else [int(k) for k in key]
+        if isinstance(key, Iterable) and not isinstance(key, (str, bytes)):
+            keys = [_integer("key", k) for k in key]
+        else:
+            keys = [_integer("key", key)]
         terms.append(f"key IN ({', '.join(map(str, keys)) or 'NULL'})")
     if steps is not None:
-        terms.append(f"step >= {int(steps[0])} AND step < {int(steps[1])}")
+        first, stop = steps
+        terms.append(f"step >= {_integer('steps', first)} AND step < {_integer('steps', stop)}")
     if layer is not None:
-        terms.append(f"extract(hook, '[0-9]+') = {_literal(str(int(layer)))}")
+        terms.append(f"extract(hook, '[0-9]+') = {_literal(str(_integer('layer', layer)))}")
     for column, value in (extra or {}).items():
-        terms.append(f"`{column}` = {int(value)}")
+        terms.append(f"`{column}` = {_integer(column, value)}")
     return f" WHERE {' AND '.join(terms)}" if terms else ""
 
 
