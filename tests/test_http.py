@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -134,3 +137,18 @@ def test_healthz_reports_a_latched_failure():
     assert json.loads(body)["failure"].endswith("OSError: disk full")
     with pytest.raises(RoutingFailure):
         runtime.close()
+
+
+def test_an_address_in_use_is_an_error_naming_it():
+    """Hypercorn's own error was a bare ``[Errno 98] Address already in use``."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t for t in threading.enumerate() if not t.name.startswith("Trio thread ")}
+        with pytest.raises(OSError) as caught:
+            create_record_runtime(record_sink=NullSink(), http=HttpConfig(port=port))
+    assert caught.value.errno == errno.EADDRINUSE
+    assert f"HTTP endpoint: cannot listen on 127.0.0.1:{port}: " in str(caught.value)
+    after = {t for t in threading.enumerate() if not t.name.startswith("Trio thread ")}
+    assert after <= before  # the runtime's loop thread is gone too

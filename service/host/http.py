@@ -8,6 +8,7 @@ the Trio loop thread, so handlers read counters without crossing threads.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -134,13 +135,33 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     return json_error(500, f"internal error: {type(exc).__name__}")
 
 
+def _check_listen(config: HttpConfig) -> None:
+    """Bind the address once before hypercorn does, so that failing says which
+    address (hypercorn's own error is the bare ``[Errno 98] Address already in
+    use``, with several services in a process no clue which endpoint)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn
+            probe.bind((config.host, config.port))
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"HTTP endpoint: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+        ) from None
+
+
 async def serve_http(
     app: Starlette,
     config: HttpConfig,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` until cancelled; ``task_status`` gets the bound URLs."""
+    """Serve ``app`` until cancelled; ``task_status`` gets the bound URLs.
+
+    An address that cannot be listened on raises :class:`OSError` naming it
+    (``cannot listen on 127.0.0.1:9464: Address already in use``)."""
+    _check_listen(config)
     hypercorn_config = Config()
     hypercorn_config.bind = [f"{config.host}:{config.port}"]
     hypercorn_config.accesslog = None
