@@ -306,8 +306,12 @@ def _factory(
 ) -> Callable[[], RecordSink]:
     path = dest.path_under(source.parent)
 
+    # A spooled server destination starts while its server is down: batches
+    # spool, its tables are checked when the server is first reached.
+    later = dest.spool != "off" and dest.writer == "thread"
+
     def make() -> RecordSink:
-        inner = open_destination(source, name, dest, schema, path)
+        inner = open_destination(source, name, dest, schema, path, check_later=later)
         return spooled(source, name, dest, inner, dead_letters)
 
     return make

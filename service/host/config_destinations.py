@@ -248,13 +248,21 @@ def _quiet(logger_name: str) -> Iterator[None]:
 
 
 def open_destination(
-    source: Path, name: str, dest: DestinationConfig, schema: RecordSchema, path: Path | None
+    source: Path,
+    name: str,
+    dest: DestinationConfig,
+    schema: RecordSchema,
+    path: Path | None,
+    *,
+    check_later: bool = False,
 ) -> ClickHouseSink | WriterProcessSink:
     """Open the sink of ``[destinations.NAME]`` (its tables checked, or created).
 
     Every failure (an unreachable server, a chDB directory another process
     holds, a table that doesn't match the schema) is a :class:`ConfigFileError`
-    naming the file and the key.
+    naming the file and the key.  With ``check_later`` (a spooled server
+    destination of a starting service), an unreachable server is not a
+    failure: its tables are checked when it is first reached.
     """
     where = f"destinations.{name}"
     options: dict[str, object] = {
@@ -283,6 +291,8 @@ def open_destination(
         if dest.writer == "process":
             assert dest.url is not None
             return WriterProcessSink.server(schema, dest.url, **options)
+        if check_later:
+            options["when_unreachable"] = "check_later"
         with _quiet("clickhouse_connect"):  # its log line would repeat our one-line error
             return ClickHouseSink.server(schema, dest.url, **options)
     except ConfigFileError:

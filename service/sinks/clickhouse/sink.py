@@ -24,7 +24,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pyarrow as pa
@@ -38,13 +38,11 @@ from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
-from taproute.service.sinks.clickhouse.deduplication import check_deduplication
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
 from taproute.service.sinks.clickhouse.owner_inserts import OwnerInserts
+from taproute.service.sinks.clickhouse.table_checks import TableChecks
 from taproute.service.sinks.clickhouse.tables import (
-    MissingTable,
     TableSpec,
-    check_table,
     raw_table_spec,
     rows_table_spec,
     split_by_table,
@@ -52,10 +50,11 @@ from taproute.service.sinks.clickhouse.tables import (
 from taproute.service.sinks.clickhouse.transport import (
     ChdbTransport,
     ServerTransport,
-    ServerUnreachable,
     Transport,
-    connection_failure,
 )
+
+#: What a sink does when its server can't be reached at construction.
+WhenUnreachable = Literal["refuse", "check_later"]
 
 
 class ClickHouseSink(OwnerInserts):
@@ -71,7 +70,11 @@ class ClickHouseSink(OwnerInserts):
     and found; a table that would write a retried block twice (no
     deduplication window) raises :class:`NoDeduplication` saying how to fix
     it, unless ``require_deduplication=False`` (at-least-once).  A failed
-    constructor closes the transport it owns.
+    constructor closes the transport it owns.  A server that can't be reached
+    then raises :class:`ServerUnreachable`, unless ``when_unreachable=
+    "check_later"``: the tables are then checked when the server is first
+    reached, before any block is written (for a spooling destination, whose
+    batches spool meanwhile; see :mod:`.table_checks`).
 
     Use :meth:`embedded` for chDB in a local directory, :meth:`server` for a
     ClickHouse server.  Needs its :meth:`run` task (the runtime and routing
@@ -93,7 +96,12 @@ class ClickHouseSink(OwnerInserts):
         retry: Retry | None = None,
         owns_transport: bool = True,
         require_deduplication: bool = True,
+        when_unreachable: WhenUnreachable = "refuse",
     ) -> None:
+        if when_unreachable not in ("refuse", "check_later"):
+            raise ConfigError(
+                f"when_unreachable must be 'refuse' or 'check_later', got {when_unreachable!r}"
+            )
         self.transport = transport
         self.schema = schema
         self.hooks = hooks
@@ -120,8 +128,13 @@ class ClickHouseSink(OwnerInserts):
             self.tables: dict[str, TableSpec] = {
                 spec.name: spec for spec in [*self._raw.values(), *self._rows.values()]
             }
-            for spec in self.tables.values():
-                self._prepare(spec, create_tables, require_deduplication)
+            self._checks = TableChecks(
+                transport,
+                self.tables.values(),
+                create=create_tables,
+                require_deduplication=require_deduplication,
+            )
+            self._checks.at_construction(later=when_unreachable == "check_later")
         except BaseException:
             if owns_transport:
                 transport.close()
@@ -158,8 +171,10 @@ class ClickHouseSink(OwnerInserts):
 
     @classmethod
     def server(cls, schema: RecordSchema, client_or_url: Any, **kwargs: Any) -> ClickHouseSink:
-        """A sink on a ClickHouse server, from a clickhouse-connect client or URL."""
-        return cls._owning(ServerTransport(client_or_url), schema, kwargs)
+        """A sink on a ClickHouse server, from a clickhouse-connect client or URL
+        (``when_unreachable="check_later"``: see :class:`ClickHouseSink`)."""
+        later = kwargs.get("when_unreachable") == "check_later"
+        return cls._owning(ServerTransport(client_or_url, connect=not later), schema, kwargs)
 
     @classmethod
     def _owning(
@@ -170,29 +185,6 @@ class ClickHouseSink(OwnerInserts):
         except BaseException:  # also a bad keyword, raised before __init__ runs
             transport.close()
             raise
-
-    def _prepare(self, spec: TableSpec, create: bool, require_deduplication: bool) -> None:
-        try:
-            found = self.transport.describe(spec.name)
-        except Exception as exc:  # a given client's first contact with its server
-            reason = connection_failure(exc)
-            if reason is None:
-                raise
-            raise ServerUnreachable(
-                self.transport.description, reason, doing=f"check table {spec.name!r}"
-            ) from exc
-        if found is None:
-            if not create:
-                raise MissingTable(
-                    f"table {spec.name!r} does not exist in {self.transport.description}; "
-                    "create it, or pass create_tables=True"
-                )
-            self.transport.execute(spec.create_sql(self.transport.table_settings))
-            found = self.transport.describe(spec.name)
-            assert found is not None
-        check_table(spec, found)
-        if require_deduplication:
-            check_deduplication(self.transport, spec.name)
 
     def use_hooks(self, hooks: HookRegistry) -> None:
         """Name raw records' hooks from ``hooks`` (the runtime or routing sink hands it
@@ -330,7 +322,10 @@ class ClickHouseSink(OwnerInserts):
 
     def _insert_blocking(self, table: str, buffer: TableBuffer, token: str) -> None:
         """Runs in a worker thread: build the Arrow table and insert it
-        (deduplication token: ``token`` and the table's name)."""
+        (deduplication token: ``token`` and the table's name); tables left
+        unchecked at construction are checked first."""
+        if not self._checks.done:
+            self._checks.when_reached()
         data = block_table(
             buffer.items, self.tables[table], self.schema, self.hooks, self._hook_dictionary
         )
@@ -365,6 +360,28 @@ class ClickHouseSink(OwnerInserts):
             self._buffers = {n: TableBuffer() for n in self.tables}
             if self._owns_transport:
                 await trio.to_thread.run_sync(self.transport.close)
+
+    # -- tables checked when the server is first reached -------------------
+
+    @property
+    def tables_checked(self) -> bool:
+        """Every table was checked (always, unless built ``check_later`` while
+        the server could not be reached)."""
+        return self._checks.done
+
+    @property
+    def unchecked_reason(self) -> str | None:
+        """Why the tables are not checked yet, for the owner's health report."""
+        return self._checks.waiting_reason
+
+    @property
+    def check_failure(self) -> Exception | None:
+        """A table that did not fit when the server was first reached, or None."""
+        return self._checks.failure
+
+    def check_tables(self) -> None:
+        """Check the tables left unchecked (blocking; see :class:`TableChecks`)."""
+        self._checks.when_reached()
 
     # -- observation ----------------------------------------------------------
 

@@ -283,24 +283,61 @@ class ServerTransport:
 
     table_settings: ClassVar[Mapping[str, int]] = MappingProxyType({})
 
-    def __init__(self, client_or_url: Any) -> None:
+    def __init__(self, client_or_url: Any, *, connect: bool = True) -> None:
         self._closed = False
+        self._url: str | None = None
+        self._client: Any = None
+        self._connecting = threading.Lock()
         if isinstance(client_or_url, str):
             self.description = f"ClickHouse server at {_without_credentials(client_or_url)}"
+            _check_scheme(client_or_url)
+            self._url = client_or_url
+            if not connect:  # see client: the first call that needs the server connects
+                return
             try:  # clickhouse-connect's client asks the server for its settings now
-                self.client = _client_from_url(client_or_url)
+                self._client = self._connect(client_or_url)
             except Exception as exc:
                 reason = connection_failure(exc)
                 if reason is None:
                     raise
                 raise ServerUnreachable(self.description, reason) from exc
         else:
-            self.client = client_or_url
+            self._client = client_or_url
             self.description = "ClickHouse server (clickhouse-connect client)"
-        session = self.client.get_client_setting("session_id")
+            self._refuse_session(self._client, owned=False)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client exists (always, unless built with ``connect=False``
+        and no call has reached the server yet)."""
+        return self._client is not None
+
+    @property
+    def client(self) -> Any:
+        """The clickhouse-connect client.  Built with ``connect=False``, the first
+        call connects (thread-safe); while the server can't be reached that
+        raises the driver's error, which :meth:`is_transient` calls transient."""
+        client = self._client
+        if client is None:
+            with self._connecting:
+                if self._client is None:
+                    assert self._url is not None
+                    if self._closed:
+                        raise ConfigError(f"the transport to {self.description} is closed")
+                    self._client = self._connect(self._url)
+                client = self._client
+        return client
+
+    def _connect(self, url: str) -> Any:
+        client = _client_from_url(url)
+        self._refuse_session(client, owned=True)
+        return client
+
+    def _refuse_session(self, client: Any, *, owned: bool) -> None:
+        session = client.get_client_setting("session_id")
         if session:
-            if isinstance(client_or_url, str):
-                self.client.close()
+            if owned:
+                client.close()
             raise ConfigError(
                 f"the clickhouse-connect client for {self.description} has an HTTP session "
                 f"(session_id={session}), which runs one query at a time, and this sink "
@@ -332,9 +369,11 @@ class ServerTransport:
         return classify(error).retry
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.client.close()
+        with self._connecting:
+            if not self._closed:
+                self._closed = True
+                if self._client is not None:
+                    self._client.close()
 
 
 def _without_credentials(url: str) -> str:
@@ -344,14 +383,18 @@ def _without_credentials(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+def _check_scheme(url: str) -> None:
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ConfigError(f"ClickHouse server URL must start with http:// or https://, got {url!r}")
+
+
 def _client_from_url(url: str) -> Any:
     """A session-less clickhouse-connect client for ``url``; credentials missing
     from the URL come from CLICKHOUSE_USER / CLICKHOUSE_PASSWORD."""
     import clickhouse_connect
 
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ConfigError(f"ClickHouse server URL must start with http:// or https://, got {url!r}")
+    _check_scheme(url)
     username = None if parts.username is not None else os.environ.get("CLICKHOUSE_USER")
     password = None if parts.password is not None else os.environ.get("CLICKHOUSE_PASSWORD")
     # The scheme is passed on explicitly: clickhouse-connect infers TLS from the

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import trio
@@ -51,6 +51,26 @@ class DescribesFailures(Protocol):
     unreachable server named, the driver's long text cut to its reason)."""
 
     def describe_failure(self, error: BaseException) -> str: ...
+
+
+@runtime_checkable
+class ChecksTablesLater(Protocol):
+    """An inner sink built while its server could not be reached, whose tables
+    are checked when it is first reached (``check_tables``, blocking: the
+    driver's transient error while unreachable, a table's error for good) and
+    who writes nothing before (the ClickHouse sink, ``when_unreachable=
+    "check_later"``)."""
+
+    @property
+    def tables_checked(self) -> bool: ...
+
+    @property
+    def unchecked_reason(self) -> str | None: ...
+
+    @property
+    def check_failure(self) -> Exception | None: ...
+
+    def check_tables(self) -> None: ...
 
 
 #: (batches, token they were tried with, the error)
@@ -133,6 +153,7 @@ class Delivery:
         self._dead_letter = dead_letter
         self.group_bytes = group_bytes
         self._direct = inner if isinstance(inner, InsertsWithToken) else None
+        self._checks = inner if isinstance(inner, ChecksTablesLater) else None
 
     async def insert(self, batches: Sequence[Batch], token: str) -> None:
         """One try (``insert_now`` with ``token``; another sink: submit + flush)."""
@@ -173,6 +194,9 @@ class Delivery:
                 continue
             self.tracker.succeeded()
             return _records(batches)
+        unfit = None if self._checks is None else self._checks.check_failure
+        if unfit is not None and error is unfit:
+            await self.unusable(unfit)  # a table that doesn't fit: not the records' fault
         rest = list(getattr(error, "rest", batches))  # PartlyInserted: the parts not stored
         delivered = _records(batches) - _records(rest)
         if _records(rest) <= 1:  # a single record (or an empty batch) is refused as it is
@@ -200,10 +224,42 @@ class Delivery:
                     "destination %r: %d refused record(s) dropped: %s", self.name, len(batch), exc
                 )
 
+    async def reach(self) -> None:
+        """Check the inner sink's tables left unchecked at construction once its
+        server answers (retried with backoff while unreachable, the destination
+        unhealthy meanwhile); a table that doesn't fit latches its error."""
+        checks = self._checks
+        if checks is None or checks.tables_checked:
+            return
+        while True:
+            try:
+                await trio.to_thread.run_sync(checks.check_tables)
+            except Exception as exc:
+                if not self.transient(exc):
+                    await self.unusable(exc)
+                self.unreachable(exc)
+                await trio.sleep(self.tracker.wait())
+                continue
+            self.tracker.succeeded()
+            return
+
+    async def unusable(self, error: BaseException) -> NoReturn:
+        """The destination's tables don't fit: latch ``error`` and deliver nothing
+        more; what the spool holds stays there, for a start with the table fixed."""
+        self._latch.latch(
+            error, destination=self.name, where="checking its tables when first reached"
+        )
+        if self.spool is not None:
+            self.spool.wake()  # whoever waits for delivery sees the failure now
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover - sleep_forever never returns
+
     async def drain(self) -> None:
-        """Deliver the spool's frames in order, in groups, until cancelled."""
+        """Check tables left unchecked (:meth:`reach`), then deliver the spool's
+        frames in order, in groups, until cancelled."""
         spool = self.spool
         assert spool is not None
+        await self.reach()
         while True:
             await spool.wait_nonempty()
             group = await self._with_room(functools.partial(spool.read_group, self.group_bytes))
@@ -233,6 +289,7 @@ class Delivery:
 
 
 __all__ = [
+    "ChecksTablesLater",
     "Delivery",
     "FailedBlock",
     "HandsOverFailures",

@@ -334,8 +334,12 @@ class Spool:
         return self._log.entries[0] if self._log.entries else None
 
     async def wait_changed(self) -> None:
-        """Return at the next append or ack."""
+        """Return at the next append or ack (or :meth:`wake`)."""
         await self._changed.wait()
+
+    def wake(self) -> None:
+        """Wake :meth:`wait_changed` now: its owner latched a failure to see."""
+        self._changed_now()
 
     async def wait_nonempty(self) -> None:
         """Return once the spool holds an unacknowledged frame."""

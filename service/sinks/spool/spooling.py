@@ -49,6 +49,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, SpoolStatus
 from taproute.service.sinks.spool.delivery import (
+    ChecksTablesLater,
     Delivery,
     HandsOverFailures,
     InsertsWithToken,
@@ -127,6 +128,10 @@ class SpoolingSink:
             if mode == "outage":
                 self._batched = inner
             inner.hand_over_failures(self._failed_block, self._inserted)
+        if isinstance(inner, ChecksTablesLater) and inner.unchecked_reason is not None:
+            # Built while its server was down: unhealthy (batches spool) until
+            # the drain reaches it and its tables are checked.
+            self._tracker.failed(ConnectionError(inner.unchecked_reason), inner.unchecked_reason)
         self._in_inner = 0  # records passed to the inner sink, not yet inserted nor handed back
         self._nursery: trio.Nursery | None = None
         self._closing = False
