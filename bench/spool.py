@@ -26,8 +26,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
@@ -160,6 +161,21 @@ def groups(batches: Sequence[RecordBatch], group_bytes: int) -> list[list[Record
     return out
 
 
+def versus_off(
+    what: str, mode: str, measured: Mapping[str, Any], off: Mapping[str, Any], unit: str
+) -> dict[str, Any]:
+    """The forward path's ``measured`` figures with spool ``mode`` against ``off``'s."""
+    healthy = " (healthy)" if mode == "outage" else ""
+    return comparison(
+        f'{what}: spool="{mode}"{healthy} vs "off"',
+        measured,
+        off,
+        taproute_label=mode,
+        peer_label="off",
+        unit=unit,
+    )
+
+
 def main() -> None:
     args = arguments(__doc__, batches=(64, 16), per_batch=(1024, 256))
     root = Path(tempfile.mkdtemp(prefix="taproute-bench-spool-"))
@@ -255,39 +271,12 @@ def main() -> None:
         peer_label="insert_now from memory",
         unit="records/s",
     )
-    outage = comparison(
-        'forward path: spool="outage" (healthy) vs "off"',
-        figures["forward_outage"],
-        figures["forward_off"],
-        taproute_label="outage",
-        peer_label="off",
-        unit="records/s",
-    )
-    always = comparison(
-        'forward path: spool="always" vs "off"',
-        figures["forward_always"],
-        figures["forward_off"],
-        taproute_label="always",
-        peer_label="off",
-        unit="records/s",
-    )
     cpu = {mode: summary(samples[1:]) for mode, samples in FORWARD_CPU.items()}  # no warm-up
-    outage_cpu = comparison(
-        'forward path CPU: spool="outage" (healthy) vs "off"',
-        cpu["outage"],
-        cpu["off"],
-        taproute_label="outage",
-        peer_label="off",
-        unit="records per CPU-second",
-    )
-    always_cpu = comparison(
-        'forward path CPU: spool="always" vs "off"',
-        cpu["always"],
-        cpu["off"],
-        taproute_label="always",
-        peer_label="off",
-        unit="records per CPU-second",
-    )
+    off, per_cpu = figures["forward_off"], "records per CPU-second"
+    outage = versus_off("forward path", "outage", figures["forward_outage"], off, "records/s")
+    always = versus_off("forward path", "always", figures["forward_always"], off, "records/s")
+    outage_cpu = versus_off("forward path CPU", "outage", cpu["outage"], cpu["off"], per_cpu)
+    always_cpu = versus_off("forward path CPU", "always", cpu["always"], cpu["off"], per_cpu)
     a, o = append["ratio"]["median"], outage["ratio"]["median"]
     oc = outage_cpu["ratio"]["median"]
     write_result(

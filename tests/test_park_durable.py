@@ -7,6 +7,8 @@ what ``flush()`` returns matches where the records really are."""
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
+
 import numpy as np
 import pytest
 import trio
@@ -15,6 +17,7 @@ import trio.testing
 from taproute.actors import RoutingSink, open_routing_sink
 from taproute.routing import FailurePolicy, HookRegistry, Route, RoutingConfig
 from taproute.routing.flush_report import RouteAccount
+from taproute.routing.sink import RecordSink
 from taproute.service import CaptureSink, DeadLetterStore
 from taproute.service.ops.parking import ParkedRecordStore
 from tests.conftest import vec_batch
@@ -64,6 +67,22 @@ def stateless(processor: str, policy: FailurePolicy = NO_DEADLINE) -> RoutingCon
     )
 
 
+def parked(
+    config: RoutingConfig, out: RecordSink, hooks: HookRegistry, parking: ParkedRecordStore
+) -> AbstractAsyncContextManager[RoutingSink]:
+    """A routing sink of ``config`` into ``out`` (unmatched records dropped),
+    its failed records parked in ``parking``."""
+    return open_routing_sink(
+        config,
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=parking.handle,
+        park=parking,
+    )
+
+
 def keyed(policy: FailurePolicy = NO_DEADLINE) -> RoutingConfig:
     route = Route(
         "keyed",
@@ -82,15 +101,7 @@ async def test_park_persist_retry_deliver_then_forget_after_the_flush(mock_clock
     hooks, q = hooks_with_q()
     out = GatedFlushSink()
     out.gate.set()
-    async with open_routing_sink(
-        stateless("fail.transient_then_ok"),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=parking.handle,
-        park=parking,
-    ) as sink:
+    async with parked(stateless("fail.transient_then_ok"), out, hooks, parking) as sink:
         await sink.submit(vec_batch(q, 4))
         report = await sink.flush()
         # Parked, and durable: the store has them before flush() returned.
@@ -123,15 +134,7 @@ async def test_a_restart_retries_parked_records_in_key_order_and_counts_each_onc
     hooks, q = hooks_with_q()
     keys = [3, 1, 3, 2, 1, 3, 2]
     first = CaptureSink()
-    async with open_routing_sink(
-        keyed(),
-        SCHEMA,
-        {"out": first},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=parking.handle,
-        park=parking,
-    ) as sink:
+    async with parked(keyed(), first, hooks, parking) as sink:
         for seq, key in enumerate(keys):
             await sink.submit(vec_batch(q, 1, keys=[key], seq_start=seq))
         report = await sink.flush()
@@ -146,17 +149,8 @@ async def test_a_restart_retries_parked_records_in_key_order_and_counts_each_onc
 
     SCRIPT.failures_left[3] = 0  # healed
     second = CaptureSink()
-    hooks2 = HookRegistry()
-    hooks2.bind(Q, layout="vec")
-    async with open_routing_sink(
-        keyed(),
-        SCHEMA,
-        {"out": second},
-        unmatched="drop",
-        hooks=hooks2,
-        on_failure=parking.handle,
-        park=parking,
-    ) as sink:
+    hooks2, _ = hooks_with_q()
+    async with parked(keyed(), second, hooks2, parking) as sink:
         report = await sink.flush(wait=True)
     assert report.routes["keyed"] == RouteAccount(
         accepted=3, delivered=3, dead_lettered=0, dropped=0, parked=0, restored=3
@@ -174,15 +168,8 @@ async def test_a_give_up_moves_parked_records_to_the_dead_letters_in_one_step(
 ):
     hooks, q = hooks_with_q()
     policy = FailurePolicy(deadline=0, initial_backoff=1, max_failures=2, failure_window=0)
-    async with open_routing_sink(
-        stateless("fail.always_transient", policy),
-        SCHEMA,
-        {"out": CaptureSink()},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=parking.handle,
-        park=parking,
-    ) as sink:
+    config = stateless("fail.always_transient", policy)
+    async with parked(config, CaptureSink(), hooks, parking) as sink:
         await sink.submit(vec_batch(q, 3, seq_start=10))
         assert (await sink.flush()).routes["r"].parked == 3
         assert parking.count() == 3
@@ -201,29 +188,13 @@ async def test_a_running_sink_keeps_its_parked_records_from_a_second_sink(mock_c
     take the running one's parked records."""
     SCRIPT.failures_left[-1] = 1
     hooks, q = hooks_with_q()
-    async with open_routing_sink(
-        stateless("fail.transient_then_ok"),
-        SCHEMA,
-        {"out": CaptureSink()},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=parking.handle,
-        park=parking,
-    ) as sink:
+    async with parked(stateless("fail.transient_then_ok"), CaptureSink(), hooks, parking) as sink:
         await sink.submit(vec_batch(q, 2))
         await sink.flush()
         assert parking.count() == 2
-        hooks2 = HookRegistry()
-        hooks2.bind(Q, layout="vec")
-        async with open_routing_sink(
-            stateless("fail.transient_then_ok"),
-            SCHEMA,
-            {"out": CaptureSink()},
-            unmatched="drop",
-            hooks=hooks2,
-            on_failure=parking.handle,
-            park=parking,
-        ) as beside:
+        hooks2, _ = hooks_with_q()
+        config = stateless("fail.transient_then_ok")
+        async with parked(config, CaptureSink(), hooks2, parking) as beside:
             assert (await beside.flush()).routes["r"].restored == 0
         mock_clock.jump(2)
         await trio.testing.wait_all_tasks_blocked()
