@@ -468,3 +468,50 @@ async def test_close_while_a_replacement_writer_starts_stops_and_reaps_it(tmp_pa
             if process.process.poll() is None:
                 process.kill()
             process.close_sockets()
+
+
+def test_a_done_handled_before_the_send_returned_counts(tmp_path, monkeypatch):
+    """The writer may persist a block and its Done be handled while the
+    sender's send of that block has not returned yet (the sender waits for the
+    socket, or on a loaded machine for a core): the Done counts and flush()
+    returns.  It used to be taken for a stray answer (the block was marked
+    sent only after the send returned), and flush() waited for good; seen in
+    the bench once the last block no longer queued behind the one in flight."""
+    from taproute.service.sinks.writer import protocol
+
+    answered: dict[int, trio.Event] = {}
+
+    def event(block: int) -> trio.Event:
+        return answered.setdefault(block, trio.Event())
+
+    real_send = protocol.MessageStream.send
+
+    async def send_returning_after_the_answer(self, message: object) -> None:
+        await real_send(self, message)
+        if isinstance(message, Insert):  # return only once the writer's answer was handled
+            await event(message.block).wait()
+
+    monkeypatch.setattr(protocol.MessageStream, "send", send_returning_after_the_answer)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    handle = sink._on_message
+
+    def on_message(message: object) -> None:
+        handle(message)
+        if isinstance(message, Done):
+            event(message.block).set()
+
+    sink._on_message = on_message  # type: ignore[method-assign]
+    runtime = create_record_runtime(record_sink=sink)
+    try:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        for step in range(1, 4):
+            _submit(runtime, sink, hook, step)
+        runtime.flush(timeout=60)  # a hang guard: it waited for good before the fix
+        assert sink.counters.blocks == 1
+        assert sink.counters.in_flight_rows == 0
+        assert _totals(sink) == _expected(range(1, 4))
+    finally:
+        pid = sink.writer_pid
+        if sink.counters.in_flight_rows and pid is not None:
+            os.kill(pid, signal.SIGKILL)  # a stuck block: a restart re-sends it, close can end
+        runtime.close()

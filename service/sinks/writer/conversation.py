@@ -185,10 +185,15 @@ class WriterConversation:
                         for raw in item.items:
                             if isinstance(raw, RawItem):
                                 await process.hand_segment(self.buffer_pool, raw.segment)
+                        # SENT before the send, not after it returns: while this
+                        # task waits in send, the writer may insert the block and
+                        # its Done be handled, which counts only for a SENT block
+                        # (a Done taken as stray left flush() waiting for good).
+                        # A send that fails leaves it SENT: a restart re-sends it.
+                        item.state = SENT
                         await stream.send(
                             Insert(item.id, item.token, item.items, self._hook_table(process))
                         )
-                        item.state = SENT
                     self._unsent.popleft()
                 await self._wake_sender.park()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
