@@ -142,6 +142,37 @@ def test_max_block_bounds_how_long_a_slow_destination_holds_the_model():
         assert sink.records == 2  # the first call's records, delivered; nothing else
 
 
+def test_max_block_is_one_budget_per_stall_not_one_per_hook():
+    """A stuck destination costs a forward pass one ``max_block``: once a hook's
+    wait ran out, the later hooks shed at once until ingress moves again."""
+    sink = ThreadGateSink()
+    hooks = 8
+    model = nn.Sequential(*(nn.Identity() for _ in range(hooks)))
+    x = torch.randn(2, 3, 4)
+    max_block = 0.5
+    with create_record_runtime(
+        record_sink=sink, schema=SCHEMA, capacity_records=2, max_block=max_block
+    ) as runtime:
+        bind_modules(runtime, model, "*", layout="acts")
+        try:
+            with capture_context([1, 2]), pytest.warns(CaptureWarning, match="records shed"):
+                model(x)  # the first hook fills ingress; the second waits, then sheds
+        finally:
+            sink.gate.set()
+        ingress = runtime.counters().ingress
+        assert ingress.shed == 2 * (hooks - 1)
+        # One wait of max_block (however late the wake-up), never seven: the
+        # old bound waited at every hook, at least 7 * max_block in all.
+        assert max_block <= ingress.blocked_seconds < (hooks - 1) * max_block
+        runtime.flush()  # the destination recovered and ingress moved
+        assert sink.records == 2
+        with capture_context([3, 4]):
+            model(x)  # room again: every hook's records are taken
+        runtime.flush()
+        assert sink.records == 2 + 2 * hooks
+        assert runtime.counters().ingress.shed == 2 * (hooks - 1)
+
+
 def test_without_max_block_a_full_ingress_still_blocks_until_room():
     sink = ThreadGateSink()
     ident = nn.Identity()

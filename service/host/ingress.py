@@ -104,6 +104,10 @@ class Ingress:
         self._closed = False
         self._failed: BaseException | None = None
         self._loop_gone = False
+        #: A bounded wait ran out and the record worker has handed nothing on
+        #: since: later bounded offers shed at once instead of waiting again,
+        #: so one stall costs a forward pass one ``max_block``, not one per hook.
+        self._stalled = False
 
     def connect(self, wake: Callable[[], None]) -> None:
         """Set the function that wakes the record worker (called by producers,
@@ -202,7 +206,10 @@ class Ingress:
         """Queue ``batch``, waiting at most ``timeout`` seconds (None: no bound) for room.
 
         Returns False (nothing queued; the records counted as shed) when the
-        wait ran out: the bound a producer that must not stall sets.  Every
+        wait ran out: the bound a producer that must not stall sets.  Once a
+        wait ran out, later bounded offers that find no room shed at once until
+        the record worker hands something on: a stalled destination costs the
+        model one ``timeout``, not one per hook of a forward pass.  Every
         capture hook comes this way: a few operations under the producers'
         lock, and no call into the loop unless it sleeps (parked), ingress is
         half full, or ``wake_delay`` is 0.
@@ -217,7 +224,10 @@ class Ingress:
                 queued + records > self.capacity_records
                 or self._in_bytes - self._out_bytes + nbytes > self.capacity_bytes
             ):
-                if not self._wait_for_space(records, nbytes, timeout):
+                if (timeout is not None and self._stalled) or not self._wait_for_space(
+                    records, nbytes, timeout
+                ):
+                    self._stalled = True
                     self.counters.shed += records
                     return False
                 self._check_open()
@@ -340,6 +350,7 @@ class Ingress:
         """The record worker handed batches on: free their ingress capacity."""
         self._out_records += records
         self._out_bytes += nbytes
+        self._stalled = False  # ingress moves again: a bounded offer may wait
         # A producer counts itself blocked before its last look at the room,
         # so one that missed this room is seen here.
         if self.counters.blocked_producers:
