@@ -10,10 +10,11 @@
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
 - :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: a
-  capture hook's descriptors and packed payload, one call each.
+  capture hook's descriptors and packed payload, one call each;
+  :func:`plan_records`: a capture's record plan and descriptor templates.
 """
 
-from taproute.native._capture import gather_address, gather_ranges, stamped_copy
+from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
 from taproute.native._lease import BufferLease, LeaseError
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
@@ -64,6 +65,7 @@ __all__ = [
     "make_descriptors",
     "owner_of",
     "partition_keys",
+    "plan_records",
     "scatter_add",
     "stamped_copy",
 ]

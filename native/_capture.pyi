@@ -21,3 +21,19 @@ def gather_address(
     lengths: npt.NDArray[np.int64],
     total: int,
 ) -> npt.NDArray[np.uint8]: ...
+def plan_records(
+    rows: int,
+    row_bytes: int,
+    per_token: int,
+    positions: int,
+    counts: npt.NDArray[np.int64] | None,
+    starts: npt.NDArray[np.int64] | None,
+    runs: bool,
+    layout_id: int,
+) -> tuple[
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    int,
+    npt.NDArray[np.void],
+    npt.NDArray[np.void],
+]: ...

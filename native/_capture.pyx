@@ -2,8 +2,8 @@
 """The tail of a capture hook in two native calls: its payload and its descriptors.
 
 A capture hook plans once per output shape and mask which bytes of the
-output each record holds (a plan shared by capture contexts alike in both);
-every call then needs those bytes packed into a fresh buffer
+output each record holds and their descriptor templates (:func:`plan_records`,
+a plan shared by capture contexts alike in both); every call then needs those bytes packed into a fresh buffer
 (:func:`gather_ranges`) and a fresh descriptor array from the plan's
 template with its own output_id, capture time, and its context's keys and
 step (:func:`stamped_copy`).  Each is one call here instead of several
@@ -12,8 +12,8 @@ Python operations on the model's thread.
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint32_t
-from libc.string cimport memcpy
+from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.string cimport memcpy, memset
 
 include "_descriptor.pxi"
 
@@ -23,6 +23,7 @@ from taproute.native.descriptor import DESCRIPTOR_DTYPE
 
 cdef object _DTYPE = DESCRIPTOR_DTYPE
 cdef object _UINT8 = np.dtype(np.uint8)
+cdef object _INT64 = np.dtype(np.int64)
 cdef object _empty = np.empty
 
 
@@ -80,6 +81,83 @@ def stamped_copy(
             d[i].step = step
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
+
+
+def plan_records(
+    Py_ssize_t rows,
+    int64_t row_bytes,
+    int64_t per_token,
+    int64_t positions,
+    cnp.ndarray counts,
+    cnp.ndarray starts,
+    bint runs,
+    uint16_t layout_id,
+):
+    """Which bytes of a captured ``(rows, ...)`` tensor each of its ``rows``
+    records holds, and the descriptor templates for them, in one call.
+
+    Without ``counts`` (None) each record is a whole row of ``row_bytes``.
+    With them, record ``i`` is row ``i``'s ``counts[i]`` real positions of
+    ``per_token`` bytes: from position ``starts[i]`` of its row of
+    ``positions`` when ``runs``, else gathered back to back (the tensor
+    holds only the real positions, row after row).
+
+    Returns ``(offsets, lengths, covered, packed, in_source)``: the records'
+    byte offsets and lengths in the tensor (int64), the bytes they cover,
+    and two read-only ``DESCRIPTOR_DTYPE`` templates (``layout_id``, ``seq``
+    0..rows-1, ``length``; ``offset`` back to back in ``packed``, as in the
+    tensor in ``in_source``; every other field 0, stamped per call).
+    ValueError when ``counts``/``starts`` are not ``rows`` int64 values or a
+    record falls outside its row.
+    """
+    cdef Py_ssize_t i
+    cdef const int64_t* c = NULL
+    cdef const int64_t* st = NULL
+    if rows < 0 or row_bytes < 0 or per_token < 0 or positions < 0:
+        raise ValueError("rows, row_bytes, per_token and positions must be >= 0")
+    if counts is not None:
+        if not _int64_vector(counts) or cnp.PyArray_DIM(counts, 0) != rows:
+            raise ValueError(f"counts must be {rows} int64 values")
+        c = <const int64_t*> cnp.PyArray_DATA(counts)
+        if runs:
+            if starts is None or not _int64_vector(starts) or cnp.PyArray_DIM(starts, 0) != rows:
+                raise ValueError(f"starts must be {rows} int64 values")
+            st = <const int64_t*> cnp.PyArray_DATA(starts)
+        for i in range(rows):
+            if c[i] < 0 or c[i] > positions or (
+                st != NULL and (st[i] < 0 or st[i] > positions - c[i])
+            ):
+                raise ValueError(f"row {i}: its real positions fall outside its {positions}")
+    cdef cnp.ndarray offsets = _empty(rows, _INT64)
+    cdef cnp.ndarray lengths = _empty(rows, _INT64)
+    cdef cnp.ndarray packed = _empty(rows, _DTYPE)
+    cdef cnp.ndarray in_source = _empty(rows, _DTYPE)
+    cdef int64_t* off = <int64_t*> cnp.PyArray_DATA(offsets)
+    cdef int64_t* length = <int64_t*> cnp.PyArray_DATA(lengths)
+    cdef Descriptor* p = <Descriptor*> cnp.PyArray_DATA(packed)
+    cdef Descriptor* q = <Descriptor*> cnp.PyArray_DATA(in_source)
+    cdef int64_t at = 0
+    memset(p, 0, rows * sizeof(Descriptor))
+    for i in range(rows):
+        if c == NULL:
+            length[i] = row_bytes
+            off[i] = i * row_bytes
+        else:
+            length[i] = c[i] * per_token
+            off[i] = (i * positions + st[i]) * per_token if runs else at
+        p[i].layout_id = layout_id
+        p[i].seq = i
+        p[i].offset = at
+        p[i].length = length[i]
+        at += length[i]
+    memcpy(q, p, rows * sizeof(Descriptor))
+    for i in range(rows):
+        q[i].offset = off[i]
+    cnp.PyArray_CLEARFLAGS(offsets, cnp.NPY_ARRAY_WRITEABLE)
+    cnp.PyArray_CLEARFLAGS(lengths, cnp.NPY_ARRAY_WRITEABLE)
+    cnp.PyArray_CLEARFLAGS(packed, cnp.NPY_ARRAY_WRITEABLE)
+    cnp.PyArray_CLEARFLAGS(in_source, cnp.NPY_ARRAY_WRITEABLE)
+    return offsets, lengths, at, packed, in_source
 
 
 def gather_ranges(

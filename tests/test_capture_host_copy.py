@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from taproute.native import make_descriptors
-from taproute.native._capture import gather_address, gather_ranges, stamped_copy
+from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
 from taproute.routing import Layout, RecordSchema
 from taproute.routing.validation import check_batch
 from taproute.service import CaptureSink, create_record_runtime
@@ -219,6 +219,33 @@ def test_stamped_copy_with_keys_sets_each_records_key_and_the_step():
         stamped_copy(template, 1, 2, keys[:2], 0)
     with pytest.raises(ValueError, match="needs 3 keys"):
         stamped_copy(template, 1, 2, keys.astype(np.int32), 0)
+
+
+def test_plan_records_gives_each_rows_bytes_and_templates_as_make_descriptors_would():
+    counts, starts = np.array([5, 2, 0]), np.array([0, 3, 1])
+    # Runs: record i is counts[i] positions of 8 bytes from starts[i] of its 5-position row.
+    offsets, lengths, covered, packed, in_source = plan_records(3, 0, 8, 5, counts, starts, True, 2)
+    assert offsets.tolist() == [0, 5 * 8 + 3 * 8, 10 * 8 + 8] and lengths.tolist() == [40, 16, 0]
+    assert covered == 56
+    want = make_descriptors(0, lengths, offsets=offsets, layout_ids=2, timestamps_ns=0)
+    assert in_source.tolist() == want.tolist()
+    assert packed.tolist() == make_descriptors(0, lengths, layout_ids=2, timestamps_ns=0).tolist()
+    assert not any(a.flags.writeable for a in (offsets, lengths, packed, in_source))
+    # Gathered (not runs): back to back in the tensor too; whole rows without counts.
+    offsets, lengths, covered, _, in_source = plan_records(3, 0, 8, 5, counts, None, False, 0)
+    assert offsets.tolist() == [0, 40, 56] and in_source["offset"].tolist() == [0, 40, 56]
+    offsets, lengths, covered, _, _ = plan_records(2, 16, 0, 0, None, None, True, 0)
+    assert offsets.tolist() == [0, 16] and lengths.tolist() == [16, 16] and covered == 32
+    with pytest.raises(ValueError, match="row 1: its real positions fall outside its 5"):
+        plan_records(3, 0, 8, 5, counts, np.array([0, 4, 0]), True, 0)
+    with pytest.raises(ValueError, match="row 0: its real positions fall outside its 4"):
+        plan_records(3, 0, 8, 4, counts, starts, True, 0)
+    with pytest.raises(ValueError, match="counts must be 3 int64 values"):
+        plan_records(3, 0, 8, 5, counts.astype(np.int32), starts, True, 0)
+    with pytest.raises(ValueError, match="starts must be 3 int64 values"):
+        plan_records(3, 0, 8, 5, counts, None, True, 0)
+    with pytest.raises(OverflowError):
+        plan_records(3, 0, 8, 5, counts, starts, True, 70000)  # layout_id is 16 bits
 
 
 def test_an_output_that_requires_grad_is_captured_from_a_detached_view():

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from taproute.native import BufferLease, make_descriptors, stamped_copy
+from taproute.native import BufferLease, stamped_copy
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull
 from taproute.service.capture import plans as shared_plans
 from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 from taproute.service.capture.extract import (
-    RecordPlan,
     Select,
     by_row,
     check_cast,
@@ -234,34 +233,25 @@ def bind_module(
         plans = shared_plans.SHARED_PLANS
         shared = plans.get(shared_key)
         if shared is None:
-            records = plan(shape, element_size, context, hook=name, token_axis=token_axis)
-            shared = _templates(records)
+            made = plan(
+                shape,
+                element_size,
+                context,
+                hook=name,
+                token_axis=token_axis,
+                layout_id=layout_id,
+            )
+            shared = (
+                made.token_shape,
+                made.offsets,
+                made.lengths,
+                made.covered,
+                made.packed,
+                made.in_source,
+            )
             plans.put(shared_key, shared)
         context.plans[plan_key] = shared
         return shared
-
-    def _templates(records: RecordPlan) -> SharedPlan:
-        """What a plan gives every context with the same key: one checked
-        build of the descriptors (keys and step 0, output_id stamped per
-        call), and the packed template a copy of it with offsets back to back.
-        """
-        in_source = make_descriptors(
-            0, records.lengths, offsets=records.offsets, layout_ids=layout_id
-        )
-        packed = in_source.copy()
-        offsets = packed["offset"]
-        offsets[0] = 0
-        np.cumsum(records.lengths[:-1], out=offsets[1:])
-        in_source.flags.writeable = False
-        packed.flags.writeable = False
-        return (
-            records.token_shape,
-            records.offsets,
-            records.lengths,
-            records.covered,
-            packed,
-            in_source,
-        )
 
     def _note_shape(token_shape: tuple[int, ...] | None) -> None:
         if not shape_noted:

@@ -28,6 +28,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _int64_vector(values: Any) -> npt.NDArray[np.int64] | None:
+    """``values`` as a C-contiguous int64 array (None stays None)."""
+    return None if values is None else np.ascontiguousarray(values, dtype=np.int64)
+
+
 @attrs.frozen(kw_only=True)
 class CaptureContext:
     """What the server knows about the forward pass in flight.
@@ -48,8 +53,12 @@ class CaptureContext:
     step: int = 0
     lengths: tuple[int, ...] | None = None
     positions: int | None = None
-    starts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
-    counts: npt.NDArray[np.int64] | None = attrs.field(default=None, eq=False)
+    starts: npt.NDArray[np.int64] | None = attrs.field(
+        default=None, eq=False, converter=_int64_vector
+    )
+    counts: npt.NDArray[np.int64] | None = attrs.field(
+        default=None, eq=False, converter=_int64_vector
+    )
     runs: bool = True
     mask: torch.Tensor | None = attrs.field(default=None, eq=False)
     #: Record plans (offsets, lengths, a descriptor template) by output shape,
@@ -66,6 +75,14 @@ class CaptureContext:
         init=False, eq=False, repr=False
     )
 
+    #: The most real positions of any row (0 without lengths or a mask).
+    longest: int = attrs.field(init=False, eq=False, repr=False)
+
+    @longest.default
+    def _longest(self) -> int:
+        counts = self.counts
+        return int(counts.max()) if counts is not None and len(counts) else 0
+
     @key_array.default
     def _key_array(self) -> npt.NDArray[np.int64]:
         return np.asarray(self.keys, dtype=np.int64)
@@ -77,8 +94,8 @@ class CaptureContext:
         return (
             self.positions,
             self.runs,
-            np.ascontiguousarray(self.counts, dtype=np.int64).tobytes(),
-            np.ascontiguousarray(self.starts, dtype=np.int64).tobytes(),
+            self.counts.tobytes(),
+            self.starts.tobytes(),
         )
 
     @property

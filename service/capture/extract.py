@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import plan_records
 from taproute.service.capture.context import CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 
@@ -180,27 +181,29 @@ def by_row(
 
 @attrs.frozen
 class RecordPlan:
-    """Which bytes of a captured tensor (copied whole, contiguous) each record holds.
+    """Which bytes of a captured tensor (copied whole, contiguous) each record
+    holds, and the descriptor templates for them.
 
     ``token_shape`` is the shape of one position's values (records hold
     ``[tokens, *token_shape]``), or None when the output has no token axis;
-    ``covered`` is the bytes the records cover together.  For a context
-    whose real positions are not one run per row, the tensor is
-    :func:`real_positions` of the output, not the output itself.
+    ``covered`` is the bytes the records cover together.  ``packed`` and
+    ``in_source`` are read-only descriptor templates (layout, seq, offset,
+    length; output_id, time, key and step are stamped per call) for the
+    records copied back to back and for them at their offsets in the
+    tensor.  For a context whose real positions are not one run per row,
+    the tensor is :func:`real_positions` of the output, not the output.
 
     A plan depends only on the tensor's shape and element size, whether it
-    has a token axis, and the context's real positions (its
+    has a token axis, the layout and the context's real positions (its
     ``positions_key``): never on the values, the keys or the step.
     """
 
     offsets: npt.NDArray[np.int64]
     lengths: npt.NDArray[np.int64]
+    covered: int
+    packed: npt.NDArray[np.void]
+    in_source: npt.NDArray[np.void]
     token_shape: tuple[int, ...] | None
-    covered: int = attrs.field()
-
-    @covered.default
-    def _sum_lengths(self) -> int:
-        return int(self.lengths.sum())
 
 
 def plan(
@@ -210,50 +213,44 @@ def plan(
     *,
     hook: str,
     token_axis: bool,
+    layout_id: int,
 ) -> RecordPlan:
     """The records of a tensor of ``shape`` (``(rows, ...)``, one row per key)
-    and ``element`` bytes per value.
+    and ``element`` bytes per value, in ``layout_id``'s layout.
 
     With a token axis (dimension 1; every output of 3 or more dimensions, and
     token-major ones), each record holds its row's real positions; without
-    one, the whole row.
+    one, the whole row.  One native call (:func:`~taproute.native.plan_records`).
     """
     rows = shape[0]
-    row_items = math.prod(shape[1:])
     if len(shape) == 1 or not token_axis or not context.has_positions:
-        row_bytes = row_items * element
+        row_bytes = math.prod(shape[1:]) * element
         token_shape = tuple(shape[2:]) if token_axis else None
         return RecordPlan(
-            np.arange(rows, dtype=np.int64) * row_bytes,
-            np.full(rows, row_bytes, dtype=np.int64),
-            token_shape,
+            *plan_records(rows, row_bytes, 0, 0, None, None, True, layout_id), token_shape
         )
     positions = shape[1]
     token_shape = tuple(shape[2:])
-    per_token = math.prod(token_shape) * element
-    counts, starts = context.counts, context.starts
-    assert counts is not None and starts is not None
     if context.positions is not None and context.positions != positions:
         raise ContextMismatch(
             f"hook {hook!r}: the attention mask has {context.positions} positions but the "
             f"output has {positions} (shape {tuple(shape)})"
         )
-    too_long = np.flatnonzero(counts > positions)
-    if len(too_long):
-        row = int(too_long[0])
+    counts = context.counts
+    assert counts is not None
+    if context.longest > positions:
+        row = int(np.flatnonzero(counts > positions)[0])
         raise ContextMismatch(
             f"hook {hook!r}: lengths[{row}] = {counts[row]} but the output has only "
             f"{positions} positions per row (shape {tuple(shape)})"
         )
-    lengths = counts * per_token
-    if context.runs:
-        offsets = np.arange(rows, dtype=np.int64) * (positions * per_token) + starts * per_token
-        return RecordPlan(offsets, lengths, token_shape)
+    per_token = math.prod(token_shape) * element
     # Not one run per row: the records are the mask's positions, gathered
     # (real_positions) into one tensor, back to back.
-    offsets = np.zeros(rows, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=offsets[1:])
-    return RecordPlan(offsets, lengths, token_shape)
+    made = plan_records(
+        rows, 0, per_token, positions, counts, context.starts, context.runs, layout_id
+    )
+    return RecordPlan(*made, token_shape)
 
 
 def real_positions(tensor: torch.Tensor, context: CaptureContext) -> torch.Tensor:
