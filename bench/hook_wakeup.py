@@ -13,6 +13,9 @@ mostly other processes.  Variants:
 - ``wake_each``: taproute with ``wake_delay = 0`` (every hook call that finds
   the loop idle wakes it: the behaviour before the deferred wake-up);
 - ``deferred``: taproute as shipped (one wake-up per ``wake_delay``).
+
+glibc's malloc thresholds are fixed for the run unless ``--malloc default``
+(``inference_cost.fix_malloc``: page faults otherwise vary per round).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 from harness import arguments, comparison, fmt, interleave, quantile, target, write_result
-from inference_cost import SCHEMA, NullSink, gpt2, hooked_modules, naive_hooks
+from inference_cost import SCHEMA, NullSink, fix_malloc, gpt2, hooked_modules, naive_hooks
 
 from taproute.service import create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
@@ -38,7 +41,9 @@ def main() -> None:
         tokens=(64, 32),
         layers=(4, 2),
         hidden=(256, 128),
+        malloc=("fixed", "fixed"),
     )
+    args.malloc = fix_malloc(args.malloc)
     torch.set_num_threads(1)
     model, patterns, forward = gpt2(args.layers, args.hidden)
     torch.manual_seed(1)
@@ -157,7 +162,8 @@ def main() -> None:
         notes=[
             "Hold = model thread between the hooked module returning and the measured hook "
             "returning; CPU via time.thread_time. Wall figures on a shared, loaded machine "
-            "are mostly time the thread was not scheduled."
+            "are mostly time the thread was not scheduled.",
+            f"malloc: {args.malloc} (inference_cost.fix_malloc).",
         ],
         raw={"holds": holds, "cpu_samples": cpus, "wall_samples": walls},
     )

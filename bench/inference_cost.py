@@ -26,6 +26,9 @@ hooks), torch on one thread.  Variants, per forward pass:
   which persists nothing); this peer says what persisting costs a user who
   writes it directly.
 
+glibc's malloc thresholds are fixed for the run (``--malloc fixed``, the
+default; ``--malloc default`` leaves them dynamic): see :func:`fix_malloc`.
+
 Hold time is measured in separate rounds (timer hooks registered around the
 measured hook would otherwise weigh on the timed forwards), naive and
 taproute -> null alternating round by round, as wall and model-thread CPU
@@ -34,6 +37,7 @@ time.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import tempfile
 import time
@@ -56,6 +60,40 @@ from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record
 from taproute.service.capture import bind_modules, capture_context
 from taproute.service.sinks.clickhouse import ChdbTransport
 from taproute.service.sinks.writer import WriterProcessSink
+
+#: glibc's mallopt parameters: the size from which malloc maps memory for an
+#: allocation of its own, and how much free memory the heap's top keeps.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def fix_malloc(mode: str) -> str:
+    """Fix glibc's mmap and trim thresholds (``mode`` "fixed") or leave them
+    ("default"); returns what was done, for the result's parameters.
+
+    By default glibc moves both thresholds with the sizes freed, so whether
+    an allocation of a forward pass takes fresh pages (page faults, kernel
+    time on the model's thread) depends on what ran before: measured here
+    with GPT-2, the model thread's kernel time per forward varied from 0 to
+    11 ms between rounds of one variant and between processes, with no
+    hooks at all, against an effect to measure of about 0.4 ms (1 point).
+    Fixed thresholds (32 MiB, 256 MiB: as PyTorch CPU tuning guides set, or
+    jemalloc/tcmalloc) leave every variant, the reference included, without
+    that noise.
+    """
+    if mode == "default":
+        return "glibc defaults (dynamic thresholds)"
+    if mode != "fixed":
+        raise SystemExit(f"--malloc must be 'fixed' or 'default', not {mode!r}")
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        trim_set = libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):
+        return "unchanged (no glibc mallopt)"
+    if not (mmap_set and trim_set):
+        return "unchanged (mallopt refused)"
+    return "fixed: mmap threshold 32 MiB, trim threshold 256 MiB"
+
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])
@@ -215,12 +253,14 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     settings = "".join(f", {k} = {v}" for k, v in naive_transport.table_settings.items())
     naive_transport.execute(NAIVE_TABLE + settings)  # the settings taproute's tables get
     persist = naive_persist(model, patterns, mask, naive_transport)
+    last_cpu = [0.0]  # the model thread's CPU seconds per forward of the last run_passes
 
     def run_passes() -> float:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         with torch.inference_mode(), capture_context(keys, attention_mask=mask):
             for _ in range(passes):
                 forward(ids, mask)
+        last_cpu[0] = (time.thread_time() - cpu) / passes
         return (time.perf_counter() - started) / passes
 
     def plain() -> float:
@@ -273,7 +313,22 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         ),
         "naive_chdb": naive_chdb,
     }
-    results = interleave(variants, repeat=args.repeat, warmup=1)
+    cpu_times: dict[str, list[float]] = {variant: [] for variant in variants}
+
+    def keeping_cpu(variant: str, run: Callable[[], float]) -> Callable[[], float]:
+        def timed() -> float:
+            wall = run()
+            cpu_times[variant].append(last_cpu[0])
+            return wall
+
+        return timed
+
+    results = interleave(
+        {variant: keeping_cpu(variant, run) for variant, run in variants.items()},
+        repeat=args.repeat,
+        warmup=1,
+    )
+    model_cpu = {variant: summary(cpu[-args.repeat :]) for variant, cpu in cpu_times.items()}
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
     results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
     results["naive_chdb_persisted"] = summary(naive_persisted_times[-args.repeat :])
@@ -287,6 +342,7 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     naive_transport.close()
     return {
         "results": results,
+        "model_cpu": model_cpu,
         "holds": holds,
         "hooks": hooks,
         "tokens_per_pass": int(mask.sum()),
@@ -387,12 +443,18 @@ def main() -> None:
         hidden=(256, 128),
         threads=(1, 1),
         models=(["gpt2", "minilm"], ["gpt2"]),
+        malloc=("fixed", "fixed"),
     )
+    args.malloc = fix_malloc(args.malloc)
     torch.set_num_threads(args.threads)
     builders = {"gpt2": lambda: gpt2(args.layers, args.hidden), "minilm": minilm}
     comparisons: list[dict[str, Any]] = []
     rows: list[list[Any]] = []
-    notes: list[str] = []
+    notes: list[str] = [
+        f"malloc: {args.malloc}. Under glibc's dynamic thresholds the model thread's page "
+        "faults per forward depend on what ran before (kernel time varied by more than the "
+        "effects measured, with no hooks too); --malloc default measures that way."
+    ]
     targets: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="taproute-inference-cost-") as data_dir:
@@ -440,8 +502,11 @@ def main() -> None:
                         higher_is_better=False,
                     )
                 )
+            model_cpu = measured["model_cpu"]
+            base_cpu = model_cpu["none"]["median"]
             for variant, summ in results.items():
                 ratio = summ["median"] / base["median"]
+                cpu = model_cpu.get(variant)
                 rows.append(
                     [
                         name,
@@ -450,6 +515,8 @@ def main() -> None:
                         fmt(ratio),
                         fmt(summ["spread"]),
                         fmt(tokens / summ["median"]),
+                        "-" if cpu is None else fmt(cpu["median"] * 1e3),
+                        "-" if cpu is None else fmt(cpu["median"] / base_cpu),
                     ]
                 )
             naive_ratio = results["naive"]["median"] / base["median"]
@@ -483,6 +550,18 @@ def main() -> None:
                     f"{name}: taproute -> null <= naive copy + 1 point of forward time",
                     null_ratio <= naive_ratio + 0.01,
                     f"{fmt(null_ratio)}x vs {fmt(naive_ratio)}x",
+                )
+            )
+            # The same in the model thread's own CPU time: what the hooks cost
+            # it, without the time a loaded machine leaves it unscheduled.
+            naive_cpu = model_cpu["naive"]["median"] / base_cpu
+            null_cpu = model_cpu["taproute_null"]["median"] / base_cpu
+            targets.append(
+                target(
+                    f"{name}: taproute -> null <= naive copy + 1 point of model-thread CPU "
+                    "per forward",
+                    null_cpu <= naive_cpu + 0.01,
+                    f"{fmt(null_cpu)}x vs {fmt(naive_cpu)}x",
                 )
             )
             for label, forward_ratio, until_flush in (
@@ -529,7 +608,16 @@ def main() -> None:
         tables=[
             {
                 "title": "Forward pass per variant (median of interleaved repetitions)",
-                "columns": ["model", "variant", "ms/forward", "x no hooks", "spread", "tokens/s"],
+                "columns": [
+                    "model",
+                    "variant",
+                    "ms/forward",
+                    "x no hooks",
+                    "spread",
+                    "tokens/s",
+                    "model-thread CPU ms/forward",
+                    "CPU x no hooks",
+                ],
                 "rows": rows,
             }
         ],
