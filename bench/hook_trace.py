@@ -11,6 +11,9 @@ thread CPU, ``time.thread_time``, and wall) is kept with its place: round,
 pass, hook.  The summary says how the calls of each place compare::
 
     python bench/hook_trace.py --rounds 20 > bench/profiles/hook_p99_<commit>.txt
+
+glibc's malloc thresholds are fixed as in the benches (``--malloc default``
+leaves them dynamic: then page faults add kernel time to some calls).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 from harness import quantile
-from inference_cost import SCHEMA, NullSink, gpt2, hooked_modules, naive_hooks
+from inference_cost import SCHEMA, NullSink, fix_malloc, gpt2, hooked_modules, naive_hooks
 
 from taproute.service import create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
@@ -140,7 +143,11 @@ def main() -> None:
     parser.add_argument(
         "--new-masks", action="store_true", help="every context a mask not seen before"
     )
+    parser.add_argument(
+        "--malloc", default="fixed", help="glibc thresholds: fixed or default (fix_malloc)"
+    )
     args = parser.parse_args()
+    malloc = fix_malloc(args.malloc)
     load = os.getloadavg()
     calls = trace(args.rounds, args.passes, args.contexts, args.new_masks)
     head = subprocess.run(
@@ -148,8 +155,8 @@ def main() -> None:
     ).stdout.strip()
     print(
         f"# hook_trace.py --rounds {args.rounds} --passes {args.passes} --contexts "
-        f"{args.contexts}{' --new-masks' if args.new_masks else ''} at {head}; "
-        f"load average {load} -> {os.getloadavg()}"
+        f"{args.contexts}{' --new-masks' if args.new_masks else ''} --malloc {args.malloc} "
+        f"at {head}; load average {load} -> {os.getloadavg()}; malloc {malloc}"
     )
     print(summarize(calls, args.passes), end="")
 
