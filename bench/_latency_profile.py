@@ -1,0 +1,246 @@
+"""Where latency.py's stateless route spends its loop thread's time when
+batches come paced (one at a time) rather than in a burst (issue #13).
+
+    python bench/_latency_profile.py steps --rates max,200000,max,200000
+    python bench/_latency_profile.py wake
+    py-spy record --threads --nonblocking -r 500 -f raw -o prof.txt -- \\
+        python bench/_latency_profile.py paced --rate 200000 --seconds 2 --reps 4
+    python bench/_pyspy_summary.py prof.txt
+
+``steps``: latency.py's stateless route at each rate (records/s; ``max``:
+unpaced), with a Trio instrument on the runtime's loop: CPU time (the
+thread's own clock) per batch in each task's steps, in the scheduler
+between steps, and in I/O waits, and how many steps and scheduler passes
+a batch costs.  ``wake``: the loop thread's CPU per wake-up of a bare Trio
+loop woken by a paced producer thread (``run_sync_soon``, with and without
+the record worker's poll timeout; a socket of its own), against a thread
+blocked in ``queue.Queue.get``.  ``paced``: the paced runs alone, for a
+profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import latency
+import trio
+
+
+class StepClock(trio.abc.Instrument):
+    """CPU time (thread clock, ns) per task name, in the scheduler, and in I/O waits."""
+
+    def __init__(self) -> None:
+        self.cpu: collections.Counter[str] = collections.Counter()
+        self.count: collections.Counter[str] = collections.Counter()
+        self._mark = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._mark = time.thread_time_ns()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        name = task.name.rsplit(".", 2)[-2:]
+        key = ".".join(name)[:48]
+        self.cpu[key] += time.thread_time_ns() - self._mark
+        self.count[key] += 1
+
+    def before_io_wait(self, timeout: float) -> None:
+        self._mark = time.thread_time_ns()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.cpu["(io wait)"] += time.thread_time_ns() - self._mark
+        self.count["(io wait)"] += 1
+
+
+def steps(rates: list[float | None]) -> None:
+    clock = StepClock()
+    loop_cpu = [0]
+    real_run = trio.run
+
+    def run(fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        async def timed() -> Any:
+            started = time.thread_time_ns()
+            try:
+                return await fn(*args)
+            finally:
+                loop_cpu[0] += time.thread_time_ns() - started
+
+        return real_run(timed, instruments=[clock], **kwargs)
+
+    trio.run = run  # the runtime's loop thread calls trio.run
+    for rate in rates:
+        batches = 1500 if rate is None else int(rate * 2.0 / latency.PER_BATCH)
+        clock.cpu.clear()
+        clock.count.clear()
+        loop_cpu[0] = 0
+        got = latency.run("stateless", batches, rate, "/tmp")
+        p99 = latency._percentiles(got["intended"])["p99_ms"]
+        total = loop_cpu[0] / batches / 1e3
+        in_steps = sum(v for k, v in clock.cpu.items() if k != "(io wait)") / batches / 1e3
+        io = clock.cpu["(io wait)"] / batches / 1e3
+        label = "unpaced" if rate is None else f"paced {rate:,.0f} rec/s"
+        print(
+            f"{label}: achieved {got['achieved_records_per_s']:,.0f} rec/s, p99 {p99:.1f} ms; "
+            f"loop CPU {total:.0f} us/batch = task steps {in_steps:.0f} + io waits {io:.0f} "
+            f"+ scheduler {total - in_steps - io:.0f}; load {os.getloadavg()[0]:.2f}"
+        )
+        for key, ns in clock.cpu.most_common(6):
+            n = clock.count[key]
+            print(
+                f"    {key:48s} {ns / batches / 1e3:6.1f} us/batch  "
+                f"{n / batches:5.2f} per batch  {ns / max(n, 1) / 1e3:6.1f} us each"
+            )
+
+
+def _thread_cpu(tid: int) -> float:
+    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+WAKES = 4000
+INTERVAL_S = 640e-6  # 128 records every 640 us: 200,000 records/s
+
+
+def _paced(kick: Callable[[], object]) -> None:
+    start = time.perf_counter()
+    for i in range(WAKES):
+        ahead = start + i * INTERVAL_S - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+        kick()
+
+
+def _trio_token(poll: bool) -> float:
+    box: dict[str, Any] = {"ready": threading.Event(), "n": 0}
+
+    async def main() -> None:
+        event = [trio.Event()]
+        box["token"] = trio.lowlevel.current_trio_token()
+        box["tid"] = threading.get_native_id()
+        box["wake"] = lambda: event[0].set()
+        box["ready"].set()
+        while box["n"] < WAKES:
+            if poll:
+                with trio.move_on_after(0.02):
+                    await event[0].wait()
+            else:
+                await event[0].wait()
+            if event[0].is_set():
+                event[0] = trio.Event()
+                box["n"] += 1
+
+    thread = threading.Thread(target=trio.run, args=(main,))
+    thread.start()
+    box["ready"].wait()
+    before = _thread_cpu(box["tid"])
+    _paced(lambda: box["token"].run_sync_soon(box["wake"]))
+    time.sleep(0.05)
+    spent = _thread_cpu(box["tid"]) - before
+    box["n"] = WAKES
+    box["token"].run_sync_soon(box["wake"])
+    thread.join()
+    return spent / WAKES * 1e6
+
+
+def _trio_socket() -> float:
+    box: dict[str, Any] = {"ready": threading.Event()}
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+
+    async def main() -> None:
+        box["tid"] = threading.get_native_id()
+        box["ready"].set()
+        while True:
+            await trio.lowlevel.wait_readable(reader)
+            if b"\1" in reader.recv(4096):
+                return
+
+    thread = threading.Thread(target=trio.run, args=(main,))
+    thread.start()
+    box["ready"].wait()
+    before = _thread_cpu(box["tid"])
+    _paced(lambda: writer.send(b"\0"))
+    time.sleep(0.05)
+    spent = _thread_cpu(box["tid"]) - before
+    writer.send(b"\1")
+    thread.join()
+    reader.close()
+    writer.close()
+    return spent / WAKES * 1e6
+
+
+def _queue() -> float:
+    q: queue.Queue[int | None] = queue.Queue()
+    box: dict[str, Any] = {"ready": threading.Event()}
+
+    def consume() -> None:
+        box["tid"] = threading.get_native_id()
+        box["ready"].set()
+        while q.get() is not None:
+            pass
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    box["ready"].wait()
+    before = _thread_cpu(box["tid"])
+    _paced(lambda: q.put(1))
+    time.sleep(0.05)
+    spent = _thread_cpu(box["tid"]) - before
+    q.put(None)
+    thread.join()
+    return spent / WAKES * 1e6
+
+
+def wake(rounds: int) -> None:
+    print(f"loop thread CPU per wake-up (us), {WAKES} wake-ups {INTERVAL_S * 1e6:.0f} us apart:")
+    for _ in range(rounds):
+        print(
+            f"  run_sync_soon + poll timeout {_trio_token(True):.0f}; "
+            f"run_sync_soon {_trio_token(False):.0f}; own socket {_trio_socket():.0f}; "
+            f"queue.Queue consumer {_queue():.0f}; load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+
+
+def paced(rate: float, seconds: float, reps: int) -> None:
+    batches = int(rate * seconds / latency.PER_BATCH)
+    for _ in range(reps):
+        got = latency.run("stateless", batches, rate, "/tmp")
+        p99 = latency._percentiles(got["intended"])["p99_ms"]
+        print(f"paced {rate:,.0f}: achieved {got['achieved_records_per_s']:,.0f}, p99 {p99:.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("steps")
+    s.add_argument("--rates", default="max,200000,max,200000")
+    w = sub.add_parser("wake")
+    w.add_argument("--rounds", type=int, default=3)
+    p = sub.add_parser("paced")
+    p.add_argument("--rate", type=float, default=200_000)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--reps", type=int, default=4)
+    args = parser.parse_args()
+    if args.what == "steps":
+        steps([None if r == "max" else float(r) for r in args.rates.split(",")])
+    elif args.what == "wake":
+        wake(args.rounds)
+    else:
+        paced(args.rate, args.seconds, args.reps)
+
+
+if __name__ == "__main__":
+    main()
