@@ -105,21 +105,75 @@ def _model_of(hook: str) -> ModelHooks:
     return MODELS[hook.split(".", 1)[0]]
 
 
+def _token_rows(
+    records: Records, index: npt.NDArray[np.intp], stride: int, width: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """The first ``width`` float32 of every token (``stride`` float32 apart)
+    of records ``index``, stacked into one ``(tokens, width)`` array (one
+    gather for all of them, no per-record Python), and each record's token
+    count (its rows in the array follow each other, in ``index`` order)."""
+    desc = records.descriptors
+    counts = (desc["length"][index] // (4 * stride)).astype(np.int64)
+    total = int(counts.sum())
+    payload = np.frombuffer(records.batch.payload, dtype=np.uint8)
+    if total == 0:
+        return np.empty((0, width), dtype=np.float32), counts
+    owner = np.repeat(np.arange(len(index)), counts)
+    first = np.cumsum(counts) - counts
+    starts = desc["offset"][index].astype(np.int64)[owner] + 4 * stride * (
+        np.arange(total) - first[owner]
+    )
+    # A view with a token row starting at every byte (rows overlap; only the
+    # indexed ones are read): one copy of exactly the bytes wanted, aligned
+    # or not.
+    row = np.dtype((np.float32, (width,)))
+    rows = np.ndarray(
+        shape=(len(payload) - row.itemsize + 1,), dtype=row, buffer=payload, strides=(1,)
+    )
+    return rows[starts], counts
+
+
+def _per_record(
+    values: npt.NDArray[np.floating], counts: npt.NDArray[np.int64], reduce: np.ufunc, empty: float
+) -> npt.NDArray[np.float64]:
+    """``reduce`` over each record's consecutive rows of ``values`` (``empty``
+    for a record without tokens)."""
+    out = np.full((len(counts), *values.shape[1:]), empty, dtype=np.float64)
+    some = counts > 0
+    if some.any():
+        first = (np.cumsum(counts) - counts)[some]
+        out[some] = reduce.reduceat(values, first, axis=0)
+    return out
+
+
+def _hooks_of(records: Records) -> tuple[list[str], npt.NDArray[np.intp]]:
+    """The distinct hook names of ``records`` and each record's index among them."""
+    _, first, inverse = np.unique(
+        records.descriptors["output_id"], return_index=True, return_inverse=True
+    )
+    return [records.hook_name(int(i)) for i in first], inverse.reshape(-1)
+
+
 @stateless_processor("server.head_norms", input="activations", output="head_norms")
 def head_norms(records: Records) -> npt.NDArray[np.void]:
-    """Mean L2 norm of each head's query vectors over a record's tokens."""
+    """Mean L2 norm of each head's query vectors over a record's tokens
+    (one pass over all tokens of each hook in the batch)."""
     rows = np.empty(len(records), dtype=HEAD_NORMS.dtype)
     desc = records.descriptors
     rows["request"] = desc["key"]
     rows["step"] = desc["step"]
-    for i in range(len(records)):
-        hook = records.hook_name(i)
+    names, which = _hooks_of(records)
+    rows["hook"] = np.asarray(names, dtype=object)[which]
+    for k, hook in enumerate(names):  # one pass per hook, not per record
         model = _model_of(hook)
-        tokens = records.tail(i).reshape(-1, model.query_stride)[:, : model.width]
-        per_head = tokens.reshape(len(tokens), HEADS, -1)
-        rows["hook"][i] = hook
-        rows["tokens"][i] = len(tokens)
-        rows["norms"][i] = np.sqrt(np.einsum("thd,thd->th", per_head, per_head)).mean(axis=0)
+        index = np.flatnonzero(which == k)
+        tokens, counts = _token_rows(records, index, model.query_stride, model.width)
+        per_head = tokens.reshape(len(tokens), HEADS, model.width // HEADS)
+        norms = np.sqrt(np.einsum("thd,thd->th", per_head, per_head))
+        rows["tokens"][index] = counts
+        rows["norms"][index] = (
+            _per_record(norms, counts, np.add, np.nan) / np.maximum(counts, 1)[:, None]
+        )
     return rows
 
 
@@ -156,20 +210,35 @@ def _summary_row(state: StateRegion, slot_index: int) -> npt.NDArray[np.void]:
 )
 def request_summary(records: Records, keys: npt.NDArray[np.int64], state: StateRegion) -> None:
     """Fold each forward pass's last-layer token norms into its request's slot
-    (the row is emitted by ``finalize`` when the request is completed)."""
-    requests = records.descriptors["key"].tolist()
-    for i, (slot_index, request) in enumerate(zip(keys.tolist(), requests, strict=True)):
-        slot = state.slots[slot_index]
-        prefix = records.hook_name(i).partition(".")[0]
-        if slot[2] == 0:  # the request's first record in this slot
-            slot[:] = (request, list(MODELS).index(prefix), 0.0, 0.0, 0.0, 0.0)
-        width = MODELS[prefix].width
-        vectors = records.tail(i).reshape(-1, width).astype(np.float64)
-        norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors))
-        slot[2] += 1
-        slot[3] += len(norms)
-        slot[4] += norms.sum()
-        slot[5] = max(slot[5], norms.max(initial=0.0))
+    (the row is emitted by ``finalize`` when the request is completed); one
+    pass over all tokens of each hook in the batch, slots updated with
+    ``ufunc.at`` (a request may have several records in a batch)."""
+    n = len(records)
+    names, which = _hooks_of(records)
+    model_index = np.array([list(MODELS).index(h.partition(".")[0]) for h in names])[which]
+    tokens = np.zeros(n, dtype=np.int64)
+    sums = np.zeros(n)
+    peaks = np.zeros(n)
+    for k, hook in enumerate(names):
+        width = _model_of(hook).width
+        index = np.flatnonzero(which == k)
+        vectors, counts = _token_rows(records, index, width, width)
+        wide = vectors.astype(np.float64)
+        norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))
+        tokens[index] = counts
+        sums[index] = _per_record(norms, counts, np.add, 0.0)
+        peaks[index] = _per_record(norms, counts, np.maximum, 0.0)
+    slots = np.asarray(keys, dtype=np.intp)
+    region = state.slots
+    fresh = region[slots, 2] == 0  # the request's first record in this slot
+    region[slots[fresh], :2] = np.stack(
+        [records.descriptors["key"][fresh], model_index[fresh]], axis=1
+    )
+    region[slots[fresh], 2:] = 0.0
+    np.add.at(region[:, 2], slots, 1.0)
+    np.add.at(region[:, 3], slots, tokens)
+    np.add.at(region[:, 4], slots, sums)
+    np.maximum.at(region[:, 5], slots, np.maximum(peaks, 0.0))
 
 
 def routes(models: list[ModelHooks], destination: str = "clickhouse") -> RoutingConfig:
