@@ -56,7 +56,10 @@ def python_names(pid: int) -> dict[int, str]:
     try:
         out = subprocess.run(
             ["py-spy", "dump", "--json", "--pid", str(pid)],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
@@ -64,8 +67,8 @@ def python_names(pid: int) -> dict[int, str]:
     for thread in json.loads(out):
         stack = ";".join(f"{f['name']} ({f['filename']})" for f in thread.get("frames", []))
         name = thread.get("thread_name") or "?"
-        if "_thread_main" in stack or "trio/_core/_run.py" in stack and "Trio thread" not in name:
-            name = f"{name} [trio loop]" if "Trio" not in name else name
+        if "_thread_main" in stack:  # the runtime's Trio loop
+            name = f"{name} [trio loop]"
         if thread.get("os_thread_id"):
             names[int(thread["os_thread_id"])] = name
     return names
@@ -90,19 +93,12 @@ def main() -> None:
     parser.add_argument("--pyspy")
     parser.add_argument("--gil", action="store_true")
     parser.add_argument("--idle", action="store_true")
-    parser.add_argument("--extra", default="", help="extra server arguments")
+    parser.add_argument("--writer", choices=("thread", "process"), default="thread")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="serve-prof-"))
-    server = serve_load.Server(args.capture == "on", data / "db", 1, 50.0, data / "server.log")
-    if args.extra:  # restart with extra arguments
-        server.process.kill()
-        server.process.wait()
-        server.process = subprocess.Popen(
-            [*server.process.args, *args.extra.split()],  # type: ignore[misc]
-            stdout=subprocess.PIPE,
-            stderr=(data / "server.log").open("w"),
-            text=True,
-        )
+    server = serve_load.Server(
+        args.capture == "on", data / "db", 1, 50.0, data / "server.log", writer=args.writer
+    )
     server.wait_ready()
     work = serve_load.Workload(args.workload, args.max_new_tokens)
     # warm-up
@@ -118,6 +114,10 @@ def main() -> None:
         time.sleep(0.5)
     load0 = os.getloadavg()
     before = thread_cpu(pid)
+    import psutil
+
+    children = psutil.Process(pid).children(recursive=True)
+    kids0 = sum(sum(c.cpu_times()[:2]) for c in children)
     me0 = time.process_time()
     wall0 = time.perf_counter()
     phase = asyncio.run(
@@ -128,6 +128,7 @@ def main() -> None:
     wall = time.perf_counter() - wall0
     me = time.process_time() - me0
     after = thread_cpu(pid)
+    kids = sum(sum(c.cpu_times()[:2]) for c in children) - kids0
     names = python_names(pid)
     after = {tid: (names.get(tid, name), sec) for tid, (name, sec) in after.items()}
     if spy is not None:
@@ -140,15 +141,28 @@ def main() -> None:
         f"capture {args.capture}, {args.workload}, "
         f"{'saturation' if args.rate is None else f'{args.rate} req/s'}: "
         f"{fig['requests_per_s']:.1f} req/s ({fig['requests_per_s_persisted']:.1f} until flushed), "
-        f"p50 {fig['p50_ms']:.1f} ms, p99 {fig['p99_ms']:.1f} ms, flush {fig['flush_seconds']:.2f} s; "
+        f"p50 {fig['p50_ms']:.1f} ms, p99 {fig['p99_ms']:.1f} ms, "
+        f"flush {fig['flush_seconds']:.2f} s; "
         f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}"
     )
     total = sum(spent.values())
-    print(f"server CPU {total:.2f} s over {wall:.2f} s wall ({total / wall:.2f} cores); "
-          f"load generator (this process) {me:.2f} s ({me / wall:.2f} cores)")
+    requests = max(phase.ok, 1)
+    print(
+        f"server CPU {total:.2f} s over {wall:.2f} s wall ({total / wall:.2f} cores); "
+        f"load generator (this process) {me:.2f} s ({me / wall:.2f} cores); "
+        f"{phase.ok} requests, server CPU {total / requests * 1e3:.2f} ms per request"
+    )
+    if children:
+        print(
+            f"  writer process(es): {kids:.2f} s  {kids / wall:5.2f} cores  "
+            f"{kids / requests * 1e3:6.2f} ms/request"
+        )
     for name, sec in spent.most_common():
         if sec > 0.005:
-            print(f"  {name:28s} {sec:7.2f} s  {sec / wall:5.2f} cores")
+            print(
+                f"  {name:28s} {sec:7.2f} s  {sec / wall:5.2f} cores  "
+                f"{sec / requests * 1e3:6.2f} ms/request"
+            )
     server.stop()
 
 

@@ -99,6 +99,11 @@ class ServerConfig:
     #: How long a capture may hold the model waiting for ingress room (seconds);
     #: past it the records are shed and counted.  None: wait (never shed).
     max_block_s: float | None = 0.05
+    #: Where chDB's inserts run: ``"thread"`` (worker threads of this
+    #: process) or ``"process"`` (a writer process, ``WriterProcessSink``:
+    #: its Arrow builds and inserts never take this process's GIL, and hooks
+    #: copy straight into its shared memory).
+    writer: str = "thread"
     gpt2: Gpt2Size = Gpt2Size()
     seed: int = 0
 
@@ -308,32 +313,41 @@ class Capture:
         from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
         from taproute.service.capture import HostBufferPool, bind_modules, capture_context
         from taproute.service.sinks.clickhouse import ChdbTransport
+        from taproute.service.sinks.writer import WriterProcessSink
 
         hooks = [MINILM, config.gpt2.hooks()]
         for h in hooks:
             register_model(h)
-        owns = config.transport is None
-        self.transport = config.transport or ChdbTransport(config.data or Path("taproute-data"))
         self.tables = {k: config.table_prefix + v for k, v in TABLES.items()}
-        sink = RoutingSink(
-            routes(hooks),
-            SCHEMA,
-            {
-                "clickhouse": lambda: ClickHouseSink(
-                    self.transport,
-                    SCHEMA,
-                    raw=["activations"],
-                    rows=["head_norms", "request_summary"],
-                    raw_table=config.table_prefix + "raw_{layout}",
-                    rows_table=config.table_prefix + "{layout}",
-                    create_tables=True,
-                    owns_transport=owns,
+        tables: dict[str, Any] = {
+            "raw": ["activations"],
+            "rows": ["head_norms", "request_summary"],
+            "raw_table": config.table_prefix + "raw_{layout}",
+            "rows_table": config.table_prefix + "{layout}",
+            "create_tables": True,
+        }
+        pool: Any
+        if config.writer == "process":
+            if config.transport is not None:
+                raise ValueError(
+                    "writer='process' opens its own chDB directory: give data, not transport"
                 )
-            },
-            unmatched="drop",
-        )
+            writer = WriterProcessSink.embedded(
+                SCHEMA, config.data or Path("taproute-data"), **tables
+            )
+            destination: Any = lambda: writer  # noqa: E731 (a factory: the routing sink runs and closes it)
+            pool, self.query = writer.buffer_pool, writer.query
+        elif config.writer == "thread":
+            owns = config.transport is None
+            transport = config.transport or ChdbTransport(config.data or Path("taproute-data"))
+            destination = lambda: ClickHouseSink(  # noqa: E731
+                transport, SCHEMA, owns_transport=owns, **tables
+            )
+            pool, self.query = HostBufferPool(), transport.query
+        else:
+            raise ValueError(f"writer must be 'thread' or 'process', got {config.writer!r}")
+        sink = RoutingSink(routes(hooks), SCHEMA, {"clickhouse": destination}, unmatched="drop")
         self.runtime = create_record_runtime(record_sink=sink, max_block=config.max_block_s)
-        pool = HostBufferPool()
         self.bindings = []
         for prefix, model, h in (
             ("minilm", models.minilm, hooks[0]),
@@ -363,9 +377,7 @@ class Capture:
         self.runtime.flush()
         snap = self.runtime.counters()
         rows = {
-            name: int(
-                self.transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
-            )
+            name: int(self.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py())
             for name, table in self.tables.items()
         }
         ingress = snap.ingress
@@ -507,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capture", choices=["on", "off"], default="on")
     parser.add_argument("--data", type=Path, default=Path("taproute-data"))
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--writer", choices=["thread", "process"], default="thread")
     parser.add_argument("--batch-window-ms", type=float, default=4.0)
     parser.add_argument("--embed-max-batch", type=int, default=32)
     parser.add_argument("--generate-max-batch", type=int, default=16)
@@ -522,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
             port=args.port,
             capture=args.capture == "on",
             data=args.data,
+            writer=args.writer,
             batch_window_s=args.batch_window_ms / 1000,
             embed_max_batch=args.embed_max_batch,
             generate_max_batch=args.generate_max_batch,

@@ -43,7 +43,13 @@ class Server:
     """One server process; ``url`` once it answers."""
 
     def __init__(
-        self, capture: bool, data: Path, torch_threads: int, max_block_ms: float, log: Path
+        self,
+        capture: bool,
+        data: Path,
+        torch_threads: int,
+        max_block_ms: float,
+        log: Path,
+        writer: str = "thread",
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -59,6 +65,8 @@ class Server:
                 str(torch_threads),
                 "--max-block-ms",
                 str(max_block_ms),
+                "--writer",
+                writer,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,

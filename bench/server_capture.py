@@ -118,11 +118,26 @@ def _token_rows(
     payload = np.frombuffer(records.batch.payload, dtype=np.uint8)
     if total == 0:
         return np.empty((0, width), dtype=np.float32), counts
+    offsets = desc["offset"][index].astype(np.int64)
+    step = 4 * stride
+    lengths = counts * step
+    if (
+        offsets[0] % 4 == 0
+        and np.all(desc["length"][index] == lengths)
+        and np.all(offsets[1:] == offsets[:-1] + lengths[:-1])
+    ):
+        # Records back to back (as one hook call lays them out): every token
+        # is ``step`` bytes after the last, so one strided view covers them.
+        view = np.lib.stride_tricks.as_strided(
+            payload[int(offsets[0]) :].view(np.uint8),
+            shape=(total, width * 4),
+            strides=(step, 1),
+            writeable=False,
+        )
+        return view.view(np.float32), counts
     owner = np.repeat(np.arange(len(index)), counts)
     first = np.cumsum(counts) - counts
-    starts = desc["offset"][index].astype(np.int64)[owner] + 4 * stride * (
-        np.arange(total) - first[owner]
-    )
+    starts = offsets[owner] + step * (np.arange(total) - first[owner])
     # A view with a token row starting at every byte (rows overlap; only the
     # indexed ones are read): one copy of exactly the bytes wanted, aligned
     # or not.

@@ -187,3 +187,41 @@ def test_bad_requests_get_a_clear_400(served):
     assert status == 400 and '"input"' in body["error"]
     status, body = _post(served.url + "/embed", [1, 2])
     assert status == 400 and "JSON object" in body["error"]
+
+
+def test_writer_process_server_counts_every_row(tmp_path):
+    """The same server with chDB in a writer process (``writer="process"``,
+    what ``serve_load.py`` measures): hooks copy into its shared memory, rows
+    are counted exactly in ClickHouse, nothing shed."""
+    server = InferenceServer(
+        ServerConfig(data=tmp_path / "chdb", writer="process", gpt2=TINY, generate_max_batch=4)
+    )
+    server.start()
+    try:
+        embeds = [SENTENCES[i % 6 : i % 6 + 1 + i % 2] for i in range(6)]
+        generates = [(PROMPTS[i % 4], 2 + i % 3) for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(_post, server.url + "/embed", {"input": t}) for t in embeds]
+            futures += [
+                pool.submit(_post, server.url + "/generate", {"prompt": p, "max_new_tokens": n})
+                for p, n in generates
+            ]
+            assert {f.result()[0] for f in futures} == {200}
+        status, report = _post(server.url + "/admin/flush", {})
+    finally:
+        server.stop()
+    assert status == 200
+    minilm_rows = sum(len(t) for t in embeds)
+    gpt2_rows = sum(n for _, n in generates)
+    raw = 2 * minilm_rows + TINY.layers * gpt2_rows
+    assert report["clickhouse_rows"] == {
+        "raw": raw,
+        "head_norms": raw,
+        "summary": len(embeds) + len(generates),
+    }
+    assert report["shed"] == 0 and report["failure"] is None
+
+
+def test_writer_process_refuses_a_shared_transport(chdb_transport):
+    with pytest.raises(ValueError, match="writer='process'"):
+        InferenceServer(ServerConfig(transport=chdb_transport, writer="process", gpt2=TINY))

@@ -62,21 +62,30 @@ def hooks():
     MODELS.pop("gpt2", None)
 
 
-def test_head_norms_equal_the_per_record_computation(hooks):
+MIXED = [(0, 5, 3), (1, 6, 1), (0, 7, 0), (1, 8, 4), (0, 5, 2)]
+ONE_HOOK = [(1, 5, 3), (1, 6, 1), (1, 7, 0), (1, 8, 4), (1, 5, 2)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "gap"),
+    [(MIXED, 3), (MIXED, 0), (ONE_HOOK, 0), (ONE_HOOK, 2)],
+    ids=["mixed-gaps", "mixed-packed", "one-hook-packed", "one-hook-gaps"],
+)
+def test_head_norms_equal_the_per_record_computation(hooks, spec, gap):
     rng = np.random.default_rng(7)
     strides = {0: MINILM.query_stride, 1: GPT2.query_stride}
     widths = {0: MINILM.width, 1: GPT2.width}
     parts = [
         (oid, key, rng.standard_normal(tokens * strides[oid]).astype(np.float32))
-        for oid, key, tokens in [(0, 5, 3), (1, 6, 1), (0, 7, 0), (1, 8, 4), (0, 5, 2)]
+        for oid, key, tokens in spec
     ]
-    records = Records(_batch(parts), ACTIVATIONS, hooks.__getitem__)
+    records = Records(_batch(parts, gap), ACTIVATIONS, hooks.__getitem__)
     rows = head_norms(records)
     only_empty = Records(_batch(parts[2:3]), ACTIVATIONS, hooks.__getitem__)
     assert np.isnan(head_norms(only_empty)["norms"]).all()
     assert rows["request"].tolist() == [5, 6, 7, 8, 5]
     assert rows["hook"].tolist() == [hooks[oid] for oid, _, _ in parts]
-    assert rows["tokens"].tolist() == [3, 1, 0, 4, 2]
+    assert rows["tokens"].tolist() == [t for _, _, t in spec]
     for row, (oid, _, values) in zip(rows, parts, strict=True):
         tokens = values.reshape(-1, strides[oid])[:, : widths[oid]]
         if len(tokens) == 0:
