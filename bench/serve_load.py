@@ -1,26 +1,34 @@
 """taproute inside a real inference server, under load: capture off vs on.
 
-Starts ``bench/inference_server.py`` twice (``--capture off``: no taproute at
-all; ``--capture on``: hooks, routes, chDB) and drives both from asyncio
-clients (aiohttp, loopback only), phases interleaved round by round:
+Starts ``bench/inference_server.py`` with ``--capture off`` (no taproute at
+all) and ``--capture on`` (hooks, routes, chDB; by default in a writer
+process) and drives them from asyncio clients (aiohttp, loopback only, in
+this process, on the same 2 cores), phases interleaved round by round:
 
 1. saturation: ``--clients`` closed-loop clients for ``--duration`` s; the
-   capture-off throughput is the server's measured capacity;
+   capture-off throughput is the server's measured capacity (with
+   ``--compare-thread 1``, a third server with chDB in its own threads,
+   ``--writer thread``, is measured here too);
 2. fixed offered loads (``--loads``, fractions of that capacity), open loop:
    request ``i`` is due at ``start + i / rate`` whatever happened before, and
    its latency is counted from then (so a stalled server cannot hide its
    queue: corrected for coordinated omission), at most ``--clients`` in flight.
 
-Each capture-on phase ends with a flush of the on-server (everything
-captured is in ClickHouse), and its throughput is also given to that point.
-Per phase: requests/s, tokens/s, p50/p95/p99 (HdrHistogram), the server's CPU
-(cores busy) and RSS.  After the run: records captured, rows in ClickHouse
-per table, checked exactly against what the clients sent, and records shed.
+The capture-on server writes through ``--writer`` (default ``process``:
+chDB in a writer process, the choice the README gives for a serving process
+whose model runs Python on its own thread).  Each capture-on phase ends with
+a flush of the on-server (everything captured is in ClickHouse), and its
+throughput is also given to that point.  Per phase: requests/s, tokens/s,
+p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
+cores busy, and CPU per request) and RSS.  After the run: records captured,
+rows in ClickHouse per table, checked exactly against what the clients sent,
+and records shed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import signal
@@ -83,6 +91,14 @@ class Server:
 
         self.ps = psutil.Process(self.process.pid)
         return self.url
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the server and of its live children (a writer process)."""
+        total = sum(self.ps.cpu_times()[:2])
+        for child in self.ps.children(recursive=True):
+            with contextlib.suppress(Exception):  # exited between listing and reading
+                total += sum(child.cpu_times()[:2])
+        return float(total)
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -159,6 +175,7 @@ class Phase:
             "seconds": self.seconds,
             "flush_seconds": self.flush_seconds,
             "server_cores_busy": self.cpu_seconds / persisted if persisted else 0.0,
+            "server_cpu_ms_per_request": 1e3 * self.cpu_seconds / self.ok if self.ok else 0.0,
             "server_rss_mib": self.rss / 2**20,
             "shed": self.shed,
         }
@@ -231,7 +248,7 @@ async def run_phase(
 
     phase = Phase()
     url = f"{server.url}/{work.name}"
-    cpu = sum(server.ps.cpu_times()[:2])
+    cpu = server.cpu_seconds()
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
         if rate is None:
@@ -244,7 +261,7 @@ async def run_phase(
                 response.raise_for_status()
                 phase.shed_total = int((await response.json())["shed"])
             phase.flush_seconds = time.perf_counter() - started
-    phase.cpu_seconds = sum(server.ps.cpu_times()[:2]) - cpu
+    phase.cpu_seconds = server.cpu_seconds() - cpu
     phase.rss = server.ps.memory_info().rss
     return phase
 
@@ -270,34 +287,55 @@ def main() -> None:
         max_new_tokens=(16, 8),
         torch_threads=(1, 1),
         max_block_ms=(50.0, 50.0),
+        writer=("process", "process"),
+        compare_thread=(1, 1),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
-        k: getattr(args, k) for k in ("clients", "max_new_tokens", "torch_threads", "max_block_ms")
+        k: getattr(args, k)
+        for k in (
+            "clients",
+            "max_new_tokens",
+            "torch_threads",
+            "max_block_ms",
+            "writer",
+            "compare_thread",
+        )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
     params["gpt2"] = gpt2
     data = Path(tempfile.mkdtemp(prefix="serve-load-"))
+    # "on": the capture measured against the targets, chDB's inserts where
+    # --writer puts them; "on_thread" (--compare-thread 1): the other choice,
+    # chDB in the server's own threads, at saturation only.
+    saturation_modes = ["off", "on"]
+    if args.compare_thread and args.writer != "thread":
+        saturation_modes.append("on_thread")
     servers = {
         mode: Server(
-            mode == "on", data / mode, args.torch_threads, args.max_block_ms, data / f"{mode}.log"
+            mode != "off",
+            data / mode,
+            args.torch_threads,
+            args.max_block_ms,
+            data / f"{mode}.log",
+            writer="thread" if mode == "on_thread" else args.writer,
         )
-        for mode in ("off", "on")
+        for mode in saturation_modes
     }
     for server in servers.values():
         server.wait_ready()
     phases: dict[str, list[dict[str, Any]]] = {}
     sent = {"embed_inputs": 0, "embed_requests": 0, "gpt2_rows": 0, "generate_requests": 0}
     comparisons, targets, tables, notes = [], [], [], []
-    shed_so_far = [0]
+    shed_so_far = dict.fromkeys(servers, 0)
 
     def measure(name: str, mode: str, work: Workload, rate: float | None, key: str) -> float:
         phase = asyncio.run(
             run_phase(servers[mode], work, rate=rate, clients=args.clients, duration=args.duration)
         )
-        if mode == "on":
-            phase.shed = phase.shed_total - shed_so_far[0]
-            shed_so_far[0] = phase.shed_total
+        if mode != "off":
+            phase.shed = phase.shed_total - shed_so_far[mode]
+            shed_so_far[mode] = phase.shed_total
         figures = phase.figures()
         phases.setdefault(f"{name}/{mode}", []).append(figures)
         if mode == "on":
@@ -317,7 +355,7 @@ def main() -> None:
                     mode: functools.partial(
                         measure, f"{workload}/saturation", mode, work, None, "requests_per_s"
                     )
-                    for mode in ("off", "on")
+                    for mode in saturation_modes
                 },
                 repeat=args.repeat,
                 warmup=args.warmup,
@@ -333,11 +371,28 @@ def main() -> None:
                     f"{workload}: throughput at saturation ({args.clients} clients)",
                     persisted,
                     saturation["off"],
-                    taproute_label="capture on (to ClickHouse)",
+                    taproute_label=f"capture on (to ClickHouse, writer {args.writer})",
                     peer_label="capture off",
                     unit="requests/s",
                 )
             )
+            if "on_thread" in saturation:
+                comparisons.append(
+                    harness.comparison(
+                        f"{workload}: throughput at saturation, chDB in the server's threads "
+                        "(writer = thread)",
+                        harness.summary(
+                            [
+                                p["requests_per_s_persisted"]
+                                for p in phases[f"{workload}/saturation/on_thread"]
+                            ][args.warmup :]
+                        ),
+                        saturation["off"],
+                        taproute_label="capture on, writer thread",
+                        peer_label="capture off",
+                        unit="requests/s",
+                    )
+                )
             ratio = persisted["median"] / capacity
             targets.append(
                 harness.target(
@@ -448,7 +503,9 @@ def main() -> None:
         "p95 ms",
         "p99 ms",
         "cores",
+        "CPU ms/request",
         "RSS MiB",
+        "shed",
     ]
     rows = []
     for key, runs in phases.items():
@@ -465,6 +522,7 @@ def main() -> None:
                 round(med["p95_ms"], 2),
                 round(med["p99_ms"], 2),
                 round(med["server_cores_busy"], 2),
+                round(med["server_cpu_ms_per_request"], 2),
                 round(med["server_rss_mib"], 1),
                 sum(r["shed"] for r in kept),
             ]
