@@ -129,10 +129,10 @@ def main() -> None:
     me = time.process_time() - me0
     after = thread_cpu(pid)
     kids = sum(sum(c.cpu_times()[:2]) for c in children) - kids0
+    if spy is not None:  # one py-spy at a time: the record ends before the dump
+        spy.wait()
     names = python_names(pid)
     after = {tid: (names.get(tid, name), sec) for tid, (name, sec) in after.items()}
-    if spy is not None:
-        spy.wait()
     spent: collections.Counter[str] = collections.Counter()
     for tid, (name, sec) in after.items():
         spent[group(name, tid, pid)] += sec - before.get(tid, (name, 0.0))[1]
