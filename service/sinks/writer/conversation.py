@@ -46,6 +46,7 @@ from taproute.service.sinks.writer.protocol import (
     Query,
     RawItem,
     WriterConfig,
+    coalesce_rows,
 )
 from taproute.service.sinks.writer.shared_pool import SharedBufferPool
 
@@ -192,7 +193,12 @@ class WriterConversation:
                         # A send that fails leaves it SENT: a restart re-sends it.
                         item.state = SENT
                         await stream.send(
-                            Insert(item.id, item.token, item.items, self._hook_table(process))
+                            Insert(
+                                item.id,
+                                item.token,
+                                coalesce_rows(item.items),
+                                self._hook_table(process),
+                            )
                         )
                     self._unsent.popleft()
                 await self._wake_sender.park()

@@ -71,6 +71,74 @@ class RowItem:
     layout_name: str
     rows: npt.NDArray[np.void]
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # numpy pickles a structured array with an object field (a String
+        # column) row by row, about 3 us a row on the model process's GIL
+        # (37% of the loop thread's GIL time in the example server,
+        # bench/profiles/serve_load_gil_*.txt): send the other fields as
+        # one buffer and each object field as a list instead.
+        return (_row_item, (self.route, self.layout_name, *_split_objects(self.rows)))
+
+
+def coalesce_rows(items: list[RawItem | RowItem]) -> list[RawItem | RowItem]:
+    """``items`` with the rows of each (route, layout) joined into one
+    :class:`RowItem`, at the place of its first (raw items unchanged, in
+    order): one item's pickling overhead per route and block, not per
+    processor call (a block holds every batch of a linger interval)."""
+    groups: dict[tuple[str, str], list[RowItem]] = {}
+    out: list[RawItem | RowItem | tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, RowItem):
+            key = (item.route, item.layout_name)
+            if key not in groups:
+                groups[key] = []
+                out.append(key)
+            groups[key].append(item)
+        else:
+            out.append(item)
+    if all(len(group) == 1 for group in groups.values()):
+        return items
+    joined = {
+        key: group[0]
+        if len(group) == 1
+        else RowItem(key[0], key[1], np.concatenate([g.rows for g in group]))
+        for key, group in groups.items()
+    }
+    return [joined[x] if isinstance(x, tuple) else x for x in out]
+
+
+def _split_objects(
+    rows: npt.NDArray[np.void],
+) -> tuple[npt.NDArray[np.void], np.dtype[np.void], dict[str, list[Any]]]:
+    """``rows`` without its object fields, its dtype, and each object field as a list."""
+    fields: dict[str, tuple[Any, ...]] = dict(rows.dtype.fields or {})
+    objects = [name for name, (dtype, *_) in fields.items() if dtype.hasobject]
+    if not objects:
+        return rows, rows.dtype, {}
+    plain = [name for name in fields if name not in objects]
+    packed = np.empty(len(rows), dtype=[(name, fields[name][0]) for name in plain])
+    for name in plain:
+        packed[name] = rows[name]
+    return packed, rows.dtype, {name: rows[name].tolist() for name in objects}
+
+
+def _row_item(
+    route: str,
+    layout_name: str,
+    packed: npt.NDArray[np.void],
+    dtype: np.dtype[np.void],
+    objects: dict[str, list[Any]],
+) -> RowItem:
+    """A :class:`RowItem` from :func:`_split_objects`'s parts."""
+    if not objects:
+        return RowItem(route, layout_name, packed)
+    rows = np.empty(len(packed), dtype=dtype)
+    for name in packed.dtype.names or ():
+        rows[name] = packed[name]
+    for name, values in objects.items():
+        rows[name] = values
+    return RowItem(route, layout_name, rows)
+
 
 @attrs.frozen
 class HookTable:
