@@ -100,70 +100,73 @@ def main() -> None:
         args.capture == "on", data / "db", 1, 50.0, data / "server.log", writer=args.writer
     )
     server.wait_ready()
-    work = serve_load.Workload(args.workload, args.max_new_tokens)
-    # warm-up
-    asyncio.run(serve_load.run_phase(server, work, rate=None, clients=8, duration=2.0))
-    pid = server.process.pid
-    spy = None
-    if args.pyspy:
-        cmd = ["py-spy", "record", "--threads", "-r", "200", "-f", "raw", "-o", args.pyspy]
-        cmd += ["--pid", str(pid), "-d", str(int(args.seconds + 1))]
-        cmd += ["--gil"] if args.gil else []
-        cmd += ["--idle"] if args.idle else []
-        spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
-    load0 = os.getloadavg()
-    before = thread_cpu(pid)
-    import psutil
+    try:
+        work = serve_load.Workload(args.workload, args.max_new_tokens)
+        # warm-up
+        asyncio.run(serve_load.run_phase(server, work, rate=None, clients=8, duration=2.0))
+        pid = server.process.pid
+        spy = None
+        if args.pyspy:
+            cmd = ["py-spy", "record", "--threads", "-r", "200", "-f", "raw", "-o", args.pyspy]
+            cmd += ["--pid", str(pid), "-d", str(int(args.seconds + 1))]
+            cmd += ["--gil"] if args.gil else []
+            cmd += ["--idle"] if args.idle else []
+            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        load0 = os.getloadavg()
+        before = thread_cpu(pid)
+        import psutil
 
-    children = psutil.Process(pid).children(recursive=True)
-    kids0 = sum(sum(c.cpu_times()[:2]) for c in children)
-    me0 = time.process_time()
-    wall0 = time.perf_counter()
-    phase = asyncio.run(
-        serve_load.run_phase(
-            server, work, rate=args.rate, clients=args.clients, duration=args.seconds
-        )
-    )
-    wall = time.perf_counter() - wall0
-    me = time.process_time() - me0
-    after = thread_cpu(pid)
-    kids = sum(sum(c.cpu_times()[:2]) for c in children) - kids0
-    if spy is not None:  # one py-spy at a time: the record ends before the dump
-        spy.wait()
-    names = python_names(pid)
-    after = {tid: (names.get(tid, name), sec) for tid, (name, sec) in after.items()}
-    spent: collections.Counter[str] = collections.Counter()
-    for tid, (name, sec) in after.items():
-        spent[group(name, tid, pid)] += sec - before.get(tid, (name, 0.0))[1]
-    fig = phase.figures()
-    print(
-        f"capture {args.capture}, {args.workload}, "
-        f"{'saturation' if args.rate is None else f'{args.rate} req/s'}: "
-        f"{fig['requests_per_s']:.1f} req/s ({fig['requests_per_s_persisted']:.1f} until flushed), "
-        f"p50 {fig['p50_ms']:.1f} ms, p99 {fig['p99_ms']:.1f} ms, "
-        f"flush {fig['flush_seconds']:.2f} s; "
-        f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}"
-    )
-    total = sum(spent.values())
-    requests = max(phase.ok, 1)
-    print(
-        f"server CPU {total:.2f} s over {wall:.2f} s wall ({total / wall:.2f} cores); "
-        f"load generator (this process) {me:.2f} s ({me / wall:.2f} cores); "
-        f"{phase.ok} requests, server CPU {total / requests * 1e3:.2f} ms per request"
-    )
-    if children:
-        print(
-            f"  writer process(es): {kids:.2f} s  {kids / wall:5.2f} cores  "
-            f"{kids / requests * 1e3:6.2f} ms/request"
-        )
-    for name, sec in spent.most_common():
-        if sec > 0.005:
-            print(
-                f"  {name:28s} {sec:7.2f} s  {sec / wall:5.2f} cores  "
-                f"{sec / requests * 1e3:6.2f} ms/request"
+        children = psutil.Process(pid).children(recursive=True)
+        kids0 = sum(sum(c.cpu_times()[:2]) for c in children)
+        me0 = time.process_time()
+        wall0 = time.perf_counter()
+        phase = asyncio.run(
+            serve_load.run_phase(
+                server, work, rate=args.rate, clients=args.clients, duration=args.seconds
             )
-    server.stop()
+        )
+        wall = time.perf_counter() - wall0
+        me = time.process_time() - me0
+        after = thread_cpu(pid)
+        kids = sum(sum(c.cpu_times()[:2]) for c in children) - kids0
+        if spy is not None:  # one py-spy at a time: the record ends before the dump
+            spy.wait()
+        names = python_names(pid)
+        after = {tid: (names.get(tid, name), sec) for tid, (name, sec) in after.items()}
+        spent: collections.Counter[str] = collections.Counter()
+        for tid, (name, sec) in after.items():
+            spent[group(name, tid, pid)] += sec - before.get(tid, (name, 0.0))[1]
+        fig = phase.figures()
+        print(
+            f"capture {args.capture}, {args.workload}, "
+            f"{'saturation' if args.rate is None else f'{args.rate} req/s'}: "
+            f"{fig['requests_per_s']:.1f} req/s "
+            f"({fig['requests_per_s_persisted']:.1f} until flushed), "
+            f"p50 {fig['p50_ms']:.1f} ms, p99 {fig['p99_ms']:.1f} ms, "
+            f"flush {fig['flush_seconds']:.2f} s; "
+            f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}"
+        )
+        total = sum(spent.values())
+        requests = max(phase.ok, 1)
+        print(
+            f"server CPU {total:.2f} s over {wall:.2f} s wall ({total / wall:.2f} cores); "
+            f"load generator (this process) {me:.2f} s ({me / wall:.2f} cores); "
+            f"{phase.ok} requests, server CPU {total / requests * 1e3:.2f} ms per request"
+        )
+        if children:
+            print(
+                f"  writer process(es): {kids:.2f} s  {kids / wall:5.2f} cores  "
+                f"{kids / requests * 1e3:6.2f} ms/request"
+            )
+        for name, sec in spent.most_common():
+            if sec > 0.005:
+                print(
+                    f"  {name:28s} {sec:7.2f} s  {sec / wall:5.2f} cores  "
+                    f"{sec / requests * 1e3:6.2f} ms/request"
+                )
+    finally:  # never leave a server (and its writer) behind
+        server.stop()
 
 
 if __name__ == "__main__":
