@@ -7,9 +7,10 @@ machine's speed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import trio
@@ -24,8 +25,10 @@ from tests.conftest import vec_batch
 from tests.processors import SCHEMA
 
 #: A hang guard only: a restart starts a new interpreter and chDB, which on a
-#: loaded 2-core machine takes far longer than on a quiet one.
-GUARD_S = 600
+#: loaded 2-core machine takes far longer than on a quiet one.  Two of them in
+#: a row stay under pytest's --timeout (300 s), so a hang fails here, saying
+#: where the writer and the spool stood, instead of as a bare timeout.
+GUARD_S = 120
 
 
 async def wait_for(condition: Callable[[], bool]) -> None:
@@ -33,6 +36,22 @@ async def wait_for(condition: Callable[[], bool]) -> None:
     with trio.fail_after(GUARD_S):
         while not condition():
             await trio.sleep(0.01)
+
+
+@contextlib.contextmanager
+def guarded(sink: SpoolingSink) -> Iterator[None]:
+    """Fail after GUARD_S seconds, printing where the writer and the spool stood."""
+    writer = sink.inner
+    assert isinstance(writer, WriterProcessSink)
+    try:
+        with trio.fail_after(GUARD_S):
+            yield
+    except trio.TooSlowError:
+        blocks = [(b.id, b.state, b.waiter, b.rows) for b in writer._blocks.values()]
+        print("writer", writer.counters, writer.health, writer.failure, blocks)
+        print("unsent", list(writer._unsent), "queries", list(writer._queries))
+        print("spool", len(sink.spool), sink.snapshot(), sink.health, sink.failure)
+        raise
 
 
 def in_flight(writer: WriterProcessSink, *, direct: bool) -> bool:
@@ -83,22 +102,22 @@ async def test_always_spool_drains_into_a_writer_sigkilled_mid_insert(tmp_path):
             await wait_for(lambda: in_flight(writer, direct=True))  # a drain insert is out
         finally:
             os.kill(first, signal.SIGKILL)
-        with trio.fail_after(GUARD_S):
+        with guarded(sink):
             await sink.wait_delivered()
-        assert await counts(writer) == {"n": 24, "u": 24, "lo": 0, "hi": 23}
-        assert writer.counters.crashes == 1 and writer.counters.restarts == 1
-        assert writer.writer_pid not in (None, first)
-        assert writer.failure is None and sink.failure is None
-        assert sink.counters.retries >= 1  # the insert cut short was tried again
-        snapshot = sink.snapshot()
-        assert snapshot.spool.acked_records == 24 and snapshot.spool.frames == 0
-        # A replay under the same token (a crash after the insert, before the
-        # spool's ack) writes nothing twice.
-        again = vec_batch(0, 4, seq_start=100)
-        await writer.insert_now([again], "replayed-token")
-        await writer.insert_now([vec_batch(0, 4, seq_start=100)], "replayed-token")
-        assert (await counts(writer))["n"] == 28
-        await sink.close()
+            assert await counts(writer) == {"n": 24, "u": 24, "lo": 0, "hi": 23}
+            assert writer.counters.crashes == 1 and writer.counters.restarts == 1
+            assert writer.writer_pid not in (None, first)
+            assert writer.failure is None and sink.failure is None
+            assert sink.counters.retries >= 1  # the insert cut short was tried again
+            snapshot = sink.snapshot()
+            assert snapshot.spool.acked_records == 24 and snapshot.spool.frames == 0
+            # A replay under the same token (a crash after the insert, before the
+            # spool's ack) writes nothing twice.
+            again = vec_batch(0, 4, seq_start=100)
+            await writer.insert_now([again], "replayed-token")
+            await writer.insert_now([vec_batch(0, 4, seq_start=100)], "replayed-token")
+            assert (await counts(writer))["n"] == 28
+            await sink.close()
 
 
 async def test_outage_spool_takes_over_blocks_of_a_writer_sigkilled_mid_insert(tmp_path):
@@ -122,22 +141,16 @@ async def test_outage_spool_takes_over_blocks_of_a_writer_sigkilled_mid_insert(t
             await wait_for(lambda: in_flight(writer, direct=False))
         finally:
             os.kill(first, signal.SIGKILL)
-        try:
-            with trio.fail_after(GUARD_S):
-                await sink.wait_delivered()
-        except trio.TooSlowError:  # say where it stood
-            blocks = [(b.id, b.state, b.waiter, b.rows) for b in writer._blocks.values()]
-            print("writer", writer.counters, writer.health, writer.failure, blocks)
-            print("spool", len(sink.spool), sink.snapshot(), sink.health, sink.failure)
-            raise
-        assert await counts(writer) == {"n": 24, "u": 24, "lo": 0, "hi": 23}
-        assert writer.counters.crashes == 1 and writer.failure is None
-        snapshot = sink.snapshot()
-        assert snapshot.spool.appended_records > 0  # handed over, then drained
-        assert snapshot.spool.acked_records == snapshot.spool.appended_records
-        assert sink.counters.delivered_records == 24
-        assert sink.health.healthy
-        await sink.close()
+        with guarded(sink):
+            await sink.wait_delivered()
+            assert await counts(writer) == {"n": 24, "u": 24, "lo": 0, "hi": 23}
+            assert writer.counters.crashes == 1 and writer.failure is None
+            snapshot = sink.snapshot()
+            assert snapshot.spool.appended_records > 0  # handed over, then drained
+            assert snapshot.spool.acked_records == snapshot.spool.appended_records
+            assert sink.counters.delivered_records == 24
+            assert sink.health.healthy
+            await sink.close()
     assert writer.writer_pid is None
 
 
@@ -154,6 +167,6 @@ async def test_a_query_asked_while_the_writer_restarts_is_answered(tmp_path, mod
         assert first is not None
         os.kill(first, signal.SIGKILL)
         await wait_for(lambda: writer.counters.crashes == 1)  # restarting now
-        with trio.fail_after(GUARD_S):
+        with guarded(sink):
             assert (await counts(writer))["n"] == 4
-        await sink.close()
+            await sink.close()
