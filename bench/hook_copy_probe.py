@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from harness import RESULTS, commit
-from inference_cost import gpt2, hooked_modules
+from inference_cost import hooked_modules, probe_gpt2
 
 VARIANTS = ("fresh_pass", "fresh_later", "pool_rotation", "pool_same")
 
@@ -40,12 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--passes", type=int, default=8)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    model, patterns, forward = gpt2(4, 256)
-    torch.manual_seed(1)
-    ids = torch.randint(3, 1000, (8, 64))
-    mask = torch.ones(8, 64, dtype=torch.long)
-    mask[::2, 32:] = 0
+    model, patterns, forward, ids, mask = probe_gpt2()
     modules = hooked_modules(model, patterns)
     nbytes = 8 * 64 * 256 * 4
     pool = [np.ones(nbytes, np.uint8) for _ in range(12)]

@@ -27,17 +27,12 @@ HOOK_FRAME = "bind_module.<locals>.hook"
 
 def drive(passes: int) -> None:
     import torch
-    from inference_cost import SCHEMA, NullSink, gpt2
+    from inference_cost import SCHEMA, NullSink, probe_gpt2
 
     from taproute.service import create_record_runtime
     from taproute.service.capture import bind_modules, capture_context
 
-    torch.set_num_threads(1)
-    model, patterns, forward = gpt2(4, 256)
-    torch.manual_seed(1)
-    ids = torch.randint(3, 1000, (8, 64))
-    mask = torch.ones(8, 64, dtype=torch.long)
-    mask[::2, 32:] = 0
+    model, patterns, forward, ids, mask = probe_gpt2()
     with create_record_runtime(record_sink=NullSink(), schema=SCHEMA) as runtime:
         for pattern in patterns:
             bind_modules(runtime, model, pattern, layout="acts")

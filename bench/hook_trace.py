@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from harness import quantile
-from inference_cost import SCHEMA, NullSink, fix_malloc, gpt2, hooked_modules, naive_hooks
+from inference_cost import SCHEMA, NullSink, fix_malloc, hooked_modules, naive_hooks, probe_gpt2
 
 from taproute.service import create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
@@ -37,12 +37,7 @@ Call = tuple[str, int, int, int, float, float]
 
 
 def trace(rounds: int, passes: int, contexts: int, new_masks: bool = False) -> list[Call]:
-    torch.set_num_threads(1)
-    model, patterns, forward = gpt2(4, 256)
-    torch.manual_seed(1)
-    ids = torch.randint(3, 1000, (8, 64))
-    mask = torch.ones(8, 64, dtype=torch.long)
-    mask[::2, 32:] = 0
+    model, patterns, forward, ids, mask = probe_gpt2()
     keys = list(range(8))
     modules = hooked_modules(model, patterns)
     calls: list[Call] = []

@@ -126,6 +126,23 @@ def gpt2(layers: int, hidden: int) -> tuple[torch.nn.Module, list[str], Callable
     return model, patterns, lambda ids, mask: model(ids, attention_mask=mask)
 
 
+def probe_gpt2() -> tuple[
+    torch.nn.Module, list[str], Callable[..., Any], torch.Tensor, torch.Tensor
+]:
+    """The hook probes' workload: torch on one thread, GPT-2 (4 layers, hidden
+    256), and one batch of 8 x 64 token ids whose even rows are half padding.
+
+    Returns the model, its hook patterns, its forward, the ids and the mask.
+    """
+    torch.set_num_threads(1)
+    model, patterns, forward = gpt2(4, 256)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 1000, (8, 64))
+    mask = torch.ones(8, 64, dtype=torch.long)
+    mask[::2, 32:] = 0
+    return model, patterns, forward, ids, mask
+
+
 def minilm() -> tuple[torch.nn.Module, list[str], Callable[..., Any]]:
     from transformers import AutoModel, logging
 
