@@ -11,28 +11,23 @@ the state declared here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
 from taproute.routing.batch import Batch
 from taproute.routing.latch import FailureLatch
-from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
-from taproute.service.sinks.clickhouse.handover import FailedBlockHandler, PartlyInserted
+from taproute.service.sinks.clickhouse.handover import HandsOverToOwner, PartlyInserted
 from taproute.service.sinks.clickhouse.transport import Transport, connection_failure
 
 
-class OwnerInserts:
+class OwnerInserts(HandsOverToOwner):
     """Hand-over of failed blocks and direct inserts, for a sink's owner."""
 
     transport: Transport
-    batching: Batching
     counters: dict[str, TableCounters]
     _latch: FailureLatch
-    _failed_blocks: FailedBlockHandler | None
-    _inserted: Callable[[int, int], None] | None
-    _pending_bytes: int
 
     def _by_table(self, batch: Batch) -> list[tuple[str, Batch]]:
         raise NotImplementedError
@@ -50,25 +45,6 @@ class OwnerInserts:
                 destination=f"clickhouse table {table!r}",
                 where=f"handing over a failed insert of {buffer.rows} rows",
             )
-
-    def hand_over_failures(
-        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
-    ) -> None:
-        """Give every block whose insert fails to ``handler`` (a spool) instead of
-        retrying it here and latching (see :data:`FailedBlockHandler`); tell
-        ``inserted(records, batches)`` about every block inserted."""
-        self._failed_blocks = handler
-        self._inserted = inserted
-
-    @property
-    def backlog_bytes(self) -> int:
-        """Bytes buffered or being inserted."""
-        return self._pending_bytes
-
-    @property
-    def max_backlog_bytes(self) -> int:
-        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
-        return self.batching.max_buffered_bytes
 
     async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
         """Insert ``batches`` at once, one block per table, with tokens derived from ``token``.

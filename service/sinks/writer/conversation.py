@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
 
 import trio
 
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.service.sinks.clickhouse.batching import Batching, Retry
-from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
+from taproute.service.sinks.clickhouse.batching import Retry
+from taproute.service.sinks.clickhouse.handover import HandsOverToOwner
 from taproute.service.sinks.writer.blocks import (
     DONE,
     HANDING,
@@ -51,13 +50,12 @@ from taproute.service.sinks.writer.protocol import (
 from taproute.service.sinks.writer.shared_pool import SharedBufferPool
 
 
-class WriterConversation:
+class WriterConversation(HandsOverToOwner):
     """The half of :class:`~.sink.WriterProcessSink` that talks to the writer
     process (its state is set up by the sink's constructor)."""
 
     config: WriterConfig
     hooks: HookRegistry | None
-    batching: Batching
     retry: Retry
     restarts: int
     start_timeout: float
@@ -69,36 +67,12 @@ class WriterConversation:
     _blocks: dict[int, Block]
     _unsent: deque[Block | PendingQuery]
     _queries: dict[int, PendingQuery]
-    _pending_bytes: int
     _crashes_in_a_row: int
     _wake_sender: trio.lowlevel.ParkingLot
     _space: trio.lowlevel.ParkingLot
     _idle: trio.lowlevel.ParkingLot
     _nursery: trio.Nursery | None
     _closing: bool
-    _failed_blocks: FailedBlockHandler | None
-    _inserted: Callable[[int, int], None] | None
-
-    def hand_over_failures(
-        self, handler: FailedBlockHandler, inserted: Callable[[int, int], None] | None = None
-    ) -> None:
-        """Give every sealed block whose insert fails, or that is unfinished when
-        the writer dies, to ``handler`` (a spool) under its token instead of
-        retrying or re-sending it here; tell ``inserted(records, batches)``
-        about every block persisted.  Writer deaths are then answered with
-        restarts however many come in a row (``restarts`` no longer latches)."""
-        self._failed_blocks = handler
-        self._inserted = inserted
-
-    @property
-    def backlog_bytes(self) -> int:
-        """Bytes buffered or on their way to the writer."""
-        return self._pending_bytes
-
-    @property
-    def max_backlog_bytes(self) -> int:
-        """The backlog at which ``submit`` waits (``batching.max_buffered_bytes``)."""
-        return self.batching.max_buffered_bytes
 
     def _queue(self, item: Block | PendingQuery) -> None:
         if isinstance(item, Block):
