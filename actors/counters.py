@@ -155,9 +155,10 @@ class DestinationCounters:
     queue_depth: int = live(
         "taproute_destination_queue_depth_records", "Records waiting for the sink."
     )
-    #: With a spool (None without): 1 while the destination takes batches, 0
-    #: while it is unreachable and batches spool; since when and why.
-    healthy: int | None = live(
+    #: With a spool (None without): True while the destination takes batches,
+    #: False while it is unreachable and batches spool (``/status`` says
+    #: true/false, ``/metrics`` 1/0); since when and why.
+    healthy: bool | None = live(
         "taproute_destination_healthy",
         "1 while the destination takes batches, 0 while it is unreachable (batches spool).",
         None,

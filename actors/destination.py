@@ -293,7 +293,7 @@ class DestinationActor:
             spool = self._spools.spool_status()
             return attrs.evolve(
                 self.counters,
-                healthy=int(spool.healthy),
+                healthy=spool.healthy,
                 unhealthy_since=spool.unhealthy_since,
                 unhealthy_reason=spool.reason,
                 spool_bytes=spool.bytes,
