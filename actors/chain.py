@@ -94,6 +94,7 @@ class CausalGate:
             refused_depth=self.refused_depth,
             refused_rate=self.refused_rate,
             pinned_roots=len(self.ledger),
+            evicted_roots=self.ledger.evicted,
             recent_refusals=tuple(self.recent),
         )
 

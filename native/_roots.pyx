@@ -15,7 +15,19 @@ for a new root stays in cache) and one 24-byte entry per slot (root, minute,
 count, pin: a root found or claimed touches one cache line, not one per
 field).  The table holds the current minute's roots, far past the caches at
 high rates; this layout cut a batch of 1024 new roots, growth included, from
-~96 to ~59 us of CPU here.  The probing helpers are ``noexcept``: inside the
+~96 to ~59 us of CPU here.
+
+Bounded: given ``max_roots``, :meth:`RootTable.admit` judges a batch in
+chunks of at most a quarter of it, and before a chunk that would not fit
+evicts the roots with the fewest derived records this minute (a root last
+counted in an earlier minute has none) down to three quarters full, so the
+table never holds more than ``max_roots`` roots (``2 * max_roots`` slots,
+rounded up to a power of two, ~50 bytes per root) and evicts in bulk, one
+pass per quarter of ``max_roots`` new roots.  An evicted root is forgotten:
+its next derived record starts a fresh count (and is pinned with the limits
+then in force), so a bounded table errs toward admitting, never refusing a
+record the unbounded table would have accepted.  Roots deriving at a high
+rate (a runaway chain) have the highest counts and are the last evicted.  The probing helpers are ``noexcept``: inside the
 ``nogil`` loop an exception check would take the GIL state per record.
 
 :func:`root_ids` hashes captured records' identities into their root ids.
@@ -32,6 +44,14 @@ cnp.import_array()
 include "_descriptor.pxi"
 
 cdef uint64_t _MIX = 0x9E3779B97F4A7C15ULL
+
+
+cdef Py_ssize_t _slots_for(Py_ssize_t roots):
+    """The table size (a power of two, at least 16) that holds ``roots`` at most half full."""
+    cdef Py_ssize_t size = 16
+    while size < 2 * roots:
+        size *= 2
+    return size
 
 
 cdef inline Py_ssize_t _home(int64_t root, uint64_t mask) noexcept nogil:
@@ -53,12 +73,11 @@ cdef class RootTable:
     cdef Entry *_entries
     cdef Py_ssize_t _size
     cdef uint64_t _mask
+    cdef readonly unsigned long long evicted
 
     def __cinit__(self, Py_ssize_t capacity=1024):
-        cdef Py_ssize_t size = 16
-        while size < 2 * capacity:
-            size *= 2
-        self._alloc(size)
+        self._alloc(_slots_for(capacity))
+        self.evicted = 0
 
     cdef _alloc(self, Py_ssize_t size):
         self._used_arr = np.zeros(size, dtype=np.uint8)
@@ -71,6 +90,16 @@ cdef class RootTable:
 
     def __len__(self):
         return self._size
+
+    @property
+    def slots(self):
+        """Slots allocated (a root takes one; at most half are used)."""
+        return <Py_ssize_t>(self._mask + 1)
+
+    @property
+    def nbytes(self):
+        """Bytes the table's arrays hold (the used bytes and the entries)."""
+        return self._used_arr.nbytes + self._entries_arr.nbytes
 
     cdef inline Py_ssize_t _find(self, int64_t root) noexcept nogil:
         cdef Py_ssize_t at = _home(root, self._mask)
@@ -122,38 +151,75 @@ cdef class RootTable:
         int16_t current,
         const int64_t[::1] max_depths,
         const int64_t[::1] per_minutes,
+        Py_ssize_t max_roots=0,
     ):
         """Judge derived records in order; returns ``(verdicts, max_depth,
         per_minute)``: per record 0 accepted, 1 too deep, 2 over rate, and the
-        bounds it was judged by.  Accepted records are counted in ``minute``."""
+        bounds it was judged by.  Accepted records are counted in ``minute``.
+        ``max_roots`` (0: unbounded) bounds the roots held: the lowest-count
+        ones are evicted to make room (see the module's docstring)."""
         cdef Py_ssize_t n = roots.shape[0]
         if depths.shape[0] != n:
             raise ValueError(f"{n} roots but {depths.shape[0]} depths")
         cdef Py_ssize_t pins = max_depths.shape[0]
         if per_minutes.shape[0] != pins or not 0 <= current < pins:
             raise ValueError(f"pin {current} outside the {pins} limits given")
+        if max_roots < 0:
+            raise ValueError(f"max_roots must be 0 (unbounded) or positive, found {max_roots}")
         verdicts_arr = np.zeros(n, dtype=np.uint8)
         depth_arr = np.empty(n, dtype=np.int64)
         rate_arr = np.empty(n, dtype=np.int64)
         cdef uint8_t[::1] verdicts = verdicts_arr
         cdef int64_t[::1] bound_depth = depth_arr
         cdef int64_t[::1] bound_rate = rate_arr
-        cdef Py_ssize_t i, at, size
+        cdef Py_ssize_t start = 0, stop
+        cdef Py_ssize_t chunk = n if max_roots == 0 else max(1, max_roots // 4)
         cdef int16_t pin = 0
+        cdef bint bad = False
+        while start < n and not bad:
+            stop = min(n, start + chunk)
+            if max_roots and self._size + (stop - start) > max_roots:
+                self._evict(max_roots - max(stop - start, max_roots // 4), minute, max_roots)
+            # Room for every record to be a new root: the table never fills.
+            if 2 * (self._size + stop - start) > <Py_ssize_t>(self._mask + 1):
+                self._rebuild(_slots_for(self._size + stop - start), np.empty(0, dtype=np.uint8))
+            bad = self._admit_chunk(
+                roots, depths, start, stop, minute, current, max_depths, per_minutes,
+                verdicts, bound_depth, bound_rate, &pin,
+            )
+            start = stop
+        if bad:
+            raise ValueError(f"a root is pinned with limits {pin}, not among the {pins} given")
+        return verdicts_arr, depth_arr, rate_arr
+
+    cdef bint _admit_chunk(
+        self,
+        const int64_t[::1] roots,
+        const int32_t[::1] depths,
+        Py_ssize_t start,
+        Py_ssize_t stop,
+        int64_t minute,
+        int16_t current,
+        const int64_t[::1] max_depths,
+        const int64_t[::1] per_minutes,
+        uint8_t[::1] verdicts,
+        int64_t[::1] bound_depth,
+        int64_t[::1] bound_rate,
+        int16_t *bad_pin,
+    ):
+        """Judge records ``start:stop`` (the table has room for each to be a
+        new root); True when a root is pinned outside the limits given."""
+        cdef Py_ssize_t i, at, pins = max_depths.shape[0]
+        cdef int16_t pin
         cdef int64_t used
         cdef bint bad = False
-        # Room for every record to be a new root: the table never fills.
-        if 2 * (self._size + n) > <Py_ssize_t>(self._mask + 1):
-            size = <Py_ssize_t>(self._mask + 1)
-            while 2 * (self._size + n) > size:
-                size *= 2
-            self._rebuild(size, np.empty(0, dtype=np.uint8))
         cdef Entry *e
         with nogil:
-            for i in range(n):
+            for i in range(start, stop):
                 at = self._find(roots[i])
                 pin = current if at < 0 else self._entries[at].pin
                 if pin < 0 or pin >= pins:
+                    bad_pin[0] = pin
                     bad = True
                     break
                 bound_depth[i] = max_depths[pin]
@@ -173,9 +239,31 @@ cdef class RootTable:
                 e = &self._entries[at]
                 e.minute = minute
                 e.count = <uint32_t>(used + 1)
-        if bad:
-            raise ValueError(f"a root is pinned with limits {pin}, not among the {pins} given")
-        return verdicts_arr, depth_arr, rate_arr
+        return bad
+
+    cdef _evict(self, Py_ssize_t keep, int64_t minute, Py_ssize_t max_roots):
+        """Forget all but the ``keep`` roots with the most derived records in
+        ``minute`` (a root last counted earlier has none); the table shrinks to
+        what ``max_roots`` needs if it was larger (a reload lowered it)."""
+        cdef Py_ssize_t slots = <Py_ssize_t>(self._mask + 1)
+        cdef Py_ssize_t i, k = 0
+        keep = max(keep, 0)
+        where_arr = np.flatnonzero(self._used_arr)
+        counts_arr = np.empty(len(where_arr), dtype=np.int64)
+        cdef const int64_t[::1] where = where_arr
+        cdef int64_t[::1] counts = counts_arr
+        for k in range(where.shape[0]):
+            i = where[k]
+            counts[k] = self._entries[i].count if self._entries[i].minute == minute else 0
+        keep_arr = np.zeros(slots, dtype=np.uint8)
+        if 0 < keep < len(where_arr):
+            # The ``keep`` highest counts, in linear time (ties broken by slot).
+            highest = np.argpartition(counts_arr, len(where_arr) - keep)[len(where_arr) - keep:]
+            keep_arr[where_arr[highest]] = 1
+        elif keep >= len(where_arr):
+            return
+        self.evicted += <unsigned long long>(len(where_arr) - min(keep, len(where_arr)))
+        self._rebuild(min(slots, _slots_for(max_roots)), keep_arr)
 
     def sweep(self, int64_t minute, int16_t current, const int64_t[::1] retention):
         """Forget roots whose minute passed and that are pinned with ``current``,

@@ -15,6 +15,11 @@ A refused record is not accepted and spends no token of its root's minute.
 A root's limits are *pinned* when its first derived record is accepted: a
 later configuration (a reload) with other limits applies to new roots only.
 
+The ledger holds at most ``max_roots`` roots (default 65536, ~50 bytes
+each): when full it evicts the roots with the fewest derived records this
+minute, and an evicted root's count restarts (so the bound errs toward
+admitting, never refusing more than an unbounded ledger would).
+
 Everything is batch-shaped: the :class:`~taproute.routing.root_ledger.RootLedger`
 keeps its roots in a numpy hash table and admits a whole batch of derived
 records with a handful of vectorised operations, never a Python step per
@@ -43,6 +48,8 @@ CAUSAL_LIMITS: dict[str, Limit] = {
     "max_depth": Limit(1, 1024),
     "per_root_per_minute": Limit(1, 2**31),
     "retention_minutes": Limit(1, 7 * 24 * 60),
+    # 2**26 roots is a ~3.4 GB table: past that a bound is no bound.
+    "max_roots": Limit(16, 2**26),
 }
 
 
@@ -61,6 +68,13 @@ class CausalLimits:
     depth and limit).  ``retention_minutes``: how long a root's pinned limits
     are kept after its last accepted derived record (a root that derives
     again later is pinned anew, with the limits then in force).
+    ``max_roots``: the most roots the ledger holds (its memory, ~50 bytes a
+    root); when full, the roots with the fewest derived records this minute
+    are evicted and counted, and an evicted root that derives again starts
+    a fresh count under the limits then in force: the bound errs toward
+    admitting (a root can pass ``per_root_per_minute`` in a minute it was
+    evicted in), never toward refusing.  Roots deriving the most, a runaway
+    chain's, are the last evicted.
     """
 
     max_depth: int = attrs.field(
@@ -72,6 +86,9 @@ class CausalLimits:
     redact_payload: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     retention_minutes: int = attrs.field(
         default=15, validator=CAUSAL_LIMITS["retention_minutes"].check(int, _owner)
+    )
+    max_roots: int = attrs.field(
+        default=65536, validator=CAUSAL_LIMITS["max_roots"].check(int, _owner)
     )
 
 
@@ -130,12 +147,14 @@ class CausalRefusal:
 @attrs.frozen(kw_only=True)
 class CausalSnapshot:
     """What the causal limits did: derived records accepted and refused (by
-    limit), roots whose limits are pinned now, the limits new roots get, and
-    the most recent refusals (newest last)."""
+    limit), roots whose limits are pinned now, roots evicted from the full
+    ledger (``max_roots``; their counts restarted), the limits new roots
+    get, and the most recent refusals (newest last)."""
 
     limits: CausalLimits = attrs.Factory(CausalLimits)
     derived: int = 0
     refused_depth: int = 0
     refused_rate: int = 0
     pinned_roots: int = 0
+    evicted_roots: int = 0
     recent_refusals: tuple[CausalRefusal, ...] = ()

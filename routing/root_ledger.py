@@ -7,6 +7,11 @@ force is forgotten once its minute has passed (it would be pinned with the
 same limits again); a root pinned with *other* limits (an older
 configuration) is kept for its ``retention_minutes`` after its last accepted
 derived record, so roots in flight across a reload keep theirs.
+
+Bounded: the table holds at most the current limits' ``max_roots`` roots;
+when full, the roots with the fewest derived records this minute are
+evicted (counted in :attr:`RootLedger.evicted`) and start afresh if they
+derive again, so memory is bounded by the table's size whatever the rate.
 """
 
 from __future__ import annotations
@@ -56,6 +61,16 @@ class RootLedger:
     def __len__(self) -> int:
         return len(self._table)
 
+    @property
+    def evicted(self) -> int:
+        """Roots evicted because the ledger was full (``max_roots``)."""
+        return int(self._table.evicted)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ledger's table holds (bounded by ``max_roots``)."""
+        return int(self._table.nbytes)
+
     def pinned(self, root: int) -> CausalLimits | None:
         """The limits ``root`` is pinned with, or None (no derived record of it
         was accepted, or it was forgotten)."""
@@ -72,7 +87,8 @@ class RootLedger:
     def admit(self, roots: Roots, depths: Depths, now: float, limits: CausalLimits) -> Admission:
         """Judge derived records (in order) of ``roots`` at ``depths`` at UTC time
         ``now``; spend one token of its root's minute per accepted record and pin
-        ``limits`` on roots not pinned yet."""
+        ``limits`` on roots not pinned yet.  The ledger holds at most
+        ``limits.max_roots`` roots, evicting the lowest-count ones to make room."""
         minute = _minute_of(now)
         current = self._pin_index(limits)
         if self._swept_at != minute:  # once a minute: forget what is over
@@ -85,6 +101,7 @@ class RootLedger:
             current,
             self._max_depths,
             self._per_minutes,
+            limits.max_roots,
         )
         return Admission(
             verdicts == _ACCEPTED,

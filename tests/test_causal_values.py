@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -114,6 +115,11 @@ def test_causal_limits_are_bounded_like_every_config_value():
         CausalLimits(max_depth=0)
     with pytest.raises(ConfigError, match=r"per_root_per_minute must be"):
         CausalLimits(per_root_per_minute=2**40)
+    with pytest.raises(ConfigError, match=r"max_roots must be an int in \[16, 2\*\*26\], got 8"):
+        CausalLimits(max_roots=8)
+    with pytest.raises(ConfigError, match=r"max_roots must be an int"):
+        CausalLimits(max_roots=1.5)  # type: ignore[arg-type]
+    assert CausalLimits().max_roots == 65536
 
 
 # -- the root ledger ------------------------------------------------------------------
@@ -247,3 +253,59 @@ def test_the_native_root_table_checks_its_arguments():
     )
     assert verdicts.tolist() == [0] * 100 and len(table) == 100  # grown past its capacity
     assert table.entry(5) == (0, 1, 0) and table.entry(1000) is None
+
+
+# -- the ledger's bound (max_roots) ------------------------------------------------
+
+
+def test_a_full_ledger_holds_at_most_max_roots_evicting_the_lowest_counts():
+    """Memory is bounded by the table's size, whatever the derived-record rate:
+    5000 roots deriving in one minute leave at most ``max_roots`` in a table
+    that never grows past what ``max_roots`` needs; the roots with the most
+    derived records stay, an evicted root's count restarts."""
+    from taproute.native import RootTable
+
+    limits = CausalLimits(max_roots=64, per_root_per_minute=4)
+    bound = RootTable(64).nbytes  # the table sized for 64 roots
+    ledger = RootLedger(capacity=16)
+    hot = np.full(3, -7, np.int64)  # one root already 3 derived records deep into its minute
+    assert ledger.admit(hot, np.ones(3, np.int32), 0.0, limits).accepted.all()
+    for step in range(100):
+        roots = np.arange(step * 50, step * 50 + 50, dtype=np.int64)
+        result = ledger.admit(roots, np.ones(50, np.int32), 1.0, limits)
+        assert result.accepted.all()  # new roots: never refused for want of room
+        assert len(ledger) <= 64 and ledger.nbytes <= bound, step
+    assert ledger.evicted == 5000 + 1 - len(ledger) and ledger.evicted > 4900
+    assert ledger.used(-7, 1.0) == 3  # the highest count is the last evicted
+    # An evicted root starts afresh: its minute's count restarts (errs toward admitting).
+    evicted = next(r for r in range(5000) if ledger.pinned(r) is None)
+    again = ledger.admit(np.full(5, evicted, np.int64), np.ones(5, np.int32), 2.0, limits)
+    assert again.accepted.tolist() == [True, True, True, True, False]
+    # One batch larger than the table is judged in chunks, still within the bound.
+    big = ledger.admit(
+        np.arange(10**6, 10**6 + 1000, dtype=np.int64), np.ones(1000, np.int32), 3.0, limits
+    )
+    assert big.accepted.all() and len(ledger) <= 64 and ledger.nbytes <= bound
+
+
+def test_a_bounded_ledger_never_refuses_what_an_unbounded_one_accepts():
+    """Against the same ledger with room for every root: the bounded one
+    admits a superset (its counts are never higher), and admits more once it
+    has evicted; depth refusals are the same."""
+    rng = np.random.default_rng(3)
+    bounded = CausalLimits(max_roots=32, per_root_per_minute=3, max_depth=4)
+    roomy = attrs.evolve(bounded, max_roots=2**26)
+    small, large = RootLedger(capacity=16), RootLedger(capacity=16)
+    extra = 0
+    now = 0.0
+    for _ in range(200):
+        now += float(rng.choice([0.1, 1.0, 30.0]))
+        roots = rng.integers(0, 200, 64).astype(np.int64)
+        depths = rng.integers(1, 6, 64).astype(np.int32)
+        a = small.admit(roots, depths, now, bounded)
+        b = large.admit(roots, depths, now, roomy)
+        assert not (b.accepted & ~a.accepted).any()
+        assert a.too_deep.tolist() == b.too_deep.tolist()
+        extra += int(np.count_nonzero(a.accepted & ~b.accepted))
+        assert len(small) <= 32
+    assert small.evicted > 0 and extra > 0

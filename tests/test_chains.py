@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -20,6 +21,7 @@ from taproute.routing.causal import CausalLimits, root_hex, root_ids
 from taproute.routing.errors import RerouteRefused
 from taproute.service import CaptureSink, DeadLetterStore
 from taproute.service.host.config import ConfigFileError, load_config
+from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
 from tests.chain_processors import SPRAY_ROWS
@@ -213,6 +215,40 @@ async def test_limits_stay_pinned_per_root_when_the_next_configuration_changes_t
     fanout.clear()
 
 
+async def test_a_full_causal_ledger_evicts_roots_counts_them_and_exports_the_count(mock_clock):
+    """``max_roots`` bounds the ledger: 100 roots deriving at once leave at most
+    16 pinned; the rest are evicted (never refused for want of room), counted
+    in the snapshot and on ``/metrics``."""
+    hooks, q = hooks_with_q()
+    copies = CaptureSink()
+    config = RoutingConfig(
+        [stateless("norms", Q, "test.norms"), Route("copies", "route:norms", "copies")],
+        causal_limits=CausalLimits(max_roots=16),
+    )
+    async with open_routing_sink(
+        config,
+        SCHEMA,
+        {"rows": CaptureSink(), "copies": copies},
+        unmatched="drop",
+        hooks=hooks,
+        causal_clock=trio.current_time,
+    ) as sink:
+        batch = vec_batch(q, 100, keys=list(range(100)))  # one norm row, one root, per record
+        await sink.submit(RecordBatch.from_buffer(batch.descriptors, batch.payload))
+        await sink.flush()
+        snap = sink.snapshot()
+        assert len(sink.causal_ledger) == snap.causal.pinned_roots
+    assert copies.records == snap.causal.derived == 100
+    assert 0 < snap.causal.pinned_roots <= 16
+    assert snap.causal.evicted_roots == 100 - snap.causal.pinned_roots
+    registry = CollectorRegistry()
+    service = ServiceSnapshot(**attrs.asdict(snap, recurse=False))
+    registry.register(SnapshotCollector(lambda: service))
+    scraped = generate_latest(registry).decode()
+    assert f"taproute_causal_roots_evicted_total {float(snap.causal.evicted_roots)}" in scraped
+    copies.clear()
+
+
 CONFIG = (
     """
 processors = ["tests.processors", "tests.chain_processors"]
@@ -304,6 +340,15 @@ def test_a_cycle_in_a_config_file_is_refused_unless_allowed(tmp_path, chdb_trans
     )
     with load_config(allowed).build() as built:
         assert built.sink.plan.chains.cycles == (("doubled",),)
+    bounded = chain_config(
+        tmp_path, chdb_transport, '"route:norms"', "[routing.causal_limits]\nmax_roots = 4096"
+    )
+    assert load_config(bounded).routing_config().causal_limits.max_roots == 4096
+    too_small = chain_config(
+        tmp_path, chdb_transport, '"route:norms"', "[routing.causal_limits]\nmax_roots = 8"
+    )
+    with pytest.raises(ConfigFileError, match=r"routing.causal_limits.max_roots: must be in"):
+        load_config(too_small)
     bad = chain_config(
         tmp_path, chdb_transport, '"route:norms"', "[routing.causal_limits]\nmax_depth = 0"
     )

@@ -68,6 +68,12 @@ class SnapshotCollector(Collector):
         )
         pinned.add_metric([], snap.causal.pinned_roots)
         yield pinned
+        evicted = CounterMetricFamily(
+            "taproute_causal_roots_evicted",
+            "Roots evicted from the full causal ledger (max_roots); their counts restarted.",
+        )
+        evicted.add_metric([], snap.causal.evicted_roots)
+        yield evicted
         failed = GaugeMetricFamily(
             "taproute_failure_latched", "1 once a failure is latched (the router refuses work)."
         )
