@@ -16,6 +16,7 @@ scripts run as ``python bench/<script>.py``; ``bench/`` is on ``sys.path``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.metadata
 import json
 import os
@@ -476,3 +477,43 @@ def profile_top(run: Callable[[], object], limit: int = 8) -> list[str]:
 def targets_report(targets: dict[str, bool]) -> dict[str, str]:
     """Deprecated: use :func:`target`."""
     return {name: "met" if ok else "MISSED" for name, ok in targets.items()}
+
+
+# -- the process's allocator -------------------------------------------------
+
+#: glibc's mallopt parameters: the size from which malloc maps memory for an
+#: allocation of its own, and how much free memory the heap's top keeps.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def fix_malloc(mode: str) -> str:
+    """Fix glibc's mmap and trim thresholds (``mode`` "fixed") or leave them
+    ("default"); returns what was done, for the result's parameters.
+
+    By default glibc moves both thresholds with the sizes freed, so whether
+    an allocation of a forward pass takes fresh pages (page faults, kernel
+    time on the model's thread) depends on what ran before: measured here
+    with GPT-2, the model thread's kernel time per forward varied from 0 to
+    11 ms between rounds of one variant and between processes, with no
+    hooks at all, against an effect to measure of about 0.4 ms (1 point).
+    Fixed thresholds (32 MiB, 256 MiB: as PyTorch CPU tuning guides set, or
+    jemalloc/tcmalloc) leave every variant, the reference included, without
+    that noise.  Threads other than the main one get it worst: their arenas
+    give freed pages back at once, so a numpy function allocating a few MiB
+    per call took about 100,000 page faults per 98 calls in a worker thread
+    (1.3-1.4x its CPU time on the main thread; stateful_vs_bytewax.py,
+    bench/profiles/stateful_route_*.txt) and none on the main thread.
+    """
+    if mode == "default":
+        return "glibc defaults (dynamic thresholds)"
+    if mode != "fixed":
+        raise SystemExit(f"--malloc must be 'fixed' or 'default', not {mode!r}")
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        trim_set = libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):
+        return "unchanged (no glibc mallopt)"
+    if not (mmap_set and trim_set):
+        return "unchanged (mallopt refused)"
+    return "fixed: mmap threshold 32 MiB, trim threshold 256 MiB"

@@ -37,7 +37,6 @@ time.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import tempfile
 import time
@@ -48,6 +47,7 @@ import torch
 from harness import (
     arguments,
     comparison,
+    fix_malloc,
     fmt,
     interleave,
     quantile,
@@ -60,40 +60,6 @@ from taproute.service import ClickHouseSink, Layout, RecordSchema, create_record
 from taproute.service.capture import bind_modules, capture_context
 from taproute.service.sinks.clickhouse import ChdbTransport
 from taproute.service.sinks.writer import WriterProcessSink
-
-#: glibc's mallopt parameters: the size from which malloc maps memory for an
-#: allocation of its own, and how much free memory the heap's top keeps.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def fix_malloc(mode: str) -> str:
-    """Fix glibc's mmap and trim thresholds (``mode`` "fixed") or leave them
-    ("default"); returns what was done, for the result's parameters.
-
-    By default glibc moves both thresholds with the sizes freed, so whether
-    an allocation of a forward pass takes fresh pages (page faults, kernel
-    time on the model's thread) depends on what ran before: measured here
-    with GPT-2, the model thread's kernel time per forward varied from 0 to
-    11 ms between rounds of one variant and between processes, with no
-    hooks at all, against an effect to measure of about 0.4 ms (1 point).
-    Fixed thresholds (32 MiB, 256 MiB: as PyTorch CPU tuning guides set, or
-    jemalloc/tcmalloc) leave every variant, the reference included, without
-    that noise.
-    """
-    if mode == "default":
-        return "glibc defaults (dynamic thresholds)"
-    if mode != "fixed":
-        raise SystemExit(f"--malloc must be 'fixed' or 'default', not {mode!r}")
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        trim_set = libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
-    except (OSError, AttributeError):
-        return "unchanged (no glibc mallopt)"
-    if not (mmap_set and trim_set):
-        return "unchanged (mallopt refused)"
-    return "fixed: mmap threshold 32 MiB, trim threshold 256 MiB"
-
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])

@@ -19,6 +19,14 @@ The final means of all three are checked equal before anything is timed.
 Beside records/s (wall clock), each run's CPU time over all the process's
 threads is recorded, per record: on a shared machine a pipeline of threads
 also waits for cores, which wall time counts and CPU time does not.
+
+glibc's malloc thresholds are fixed for the run, for every engine alike
+(``--malloc fixed``, the default; ``--malloc default`` leaves them dynamic;
+see ``harness.fix_malloc``).  Under the dynamic thresholds the processor,
+which allocates a few MiB per call, took about 100,000 page faults per run
+in taproute's worker threads and none on the main thread where Bytewax and
+the bare function run: 1.3-1.4x the CPU for the same call
+(``bench/profiles/stateful_route_*.txt``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from harness import (
     LAST_CPU,
     arguments,
     comparison,
+    fix_malloc,
     fmt,
     interleave,
     submit_rate,
@@ -174,7 +183,8 @@ def bare_run(batches: list, keep: bool = False) -> tuple[float, list[np.ndarray]
 
 
 def main() -> None:
-    args = arguments(__doc__, repeat=(5, 2), records=(400_000, 60_000))
+    args = arguments(__doc__, repeat=(5, 2), records=(400_000, 60_000), malloc=("fixed", "fixed"))
+    args.malloc = fix_malloc(args.malloc)
     batches = make_batches(args.records)
     # Same data, checked: every engine ends with the same means.
     check = batches[: max(2, len(batches) // 4)]
@@ -243,6 +253,9 @@ def main() -> None:
         f"{cpu[cpu_best]['median']:.3g} us, Bytewax "
         f"{cpu['Bytewax stateful_map, batches']['median']:.3g} us, the bare function "
         f"{cpu['bare function']['median']:.3g} us ({cpu_overhead:.2f}x).",
+        f"malloc: {args.malloc} (harness.fix_malloc; --malloc default leaves glibc's "
+        "dynamic thresholds, under which the worker threads' page faults cost taproute's "
+        "processor calls 1.3-1.4x the main thread's CPU).",
     ]
     targets = [
         target("stateful route >= 2x batched Bytewax", vs_bytewax >= 2, f"{vs_bytewax:.2f}x"),
@@ -263,6 +276,7 @@ def main() -> None:
             "records_per_batch": PER_BATCH,
             "records": args.records,
             "repeat": args.repeat,
+            "malloc": args.malloc,
         },
         quick=args.quick,
         comparisons=comparisons,
