@@ -28,6 +28,14 @@ from taproute.routing.plan import PlannedRoute
 from taproute.routing.records import Records
 from taproute.routing.validation import check_rows
 
+try:
+    import resource
+except ImportError:  # not a Unix
+    resource = None  # type: ignore[assignment]
+
+#: ``getrusage``'s per-thread figures (Linux); elsewhere calls are judged by wall time.
+_THREAD_USAGE: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
 Keys = npt.NDArray[np.int64]
 
 
@@ -181,7 +189,10 @@ class Placement:
     quick, and leaves at its first long call (its second, once it has been
     quick :data:`INLINE_TRUSTED` times in a row).  A processor registered
     with ``needs_thread=True`` never runs inline.  Calls are timed by the
-    wall clock (``perf_counter``): a CPU clock costs a system call here.
+    wall clock (``perf_counter``); one that ran past :data:`INLINE_BELOW_S`
+    without waiting for anything is charged its CPU time instead
+    (:func:`charged`: its thread was preempted, which says nothing of the
+    processor).
     """
 
     __slots__ = ("quick", "slow")
@@ -217,10 +228,37 @@ class Placement:
 
 
 def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``fn(*args)``, and the seconds it took (in its thread)."""
+    """``fn(*args)``, and the seconds it took (in its thread) as
+    :class:`Placement` judges a call: its wall time, unless it ran past
+    :data:`INLINE_BELOW_S` without waiting for anything (see :func:`charged`)."""
+    usage = _thread_usage() if _THREAD_USAGE is not None else None
     started = time.perf_counter()
     result = fn(*args)
-    return result, time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    if usage is not None and elapsed >= INLINE_BELOW_S:
+        elapsed = charged(elapsed, usage, _thread_usage())
+    return result, elapsed
+
+
+def charged(wall: float, before: Any, after: Any) -> float:
+    """The seconds a call is charged, from the thread's ``getrusage`` before
+    and after it: its wall time if the thread waited during it (a voluntary
+    context switch: I/O, a lock, a sleep, the GIL), else its CPU time.
+
+    A thread that only lost its core meanwhile (preempted: involuntary
+    switches only) would have run the call in its CPU time; on a loaded
+    2-core machine such calls measured 0.5 to 37 ms of wall time for 0.05 to
+    0.3 ms of CPU, each sending a quick processor back to worker threads for
+    :data:`INLINE_AFTER` calls (bench/profiles/latency80_stateless_*)."""
+    if after.ru_nvcsw > before.ru_nvcsw:
+        return wall
+    cpu: float = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return min(wall, cpu)
+
+
+def _thread_usage() -> Any:
+    assert _THREAD_USAGE is not None
+    return resource.getrusage(_THREAD_USAGE)
 
 
 async def call_processor(

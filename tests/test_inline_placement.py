@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from taproute.actors.attempt import (
     INLINE_TRUSTED,
     INLINE_WALL_S,
     Placement,
+    charged,
     timed_call,
 )
 from taproute.routing import HookRegistry, Records, Route, RoutingConfig, stateless_processor
@@ -110,6 +112,35 @@ def test_a_trusted_processor_is_forgiven_one_long_call_then_earns_trust_again():
     for _ in range(INLINE_TRUSTED - 1):
         place.took(INLINE_BELOW_S / 2)
     place.took(INLINE_WALL_S)  # one quick call short of trusted: back at once
+    assert not place.inline
+
+
+def _usage(cpu: float, voluntary: int) -> SimpleNamespace:
+    return SimpleNamespace(ru_utime=cpu, ru_stime=0.0, ru_nvcsw=voluntary)
+
+
+def test_a_preempted_call_is_charged_its_cpu_time_a_waiting_one_its_wall_time():
+    # Preempted mid-call (no wait of its own): 0.1 ms of CPU over 9 ms of wall.
+    assert charged(0.009, _usage(1.0, 5), _usage(1.0001, 5)) == pytest.approx(0.0001)
+    # It waited (a voluntary switch: I/O, a lock, a sleep, the GIL): the wall time.
+    assert charged(0.009, _usage(1.0, 5), _usage(1.0001, 6)) == 0.009
+    # Never more than the wall time (getrusage counts in microseconds).
+    assert charged(0.0005, _usage(1.0, 5), _usage(1.001, 5)) == 0.0005
+
+
+def test_timed_call_charges_a_sleep_its_wall_time_and_busy_work_its_cpu_time():
+    _, slept = timed_call(time.sleep, 2 * INLINE_WALL_S)
+    assert slept >= 2 * INLINE_WALL_S  # a wait: plainly not a call for the loop
+
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    _, spun = timed_call(busy, 2 * INLINE_WALL_S)
+    assert spun >= 1.9 * INLINE_WALL_S  # CPU work counts in full, preempted or not
+    place = _inline(Placement())
+    place.took(spun)
     assert not place.inline
 
 
