@@ -94,10 +94,17 @@ def main() -> None:
     parser.add_argument("--gil", action="store_true")
     parser.add_argument("--idle", action="store_true")
     parser.add_argument("--writer", choices=("thread", "process"), default="thread")
+    parser.add_argument("--merge-batches", choices=("on", "off"), default="on")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="serve-prof-"))
     server = serve_load.Server(
-        args.capture == "on", data / "db", 1, 50.0, data / "server.log", writer=args.writer
+        args.capture == "on",
+        data / "db",
+        1,
+        50.0,
+        data / "server.log",
+        writer=args.writer,
+        merge_batches=args.merge_batches == "on",
     )
     server.wait_ready()
     try:
@@ -139,7 +146,7 @@ def main() -> None:
             spent[group(name, tid, pid)] += sec - before.get(tid, (name, 0.0))[1]
         fig = phase.figures()
         print(
-            f"capture {args.capture}, {args.workload}, "
+            f"capture {args.capture} (merge {args.merge_batches}), {args.workload}, "
             f"{'saturation' if args.rate is None else f'{args.rate} req/s'}: "
             f"{fig['requests_per_s']:.1f} req/s "
             f"({fig['requests_per_s_persisted']:.1f} until flushed), "

@@ -104,6 +104,9 @@ class ServerConfig:
     #: its Arrow builds and inserts never take this process's GIL, and hooks
     #: copy straight into its shared memory).
     writer: str = "thread"
+    #: Hand the batches of one wake-up on merged into one (``arena=``), where
+    #: the hooks' buffers allow it (the writer process's shared pool).
+    merge_batches: bool = True
     gpt2: Gpt2Size = Gpt2Size()
     seed: int = 0
 
@@ -312,6 +315,7 @@ class Capture:
     def __init__(self, models: Models, config: ServerConfig) -> None:
         from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
         from taproute.service.capture import HostBufferPool, bind_modules, capture_context
+        from taproute.service.host.batch_merge import SpansPayloads
         from taproute.service.sinks.clickhouse import ChdbTransport
         from taproute.service.sinks.writer import WriterProcessSink
 
@@ -347,7 +351,11 @@ class Capture:
         else:
             raise ValueError(f"writer must be 'thread' or 'process', got {config.writer!r}")
         sink = RoutingSink(routes(hooks), SCHEMA, {"clickhouse": destination}, unmatched="drop")
-        self.runtime = create_record_runtime(record_sink=sink, max_block=config.max_block_s)
+        self.runtime = create_record_runtime(
+            record_sink=sink,
+            max_block=config.max_block_s,
+            arena=pool if config.merge_batches and isinstance(pool, SpansPayloads) else None,
+        )
         self.bindings = []
         for prefix, model, h in (
             ("minilm", models.minilm, hooks[0]),
@@ -520,6 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=Path("taproute-data"))
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--writer", choices=["thread", "process"], default="thread")
+    parser.add_argument("--merge-batches", choices=["on", "off"], default="on")
     parser.add_argument("--batch-window-ms", type=float, default=4.0)
     parser.add_argument("--embed-max-batch", type=int, default=32)
     parser.add_argument("--generate-max-batch", type=int, default=16)
@@ -536,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             capture=args.capture == "on",
             data=args.data,
             writer=args.writer,
+            merge_batches=args.merge_batches == "on",
             batch_window_s=args.batch_window_ms / 1000,
             embed_max_batch=args.embed_max_batch,
             generate_max_batch=args.generate_max_batch,

@@ -58,6 +58,7 @@ class Server:
         max_block_ms: float,
         log: Path,
         writer: str = "thread",
+        merge_batches: bool = True,
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -75,6 +76,8 @@ class Server:
                 str(max_block_ms),
                 "--writer",
                 writer,
+                "--merge-batches",
+                "on" if merge_batches else "off",
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -17,7 +17,8 @@ from taproute.actors.counters import RouterSnapshot, count, live
 class IngressCounters:
     """Producer side.  Counts: records and batches accepted, records refused
     when full, seconds producers spent blocked in ``submit``, records shed
-    past ``max_block``; what capture hooks dropped or skipped, by hook and
+    past ``max_block``, batches merged with others of their wake-up into
+    one dispatch; what capture hooks dropped or skipped, by hook and
     reason.  Live: records queued now and producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
@@ -34,6 +35,10 @@ class IngressCounters:
     )
     shed: int = count(
         "taproute_ingress_shed_records", "Records shed when a producer's max_block ran out."
+    )
+    merged: int = count(
+        "taproute_ingress_merged_batches",
+        "Batches handed on merged with others of the same wake-up (one dispatch for several).",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

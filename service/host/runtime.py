@@ -44,6 +44,7 @@ from taproute.routing.sink import (
     RunsInBackground,
     TakesCheckedBatches,
 )
+from taproute.service.host.batch_merge import SpansPayloads, merge, mergeable
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import Ingress, WhenFull
@@ -86,6 +87,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         coalesce_records: int = COALESCE_RECORDS,
         name: str = "taproute",
         max_block: float | None = None,
+        arena: SpansPayloads | None = None,
     ) -> None:
         if max_block is not None and not max_block >= 0:
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
@@ -134,6 +136,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         if max_block is not None and isinstance(record_sink, BoundsBlocking):
             record_sink.use_blocking_budget(max_block)  # a spool at its quota waits no longer
         self.name = name
+        #: Where captured payloads lie, so the batches of one wake-up can be
+        #: merged into one without a copy (None: each batch goes on alone).
+        self._arena = arena
         self._ingress = Ingress(
             capacity_records=capacity_records,
             capacity_bytes=capacity_bytes,
@@ -210,7 +215,6 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self._wakeup.set()
 
     async def _record_worker(self) -> None:
-        submit = self._submit
         ingress = self._ingress
         idle_since: float | None = None  # when the polls began finding nothing
         while True:
@@ -239,23 +243,51 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
             records = nbytes = 0
+            run: list[RecordBatch] = []  # batches to merge, in queue order
             try:
                 for item in items:
+                    if isinstance(item, RecordBatch):
+                        records += len(item)
+                        nbytes += item.payload.nbytes
+                        if self._arena is not None and mergeable(item):
+                            run.append(item)
+                            continue
+                    if run:
+                        await self._hand_on(run)
                     if isinstance(item, Control):
                         if await self._control(item):
                             return
-                        continue
-                    try:
-                        if self._latch.failure is None:
-                            await submit(item)
-                    except Exception as exc:
-                        self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
-                    finally:
-                        item.lease.release()
-                        records += len(item)
-                        nbytes += item.payload.nbytes
+                    else:
+                        await self._hand_on([item])
+                if run:
+                    await self._hand_on(run)
             finally:
                 self._ingress.done(records, nbytes)
+
+    async def _hand_on(self, batches: list[RecordBatch]) -> None:
+        """Submit ``batches`` (taken in this order) to the record sink, merged
+        into one when the arena spans their payloads, and release each once.
+
+        Empties ``batches``.  A failure is latched; later batches are released
+        without being submitted.
+        """
+        handed = list(batches)
+        batches.clear()
+        if len(handed) > 1:
+            assert self._arena is not None
+            try:
+                handed, merged = merge(handed, self._arena)
+            except Exception:  # nothing taken over: each goes on alone, as without an arena
+                merged = 0
+            self._ingress.counters.merged += merged
+        for batch in handed:
+            try:
+                if self._latch.failure is None:
+                    await self._submit(batch)
+            except Exception as exc:
+                self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
+            finally:
+                batch.lease.release()
 
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""

@@ -29,6 +29,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
+from taproute.service.host.batch_merge import SpansPayloads
 from taproute.service.host.http import HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import WhenFull
 from taproute.service.host.runtime import RecordRuntime
@@ -126,6 +127,7 @@ def create_record_runtime(
     http: HttpConfig | None = None,
     dead_letters: DeadLetterStore | None = None,
     max_block: float | None = None,
+    arena: SpansPayloads | None = None,
 ) -> RecordService:
     """Start a :class:`RecordService` around ``record_sink`` and return it.
 
@@ -138,7 +140,9 @@ def create_record_runtime(
     store the routing sink's ``on_failure`` writes to) also the dead-letter
     controls.  ``max_block`` (seconds) bounds how long a capture hook may
     block the model waiting for ingress room; past it, records are shed and
-    counted (``offer_batch``).
+    counted (``offer_batch``).  With ``arena`` (where the capture hooks copy
+    payloads: a writer sink's ``buffer_pool``), the batches taken at one
+    wake-up are handed on merged into one, without a copy.
     """
     return RecordService(
         record_sink,
@@ -152,6 +156,7 @@ def create_record_runtime(
         coalesce_records=coalesce_records,
         name=name,
         max_block=max_block,
+        arena=arena,
     ).start()
 
 

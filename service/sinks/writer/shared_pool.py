@@ -25,7 +25,8 @@ import mmap
 import os
 import threading
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import numpy as np
@@ -66,6 +67,25 @@ class _Segment:
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self.map, dtype=np.uint8)
         self.base = int(self.array.__array_interface__["data"][0])
         self.used = 0
+
+
+class Span(NamedTuple):
+    """A run of ``members`` consecutive payloads and one view covering them
+    (None: a run of one, taken as it is), with where each starts in it."""
+
+    members: int
+    view: npt.NDArray[np.uint8] | None
+    starts: list[int]
+
+
+def _span(segment: _Segment, starts: list[int], end: int) -> Span:
+    """The run of arrays at ``starts`` (up to ``end``) of ``segment``."""
+    if len(starts) == 1:
+        return Span(1, None, [0])
+    first = min(starts)
+    view = segment.array[first:end]
+    view.flags.writeable = False
+    return Span(len(starts), view, [start - first for start in starts])
 
 
 def _size_class(nbytes: int) -> int:
@@ -190,6 +210,43 @@ class SharedBufferPool:
         if offset + array.nbytes > segment.size:
             return None
         return SegmentRef(segment.id, offset)
+
+    def spans(self, payloads: Sequence[npt.NDArray[np.uint8]]) -> list[Span]:
+        """``payloads`` (1-D ``uint8`` arrays) cut into runs of consecutive
+        arrays that lie in one segment, each run with one read-only view
+        covering it and where each of its arrays starts in the view; an array
+        in no segment, or alone in its run, is a run of one without a view.
+
+        No byte is copied: a view is a slice of its segment, kept mapped
+        while it is held.  What lets the runtime merge the captured batches
+        of one wake-up (:mod:`taproute.service.host.batch_merge`).
+        """
+        runs: list[Span] = []
+        with self._lock:
+            bases, by_base = self._bases, self._by_base
+            segment: _Segment | None = None
+            starts: list[int] = []
+            end = 0
+            for payload in payloads:
+                address = int(payload.__array_interface__["data"][0])
+                at = bisect.bisect(bases, address) - 1
+                found = by_base[at] if at >= 0 else None
+                offset = 0 if found is None else address - found.base
+                if found is not None and offset + payload.nbytes > found.size:
+                    found = None
+                if found is not segment or found is None:
+                    if segment is not None:
+                        runs.append(_span(segment, starts, end))
+                    elif starts:
+                        runs.append(Span(1, None, [0]))
+                    segment, starts, end = found, [], 0
+                starts.append(offset)
+                end = max(end, offset + payload.nbytes)
+            if segment is not None:
+                runs.append(_span(segment, starts, end))
+            elif starts:
+                runs.append(Span(1, None, [0]))
+        return runs
 
     def segment_fd(self, segment: int) -> tuple[int, int]:
         """The file descriptor and size of segment ``segment`` (to pass to a process)."""

@@ -1,0 +1,327 @@
+"""Batches taken at one wake-up are handed on merged into one, without a copy,
+when their payloads lie in one region of the runtime's ``arena`` (the writer
+process's shared pool): every record arrives, in queue order, with its own
+bytes; each producer's release fires exactly once, after the last holder of
+the merged batch is done; batches the arena cannot span, and controls, split
+the merge so nothing is reordered.
+
+No test depends on timing: merges are forced by queueing the batches before
+the runtime starts (its first take finds them all); real-time bounds are
+hang guards only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from taproute.native import make_descriptors
+from taproute.routing import Batch, RecordBatch, Route, RoutingConfig, RowBatch
+from taproute.service import RoutingSink
+from taproute.service.host.batch_merge import ReleaseEach, SpansPayloads, merge
+from taproute.service.host.runtime import RecordRuntime
+from taproute.service.sinks.capture import CaptureSink
+from taproute.service.sinks.writer.shared_pool import SharedBufferPool
+from tests.processors import SCHEMA, VEC
+
+Q = "layers.0.attn.q"
+K = "layers.0.attn.k"
+HANG_GUARD_S = 60.0
+RECORD = 16  # bytes of one "vec" record (4 float32)
+
+
+def _vectors(records: int, key: int) -> np.ndarray:
+    return (np.arange(records * 4, dtype=np.float32) + 100 * key).reshape(records, 4)
+
+
+class Releases:
+    """Release callbacks that count their calls, per batch."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    def of(self, key: int):
+        def release() -> None:
+            with self._lock:
+                self.calls[key] += 1
+
+        return release
+
+
+def _pooled_batch(
+    pool: SharedBufferPool, output_id: int, key: int, records: int, releases: Releases
+) -> RecordBatch:
+    """A batch of ``records`` vec records (key ``key``) in a pool buffer."""
+    values = _vectors(records, key)
+    buffer = pool.take_array(values.nbytes)
+    buffer[: values.nbytes] = values.reshape(-1).view(np.uint8)
+    desc = make_descriptors(
+        output_id,
+        RECORD,
+        count=records,
+        layout_ids=SCHEMA.layout_id("vec"),
+        keys=key,
+        seqs=np.arange(records) + 10 * key,
+    )
+    release = releases.of(key)
+    return RecordBatch.from_buffer(
+        desc, buffer[: values.nbytes], lambda: (pool.give_back(buffer), release())
+    )
+
+
+def _records(batch: RecordBatch) -> list[tuple[int, int, bytes]]:
+    """(key, seq, payload bytes) of every record of ``batch``, in order."""
+    return [
+        (int(d["key"]), int(d["seq"]), batch.payload_of(i).tobytes())
+        for i, d in enumerate(batch.descriptors)
+    ]
+
+
+# -- the pool's span ------------------------------------------------------------
+
+
+def test_the_pool_cuts_arrays_into_runs_of_one_segment_each_with_one_view():
+    pool = SharedBufferPool(segment_bytes=4 * 4096)
+    first, second = pool.take_array(100), pool.take_array(5000)
+    first[:100] = 1
+    second[:5000] = 2
+    third = pool.take_array(4096)  # 4 + 8 + 4 KiB: segment 0 is full
+    fourth = pool.take_array(4096)  # so this one is carved from segment 1
+    fifth = pool.take_array(4096)
+    assert isinstance(pool, SpansPayloads)
+    loose = np.zeros(100, dtype=np.uint8)
+    runs = pool.spans([second[:5000], first[:100], loose, third, fourth, fifth, loose])
+    assert [(count, view is None) for count, view, _ in runs] == [
+        (2, False),  # second, first: segment 0
+        (1, True),  # not in the pool
+        (1, True),  # third: alone in segment 0 (fourth is in segment 1)
+        (2, False),  # fourth, fifth: segment 1
+        (1, True),
+    ]
+    _, view, starts = runs[0]
+    assert view is not None and not view.flags.writeable
+    assert view[starts[0] : starts[0] + 5000].tobytes() == b"\2" * 5000
+    assert view[starts[1] : starts[1] + 100].tobytes() == b"\1" * 100
+    assert np.shares_memory(view, first) and np.shares_memory(view, second)  # no copy
+    view = runs[3][1]
+    assert view is not None and np.shares_memory(view, fourth) and np.shares_memory(view, fifth)
+    assert not np.shares_memory(view, third)
+    pool.close()
+    assert [count for count, view, _ in pool.spans([first, second])] == [1, 1]  # closed: none
+
+
+# -- merge() --------------------------------------------------------------------
+
+
+def test_merge_keeps_every_record_and_its_bytes_in_order_without_copying():
+    pool = SharedBufferPool()
+    releases = Releases()
+    batches = [
+        _pooled_batch(pool, output_id=k % 2, key=k, records=k + 1, releases=releases)
+        for k in range(4)
+    ]
+    out, merged_count = merge(batches, pool)
+    assert merged_count == 4 and len(out) == 1
+    merged = out[0]
+    assert _records(merged) == [r for b in batches for r in _records(b)]
+    assert merged.nbytes == sum(b.nbytes for b in batches)
+    assert list(merged.descriptors["output_id"]) == [
+        int(o) for b in batches for o in b.descriptors["output_id"]
+    ]
+    for batch in batches:
+        assert np.shares_memory(merged.payload, batch.payload)
+    pool.close()
+
+
+def test_a_merged_batch_releases_each_producer_buffer_once_after_its_last_holder():
+    pool = SharedBufferPool()
+    releases = Releases()
+    batches = [_pooled_batch(pool, 0, key=k, records=3, releases=releases) for k in range(3)]
+    (merged,), _ = merge(batches, pool)
+    hold = merged.select(np.array([4], dtype=np.intp)).retain()  # a destination keeps one record
+    merged.lease.release()  # the record worker is done with it
+    assert releases.calls == Counter()  # a holder is left: nothing goes back yet
+    hold.release()
+    assert releases.calls == Counter({0: 1, 1: 1, 2: 1})
+    hold.release()  # a second release of the same hold changes nothing
+    assert releases.calls == Counter({0: 1, 1: 1, 2: 1})
+    pool.close()
+
+
+def test_release_each_gives_every_lease_back_even_when_one_callback_raises():
+    pool = SharedBufferPool()
+    releases = Releases()
+    good = [_pooled_batch(pool, 0, key=k, records=1, releases=releases) for k in (1, 2)]
+
+    def broken() -> None:
+        raise RuntimeError("pool gone")
+
+    bad = RecordBatch.from_buffer(make_descriptors(0, RECORD, count=1), bytes(RECORD), broken)
+    release = ReleaseEach([good[0].lease, bad.lease, good[1].lease])
+    with pytest.raises(RuntimeError, match="pool gone"):
+        release()
+    assert releases.calls == Counter({1: 1, 2: 1})
+    assert bad.lease.released
+    release()  # once only
+    assert releases.calls == Counter({1: 1, 2: 1})
+    pool.close()
+
+
+def test_merge_leaves_a_batch_the_arena_cannot_span_alone_and_in_its_place():
+    pool = SharedBufferPool()
+    releases = Releases()
+    first, second = (_pooled_batch(pool, 0, key=k, records=2, releases=releases) for k in (1, 2))
+    loose = RecordBatch.from_buffer(
+        make_descriptors(0, RECORD, count=2), _vectors(2, 3).tobytes(), releases.of(3)
+    )
+    last = _pooled_batch(pool, 0, key=4, records=1, releases=releases)
+    out, merged = merge([first, second, loose, last], pool)
+    assert merged == 2
+    assert out[1] is loose and out[2] is last  # untouched, in their places
+    assert _records(out[0]) == _records(first) + _records(second)
+    assert loose.lease.holders == 1 and last.lease.holders == 1
+    for batch in out:
+        batch.lease.release()
+    assert releases.calls == Counter({1: 1, 2: 1, 3: 1, 4: 1})
+    pool.close()
+
+
+# -- the runtime ----------------------------------------------------------------
+
+
+class EventSink:
+    """Keeps every batch it gets (holding raw ones) and notes flushes, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.capture = CaptureSink()
+
+    async def submit(self, batch: Batch) -> None:
+        await self.capture.submit(batch)
+        self.events.append(batch)
+
+    async def flush(self) -> None:
+        self.events.append("flush")
+
+    async def close(self) -> None:
+        await self.capture.close()
+
+
+def _runtime(pool: SharedBufferPool, raw: EventSink, rows: EventSink) -> RecordRuntime:
+    config = RoutingConfig(
+        [
+            Route("raw", Q, "raw"),
+            Route("norms", K, "rows", mode="stateless", processor="test.norms"),
+        ]
+    )
+    sink = RoutingSink(config, SCHEMA, {"raw": raw, "rows": rows}, unmatched="drop")
+    return RecordRuntime(sink, arena=pool)
+
+
+def _raw_records(events: list[object]) -> list[tuple[int, int, bytes]]:
+    return [r for e in events if isinstance(e, RecordBatch) for r in _records(e)]
+
+
+def test_batches_of_one_wake_up_reach_each_route_merged_in_order_and_release_once():
+    import tests.processors  # noqa: F401  (registers test.norms)
+
+    pool = SharedBufferPool()
+    releases = Releases()
+    raw, rows = EventSink(), EventSink()
+    runtime = _runtime(pool, raw, rows)
+    q = runtime.bind_hook(Q, layout="vec")
+    k = runtime.bind_hook(K, layout="vec")
+    # Q and K alternate (two routes); queued before the loop runs, so its
+    # first take finds all six: one wake-up.
+    batches = [
+        _pooled_batch(pool, q if key % 2 else k, key=key, records=key, releases=releases)
+        for key in range(1, 7)
+    ]
+    expected_raw = [r for b in batches if b.descriptors["output_id"][0] == q for r in _records(b)]
+    for batch in batches:
+        runtime._ingress.put_batch(batch, defer_wake=True)
+    with runtime.start():
+        runtime.flush(timeout=HANG_GUARD_S)
+        snapshot = runtime.snapshot()
+    assert snapshot.ingress.merged == 6  # forced: all six were queued before the first take
+    assert snapshot.ingress.batches == 6 and snapshot.ingress.submitted == 21
+    raw_batches = [e for e in raw.events if isinstance(e, RecordBatch)]
+    assert len(raw_batches) == 1  # one dispatch for the Q records of three submits
+    assert _raw_records(raw.events) == expected_raw  # every record, its bytes, queue order
+    norms = np.concatenate([e.rows for e in rows.events if isinstance(e, RowBatch)])
+    assert list(norms["key"]) == [2, 2, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6]
+    assert list(norms["seq"]) == [20, 21, 40, 41, 42, 43, 60, 61, 62, 63, 64, 65]
+    want = np.concatenate([np.linalg.norm(_vectors(n, n), axis=1) for n in (2, 4, 6)])
+    np.testing.assert_allclose(norms["norm"], want, rtol=1e-6)
+    # The raw destination still holds its records' buffer: nothing went back.
+    assert releases.calls == Counter()
+    raw.capture.clear()
+    assert releases.calls == Counter(dict.fromkeys(range(1, 7), 1))
+    pool.close()
+
+
+def test_an_unspannable_batch_or_a_control_splits_the_merge_and_keeps_the_order():
+    import tests.processors  # noqa: F401
+
+    pool = SharedBufferPool()
+    releases = Releases()
+    raw, rows = EventSink(), EventSink()
+    runtime = _runtime(pool, raw, rows)
+    q = runtime.bind_hook(Q, layout="vec")
+    queue = runtime._ingress
+    queue.put_batch(_pooled_batch(pool, q, key=1, records=2, releases=releases), defer_wake=True)
+    queue.put_batch(_pooled_batch(pool, q, key=2, records=1, releases=releases), defer_wake=True)
+    loose = make_descriptors(
+        q, RECORD, count=2, layout_ids=SCHEMA.layout_id("vec"), keys=3, seqs=[30, 31]
+    )
+    queue.put_batch(RecordBatch.from_buffer(loose, _vectors(2, 3).tobytes(), releases.of(3)))
+    queue.put_batch(_pooled_batch(pool, q, key=4, records=1, releases=releases), defer_wake=True)
+    flushed = queue.put_control("flush")
+    queue.put_batch(_pooled_batch(pool, q, key=5, records=2, releases=releases), defer_wake=True)
+    queue.put_batch(_pooled_batch(pool, q, key=6, records=1, releases=releases), defer_wake=True)
+    with runtime.start():
+        flushed.result(HANG_GUARD_S)
+        runtime.flush(timeout=HANG_GUARD_S)
+        snapshot = runtime.snapshot()
+    keys = [
+        "flush" if e == "flush" else list(e.descriptors["key"])  # type: ignore[union-attr]
+        for e in raw.events
+    ]
+    # [1, 2] merged; 3 alone (not in the pool); 4 alone (the flush follows);
+    # the flush between 4 and 5; [5, 6] merged; then the last flush and
+    # close's.
+    assert keys == [[1, 1, 2], [3, 3], [4], "flush", [5, 5, 6], "flush", "flush"]
+    assert snapshot.ingress.merged == 4
+    raw.capture.clear()
+    assert releases.calls == Counter(dict.fromkeys(range(1, 7), 1))
+    pool.close()
+
+
+def test_without_an_arena_every_batch_goes_on_alone():
+    pool = SharedBufferPool()
+    releases = Releases()
+    raw = EventSink()
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", Q, "raw")]), SCHEMA, {"raw": raw}, unmatched="drop"
+    )
+    runtime = RecordRuntime(sink)
+    q = runtime.bind_hook(Q, layout="vec")
+    for key in (1, 2, 3):
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, q, key=key, records=1, releases=releases), defer_wake=True
+        )
+    with runtime.start():
+        runtime.flush(timeout=HANG_GUARD_S)
+        assert runtime.snapshot().ingress.merged == 0
+    assert [list(e.descriptors["key"]) for e in raw.events if e != "flush"] == [[1], [2], [3]]  # type: ignore[union-attr]
+    raw.capture.clear()
+    assert releases.calls == Counter({1: 1, 2: 1, 3: 1})
+    pool.close()
+
+
+def test_the_vec_layout_the_tests_use_is_four_float32():
+    assert VEC.dtype.itemsize == RECORD
