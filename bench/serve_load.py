@@ -16,7 +16,9 @@ this process, on the same 2 cores), phases interleaved round by round:
 
 The capture-on server writes through ``--writer`` (default ``process``:
 chDB in a writer process, the choice the README gives for a serving process
-whose model runs Python on its own thread).  Each capture-on phase ends with
+whose model runs Python on its own thread), the batches of one wake-up
+handed on merged into one (``--merge-batches 0``: each alone, as before
+the merge).  Each capture-on phase ends with
 a flush of the on-server (everything captured is in ClickHouse), and its
 throughput is also given to that point.  Per phase: requests/s, tokens/s,
 p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
@@ -292,6 +294,7 @@ def main() -> None:
         max_block_ms=(50.0, 50.0),
         writer=("process", "process"),
         compare_thread=(1, 1),
+        merge_batches=(1, 1),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
@@ -303,6 +306,7 @@ def main() -> None:
             "max_block_ms",
             "writer",
             "compare_thread",
+            "merge_batches",
         )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
@@ -322,6 +326,7 @@ def main() -> None:
             args.max_block_ms,
             data / f"{mode}.log",
             writer="thread" if mode == "on_thread" else args.writer,
+            merge_batches=bool(args.merge_batches),
         )
         for mode in saturation_modes
     }

@@ -325,3 +325,115 @@ def test_without_an_arena_every_batch_goes_on_alone():
 
 def test_the_vec_layout_the_tests_use_is_four_float32():
     assert VEC.dtype.itemsize == RECORD
+
+
+def test_merged_batches_cross_to_a_writer_process_by_reference_and_land_byte_exact(tmp_path):
+    from taproute.routing import Layout, RecordSchema
+    from taproute.service.sinks.writer import WriterProcessSink
+
+    acts = Layout("acts", [("values", "Array(Float32)")])
+    schema = RecordSchema([acts])
+    sink = WriterProcessSink.embedded(schema, tmp_path / "data", raw=["acts"])
+    pool = sink.buffer_pool
+    releases = Releases()
+    runtime = RecordRuntime(sink, arena=pool)
+    hooks = [runtime.bind_hook(name, layout="acts") for name in ("h.0", "h.1")]
+    expected: dict[tuple[int, int], list[float]] = {}
+    for step in range(1, 9):  # 8 batches, 2 hooks, records of 3..5 floats
+        widths = np.arange(3) + 3 + step % 2
+        values = [np.arange(w, dtype=np.float32) + 10 * step + i for i, w in enumerate(widths)]
+        flat = np.concatenate(values)
+        buffer = pool.take_array(flat.nbytes)
+        buffer[: flat.nbytes] = flat.view(np.uint8)
+        release = releases.of(step)
+        desc = make_descriptors(
+            hooks[step % 2],
+            widths * 4,
+            layout_ids=schema.layout_id("acts"),
+            keys=np.arange(3),
+            steps=step,
+        )
+        runtime._ingress.put_batch(
+            RecordBatch.from_buffer(
+                desc,
+                buffer[: flat.nbytes],
+                lambda buffer=buffer, release=release: (pool.give_back(buffer), release()),
+            ),
+            defer_wake=True,
+        )
+        expected |= {(step, i): v.tolist() for i, v in enumerate(values)}
+    with runtime.start():
+        runtime.flush(timeout=HANG_GUARD_S)
+        assert runtime.snapshot().ingress.merged == 8  # forced: queued before the first take
+        rows = sink.query("SELECT step, key, hook, values FROM raw_acts").to_pylist()
+        assert sink.counters.copied_bytes == 0  # crossed by reference, not copied
+    assert {(r["step"], r["key"]): r["values"] for r in rows} == expected
+    assert len(rows) == 24
+    assert {r["hook"] for r in rows if r["step"] % 2} == {"h.1"}
+    assert releases.calls == Counter(dict.fromkeys(range(1, 9), 1))
+
+
+class FailingSink:
+    """A record sink whose every submit raises (after noting what it got)."""
+
+    def __init__(self) -> None:
+        self.got: list[list[int]] = []
+
+    async def submit(self, batch: Batch) -> None:
+        self.got.append(list(batch.descriptors["key"]))  # type: ignore[union-attr]
+        raise RuntimeError("destination refused")
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_sink_failure_on_a_merged_batch_is_latched_and_each_lease_goes_back_once():
+    pool = SharedBufferPool()
+    releases = Releases()
+    sink = FailingSink()
+    runtime = RecordRuntime(sink, arena=pool)
+    q = runtime.bind_hook(Q, layout="vec")
+    for key in (1, 2, 3):
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, q, key=key, records=key, releases=releases), defer_wake=True
+        )
+    runtime.start()
+    with pytest.raises(Exception, match="destination refused"):
+        runtime.close(timeout=HANG_GUARD_S)
+    assert sink.got == [[1, 2, 2, 3, 3, 3]]  # one merged submit, then nothing
+    assert runtime.snapshot().failure is not None
+    assert releases.calls == Counter({1: 1, 2: 1, 3: 1})
+    pool.close()
+
+
+class BrokenArena:
+    """An arena whose spans() raises: the runtime must not depend on it."""
+
+    def spans(self, payloads):
+        raise RuntimeError("arena gone")
+
+
+def test_an_arena_that_fails_leaves_every_batch_to_go_on_alone_in_order():
+    pool = SharedBufferPool()
+    releases = Releases()
+    raw = EventSink()
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", Q, "raw")]), SCHEMA, {"raw": raw}, unmatched="drop"
+    )
+    runtime = RecordRuntime(sink, arena=BrokenArena())
+    q = runtime.bind_hook(Q, layout="vec")
+    for key in (1, 2, 3):
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, q, key=key, records=1, releases=releases), defer_wake=True
+        )
+    with runtime.start():
+        runtime.flush(timeout=HANG_GUARD_S)
+        snapshot = runtime.snapshot()
+    assert snapshot.ingress.merged == 0 and snapshot.failure is None
+    assert [list(e.descriptors["key"]) for e in raw.events if e != "flush"] == [[1], [2], [3]]  # type: ignore[union-attr]
+    raw.capture.clear()
+    assert releases.calls == Counter({1: 1, 2: 1, 3: 1})
+    pool.close()
