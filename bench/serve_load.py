@@ -295,6 +295,7 @@ def main() -> None:
         writer=("process", "process"),
         compare_thread=(1, 1),
         merge_batches=(1, 1),
+        compare_merge=(0, 0),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
@@ -307,6 +308,7 @@ def main() -> None:
             "writer",
             "compare_thread",
             "merge_batches",
+            "compare_merge",
         )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
@@ -318,6 +320,11 @@ def main() -> None:
     saturation_modes = ["off", "on"]
     if args.compare_thread and args.writer != "thread":
         saturation_modes.append("on_thread")
+    # "on_nomerge" (--compare-merge 1): "on" with each captured batch handed
+    # on alone, in every phase (what the merge buys, interleaved).
+    if args.compare_merge:
+        saturation_modes.append("on_nomerge")
+    load_modes = ["off", "on"] + (["on_nomerge"] if args.compare_merge else [])
     servers = {
         mode: Server(
             mode != "off",
@@ -326,7 +333,7 @@ def main() -> None:
             args.max_block_ms,
             data / f"{mode}.log",
             writer="thread" if mode == "on_thread" else args.writer,
-            merge_batches=bool(args.merge_batches),
+            merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
         )
         for mode in saturation_modes
     }
@@ -401,6 +408,23 @@ def main() -> None:
                         unit="requests/s",
                     )
                 )
+            if "on_nomerge" in saturation:
+                comparisons.append(
+                    harness.comparison(
+                        f"{workload}: throughput at saturation, each captured batch alone "
+                        "(merge off)",
+                        harness.summary(
+                            [
+                                p["requests_per_s_persisted"]
+                                for p in phases[f"{workload}/saturation/on_nomerge"]
+                            ][args.warmup :]
+                        ),
+                        saturation["off"],
+                        taproute_label="capture on, merge off",
+                        peer_label="capture off",
+                        unit="requests/s",
+                    )
+                )
             ratio = persisted["median"] / capacity
             targets.append(
                 harness.target(
@@ -416,7 +440,7 @@ def main() -> None:
                 p99 = harness.interleave(
                     {
                         mode: functools.partial(measure, name, mode, work, rate, "p99_ms")
-                        for mode in ("off", "on")
+                        for mode in load_modes
                     },
                     repeat=args.repeat,
                     warmup=args.warmup,
@@ -433,6 +457,19 @@ def main() -> None:
                         higher_is_better=False,
                     )
                 )
+                if "on_nomerge" in p99:
+                    comparisons.append(
+                        harness.comparison(
+                            f"{workload}: p99 latency at {int(load * 100)}% of capacity, "
+                            "each captured batch alone (merge off)",
+                            p99["on_nomerge"],
+                            p99["off"],
+                            taproute_label="capture on, merge off",
+                            peer_label="capture off",
+                            unit="ms",
+                            higher_is_better=False,
+                        )
+                    )
                 if load in (0.5, 0.8):
                     r = p99["on"]["median"] / p99["off"]["median"]
                     targets.append(
