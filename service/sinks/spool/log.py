@@ -59,6 +59,7 @@ from taproute.service.sinks.spool.files import (
     fsync_dir,
     make_reserve,
     replace_durably,
+    start_writeback,
     with_room,
     write_frame,
 )
@@ -70,6 +71,9 @@ _CHECKED = struct.Struct("<QQQ")
 ACK = struct.Struct("<QI")
 _INTENT = struct.Struct("<QQI")
 SUFFIX = ".seg"
+#: Appended bytes after which their writeback is started (not waited for):
+#: the disk writes while the spool appends, so an fsync finds little left.
+WRITEBACK_BYTES = 1 << 20
 
 
 @attrs.frozen
@@ -153,6 +157,7 @@ class SegmentLog:
         self._active: Path | None = None
         self._active_fd: int | None = None
         self._active_size = 0
+        self._written_back = 0  # bytes of the active segment whose writeback was started
         self._readers: dict[Path, int] = {}
         self._dirty_dir = False
         self._unsynced = False  # frames appended since the last sync
@@ -294,6 +299,11 @@ class SegmentLog:
         size = HEADER.size + length
         self._unsynced = True
         self._active_size += size
+        if self._active_size - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(
+                self._active_fd, self._written_back, self._active_size - self._written_back
+            )
+            self._written_back = self._active_size
         self.last_seq = seq
         self.segments[self._active] = seq
         entry = Entry(seq, self._active, offset, size, written_ns)
@@ -320,6 +330,7 @@ class SegmentLog:
         self._active_fd = None
         self._active = None
         self._active_size = 0
+        self._written_back = 0
         self.segments.pop(active, None)
         reader = self._readers.pop(active, None)
         if reader is not None:
@@ -336,6 +347,7 @@ class SegmentLog:
         self._active = self.directory / f"{seq:020d}{SUFFIX}"
         self._active_fd = os.open(self._active, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._active_size = 0
+        self._written_back = 0
         self._dirty_dir = True
 
     # -- reading and acknowledging -----------------------------------------
