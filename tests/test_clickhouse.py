@@ -42,6 +42,7 @@ from taproute.service import (
     create_record_runtime,
 )
 from taproute.service.sinks.clickhouse import ServerTransport, ServerUnreachable
+from taproute.service.sinks.clickhouse.batching import seal_due
 from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table
 from tests.clickhouse_backends import SERVER_URL, Backend, FaultyProxy, FlakyTransport
 
@@ -329,6 +330,67 @@ async def test_batches_by_rows_and_by_linger_time(clickhouse, mock_clock):
         await ch.flush()
         await ch.close()
     assert ch.counters[table].inserts == 2 and ch.counters[table].records == 35
+
+
+class GatedTransport:
+    """The real transport, whose inserts wait until the test opens ``gate``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def insert(self, table, data, *, dedup_token):
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.inner.insert(table, data, dedup_token=dedup_token)
+
+
+async def test_seals_at_early_bytes_while_no_insert_of_the_table_runs(clickhouse):
+    """While a table's inserts are idle, a buffer becomes an insert at
+    ``early_bytes``; while one runs, the buffer fills towards ``max_bytes``
+    (so what flush() is left with is what came during the last insert)."""
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    gated = GatedTransport(clickhouse.transport)
+    batching = Batching(early_bytes=3 * 10 * 16, max_bytes=12 * 10 * 16, linger=3600)
+    ch = clickhouse.sink(SCHEMA, gated, raw=["vec"], hooks=hooks, batching=batching)
+    table = clickhouse.raw("vec")
+    counters = ch.counters[table]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        for i in range(2):  # 160 bytes each: below early_bytes
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        assert (counters.buffered_rows, counters.in_flight_rows) == (20, 0)
+        await ch.submit(vec_batch(q, 10, start=20))  # early_bytes: sealed, none running
+        assert (counters.buffered_rows, counters.in_flight_rows) == (0, 30)
+        for i in range(3, 8):  # past early_bytes while that insert runs: kept
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        assert (counters.buffered_rows, counters.in_flight_rows) == (50, 30)
+        gated.gate.set()
+        await ch.flush()
+        assert counters.inserts == 2 and counters.records == 80
+        for i in range(8, 11):  # idle again: sealed at early_bytes
+            await ch.submit(vec_batch(q, 10, start=10 * i))
+        assert (counters.buffered_rows, counters.in_flight_rows) == (0, 30)
+        await ch.flush()
+        await ch.close()
+    assert counters.inserts == 3
+    assert table_rows(clickhouse, f"SELECT count() AS n FROM {table}") == [{"n": 110}]
+
+
+def test_seal_rule():
+    """Full buffers seal; early ones only while no insert runs; an
+    ``early_bytes`` at ``max_bytes`` never seals early."""
+    batching = Batching(max_rows=100, max_bytes=1000, early_bytes=300)
+    assert seal_due(100, 10, batching, inserting=True)
+    assert seal_due(1, 1000, batching, inserting=True)
+    assert seal_due(1, 300, batching, inserting=False)
+    assert not seal_due(1, 300, batching, inserting=True)
+    assert not seal_due(99, 299, batching, inserting=False)
+    never_early = Batching(max_bytes=1000, early_bytes=1000)
+    assert not seal_due(1, 999, never_early, inserting=False)
 
 
 def test_routed_and_direct_sinks_write_identical_tables(clickhouse):

@@ -515,3 +515,44 @@ def test_a_done_handled_before_the_send_returned_counts(tmp_path, monkeypatch):
         if sink.counters.in_flight_rows and pid is not None:
             os.kill(pid, signal.SIGKILL)  # a stuck block: a restart re-sends it, close can end
         runtime.close()
+
+
+async def test_a_block_is_sealed_early_while_none_is_at_the_writer(tmp_path):
+    """With no block at the writer, a buffer becomes one at ``early_bytes``;
+    while one is there, the buffer fills towards ``max_bytes``."""
+    from taproute.routing import HookRegistry, RecordBatch
+    from taproute.service.sinks.clickhouse import Batching
+
+    nbytes = 4 * WIDTH * 4
+    batching = Batching(early_bytes=3 * nbytes, max_bytes=100 * nbytes, linger=3600)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
+    hooks = HookRegistry()
+    hook = hooks.bind("h.0", layout="acts")
+    sink.use_hooks(hooks)
+
+    def batch(step: int) -> RecordBatch:
+        descriptors = make_descriptors(
+            hook,
+            np.full(4, WIDTH * 4),
+            offsets=np.arange(4) * WIDTH * 4,
+            layout_ids=SCHEMA.layout_id("acts"),
+            keys=np.arange(4),
+            steps=step,
+        )
+        return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
+
+    counters = sink.counters
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for step in (1, 2):
+            await sink.submit(batch(step))
+        assert (counters.buffered_rows, counters.in_flight_rows) == (8, 0)
+        await sink.submit(batch(3))  # early_bytes, no block at the writer: sealed
+        assert (counters.buffered_rows, counters.in_flight_rows) == (0, 12)
+        for step in range(4, 8):  # no checkpoint: that block is still at the writer
+            await sink.submit(batch(step))
+        assert (counters.buffered_rows, counters.in_flight_rows) == (16, 12)
+        await sink.flush()
+        assert counters.blocks == 2
+        await sink.close()
+    assert _totals(sink) == _expected(range(1, 8))

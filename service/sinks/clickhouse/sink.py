@@ -35,7 +35,7 @@ from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
-from taproute.service.sinks.clickhouse.batching import Batching, Retry
+from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
@@ -258,8 +258,10 @@ class ClickHouseSink(OwnerInserts):
         buffer.rows += len(batch)
         buffer.bytes += batch.nbytes
         self._pending_bytes += batch.nbytes
-        self.counters[table].buffered_rows += len(batch)
-        if buffer.rows >= self.batching.max_rows or buffer.bytes >= self.batching.max_bytes:
+        counters = self.counters[table]
+        counters.buffered_rows += len(batch)
+        inserting = counters.in_flight_rows > 0
+        if seal_due(buffer.rows, buffer.bytes, self.batching, inserting=inserting):
             self._seal(table)
 
     def _seal(self, table: str) -> None:

@@ -47,7 +47,7 @@ from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
-from taproute.service.sinks.clickhouse.batching import Batching, Retry
+from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
 from taproute.service.sinks.writer.blocks import (
     Block,
     PendingQuery,
@@ -242,7 +242,7 @@ class WriterProcessSink(WriterConversation):
         buffer.nbytes += batch.nbytes
         self._pending_bytes += batch.nbytes
         self.counters.buffered_rows += len(batch)
-        if buffer.rows >= self.batching.max_rows or buffer.nbytes >= self.batching.max_bytes:
+        if seal_due(buffer.rows, buffer.nbytes, self.batching, inserting=bool(self._blocks)):
             self._seal()
 
     def _check_open(self) -> None:
