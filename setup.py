@@ -35,7 +35,16 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],
     )
-    for name in ("_matcher", "_partition", "_lease", "_validate", "_state", "_capture", "_roots")
+    for name in (
+        "_matcher",
+        "_partition",
+        "_lease",
+        "_validate",
+        "_state",
+        "_capture",
+        "_roots",
+        "_signals",
+    )
 ]
 
 setup(

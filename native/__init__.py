@@ -12,6 +12,9 @@
 - :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: a
   capture hook's descriptors and packed payload, one call each;
   :func:`plan_records`: a capture's record plan and descriptor templates.
+- :func:`router_stats`, :func:`path_codes`, :func:`two_nearest`: the signal
+  processors' one-pass kernels (router statistics, top-1 expert paths, the
+  two nearest neighbours off a Gram matrix).
 """
 
 from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
@@ -20,6 +23,7 @@ from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
 from taproute.native._roots import RootTable
 from taproute.native._roots import root_ids as native_root_ids
+from taproute.native._signals import path_codes, router_stats, two_nearest
 from taproute.native._state import scatter_add
 from taproute.native._validate import (
     NOT_A_PAYLOAD_LAYOUT,
@@ -65,7 +69,10 @@ __all__ = [
     "make_descriptors",
     "owner_of",
     "partition_keys",
+    "path_codes",
     "plan_records",
+    "router_stats",
     "scatter_add",
     "stamped_copy",
+    "two_nearest",
 ]

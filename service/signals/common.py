@@ -183,16 +183,3 @@ def all_tokens(
         run_starts = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
         flat = payload[run_starts + np.arange(total)]
     return flat.view(element).reshape(-1, width), counts
-
-
-def segment_sums(
-    values: npt.NDArray[np.generic], counts: npt.NDArray[np.int64]
-) -> npt.NDArray[np.float64]:
-    """Sum of ``values`` (rows grouped in consecutive runs of ``counts``) per run;
-    empty runs sum to 0."""
-    out = np.zeros((len(counts), *values.shape[1:]))
-    nonempty = counts > 0
-    if values.shape[0]:
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))[nonempty]
-        out[nonempty] = np.add.reduceat(values.astype(np.float64), starts, axis=0)
-    return out

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import StateRegion
+from taproute.native import router_stats as native_router_stats
 from taproute.routing import ConfigError, Layout, Records, SlotSpec, stateful_processor
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.service.signals.common import (
@@ -37,7 +38,6 @@ from taproute.service.signals.common import (
     hook_key,
     hooks_and_layers,
     positive,
-    segment_sums,
     tail_layout,
     tumbling_windows,
 )
@@ -76,14 +76,6 @@ class RouterStats:
     overflow: npt.NDArray[np.float64]  # assignments past capacity
 
 
-def top_k_experts(logits: npt.NDArray[np.generic], k: int) -> npt.NDArray[np.intp]:
-    """Each token's top ``k`` experts, best first (ties: lower index first)."""
-    order: npt.NDArray[np.intp] = np.argsort(
-        -np.asarray(logits, dtype=np.float64), axis=1, kind="stable"
-    )[:, :k]
-    return order
-
-
 def router_stats(
     logits: npt.NDArray[np.generic],
     tokens: npt.NDArray[np.int64],
@@ -91,29 +83,22 @@ def router_stats(
     top_k: int,
     capacity_factor: float,
 ) -> RouterStats:
-    """Statistics of ``len(tokens)`` records whose logits are ``logits``, record after record."""
-    n, experts = len(tokens), logits.shape[1]
-    x = logits.astype(np.float64)
-    x = x - x.max(axis=1, keepdims=True)
-    e = np.exp(x)
-    z = e.sum(axis=1, keepdims=True)
-    probs = e / z
-    entropy = np.log(z[:, 0]) - (probs * x).sum(axis=1)
-    top = top_k_experts(logits, top_k)
-    two = np.partition(probs, experts - 2, axis=1)  # [..., second, first]
-    margin = two[:, experts - 1] - two[:, experts - 2]
-    record = np.repeat(np.arange(n), tokens)
-    counts = np.bincount(
-        (record[:, None] * experts + top).reshape(-1), minlength=n * experts
-    ).reshape(n, experts)
-    capacity = np.floor(capacity_factor * tokens * top_k / experts)
-    overflow = np.maximum(counts - capacity[:, None], 0).sum(axis=1)
+    """Statistics of ``len(tokens)`` records whose logits are ``logits``, record
+    after record: one native pass over the batch's tokens
+    (:func:`taproute.native.router_stats`), no per-record Python."""
+    values = logits if logits.dtype in (np.float32, np.float64) else logits.astype(np.float64)
+    counts, prob_sum, entropy_sum, margin_sum, overflow = native_router_stats(
+        np.ascontiguousarray(values),
+        np.ascontiguousarray(tokens, dtype=np.int64),
+        top_k,
+        capacity_factor,
+    )
     return RouterStats(
         tokens=tokens,
         counts=counts.astype(np.float64),
-        prob_sum=segment_sums(probs, tokens),
-        entropy_sum=segment_sums(entropy, tokens),
-        margin_sum=segment_sums(margin, tokens),
+        prob_sum=prob_sum,
+        entropy_sum=entropy_sum,
+        margin_sum=margin_sum,
         overflow=overflow.astype(np.float64),
     )
 

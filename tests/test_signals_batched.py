@@ -1,0 +1,160 @@
+"""The batched signal processors against straightforward per-record references.
+
+Each reference takes one record at a time in plain numpy, the obvious way
+(the shape the processors had before they were batched); the processors must
+give the same rows on random inputs: ragged batches, records of one token,
+empty records, ties, several hooks interleaved, windows cut mid-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+from taproute.service.signals import experts, pathways
+from taproute.service.signals.common import tail_layout
+from tests.signal_records import Stateful, records_of
+
+ROUTER = tail_layout("router_logits")
+PATH = tail_layout("router_path")
+HOOKS = ["model.layers.0.router", "model.layers.5.router", "model.layers.9.router"]
+
+EXPERT_CONFIGS = {
+    "default": experts.ExpertConfig(window=5, name="batched.experts"),
+    "two experts": experts.ExpertConfig(experts=2, top_k=1, window=3, name="batched.experts_e2"),
+    "top_k = experts": experts.ExpertConfig(
+        experts=3, top_k=3, window=4, capacity_factor=1.0, name="batched.experts_all"
+    ),
+}
+for _config in EXPERT_CONFIGS.values():
+    experts.register(_config)
+
+PATH_CONFIGS = {
+    "default": pathways.PathwayConfig(window=5, name="batched.paths"),
+    "two layers": pathways.PathwayConfig(layers=2, experts=3, window=3, name="batched.paths_l2"),
+}
+for _config in PATH_CONFIGS.values():
+    pathways.register(_config)
+
+
+def ragged_batches(
+    rng: np.random.Generator, width: int, *, batches: int = 4, ties: bool = False
+) -> list[tuple[list[np.ndarray], list[int]]]:
+    """Batches of records ``[tokens, width]`` (0, 1 or up to 40 tokens) and
+    their hook ids, hooks interleaved.  ``ties``: small integer values, so
+    equal logits are common."""
+    out = []
+    for _ in range(batches):
+        n = int(rng.integers(1, 12))
+        tokens = rng.choice([0, 1, 1, 2, 7, 16, 40], size=n)
+        arrays = [
+            (
+                rng.integers(-2, 3, size=(t, width))
+                if ties
+                else rng.normal(scale=2.0, size=(t, width))
+            ).astype(np.float32)
+            for t in tokens
+        ]
+        out.append((arrays, list(rng.integers(0, len(HOOKS), size=n))))
+    return out
+
+
+def run(name: str, layout, batches) -> np.ndarray:
+    processor = Stateful(name)
+    rows = []
+    for arrays, ids in batches:
+        out = processor(records_of(arrays, layout, hooks=HOOKS, output_ids=ids))
+        if out is not None:
+            rows.append(out)
+    return np.concatenate(rows) if rows else np.zeros(0)
+
+
+def per_hook_windows(batches, window: int) -> dict[tuple[str, int], list[np.ndarray]]:
+    """(hook, window number) -> that closed window's records, each hook's
+    records taken in arrival order and cut into tumbling windows of ``window``."""
+    per_hook: dict[int, list[np.ndarray]] = defaultdict(list)
+    closed: dict[tuple[str, int], list[np.ndarray]] = {}
+    numbers: Counter[int] = Counter()
+    for arrays, ids in batches:
+        for a, hook in zip(arrays, ids, strict=True):
+            per_hook[hook].append(a)
+            if len(per_hook[hook]) == window:
+                closed[HOOKS[hook], numbers[hook]] = per_hook.pop(hook)
+                numbers[hook] += 1
+    return closed
+
+
+def by_window(rows: np.ndarray) -> dict[tuple[str, int], np.void]:
+    return {(str(row["hook"]), int(row["window"])): row for row in rows}
+
+
+# ---- expert health -----------------------------------------------------------
+
+
+def reference_expert_row(records: list[np.ndarray], config: experts.ExpertConfig) -> dict:
+    e, k = config.experts, config.top_k
+    counts, prob, tokens = np.zeros(e), np.zeros(e), 0
+    entropy = margin = overflow = 0.0
+    for logits in records:
+        x = logits.astype(np.float64)
+        per = np.zeros(e)
+        for token in x:
+            p = np.exp(token - token.max())
+            p /= p.sum()
+            prob += p
+            entropy += -(p * np.log(p)).sum()
+            top2 = np.sort(p)[::-1]
+            margin += top2[0] - top2[1]
+            for expert in np.argsort(-token, kind="stable")[:k]:
+                per[expert] += 1
+        capacity = math.floor(config.capacity_factor * len(x) * k / e)
+        overflow += np.maximum(per - capacity, 0).sum()
+        counts += per
+        tokens += len(x)
+    load = counts / (max(tokens, 1) * k)
+    return {
+        "tokens": tokens,
+        "load": load,
+        "router_prob": prob / max(tokens, 1),
+        "router_entropy": entropy / max(tokens, 1),
+        "top1_margin": margin / max(tokens, 1),
+        "dead_experts": int((counts == 0).sum()),
+        "over_capacity": overflow / (max(tokens, 1) * k),
+        "balance_loss": e * (load * prob / max(tokens, 1)).sum(),
+    }
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("which", list(EXPERT_CONFIGS))
+def test_expert_health_equals_per_record_reference(which, ties):
+    config = EXPERT_CONFIGS[which]
+    rng = np.random.default_rng(10)
+    batches = ragged_batches(rng, config.experts, batches=8, ties=ties)
+    rows = run(config.name, ROUTER, batches)
+    expected = per_hook_windows(batches, config.window)
+    assert len(expected) >= 3 and len(rows) == len(expected)
+    found = by_window(rows)
+    assert found.keys() == expected.keys()
+    for where, records in expected.items():
+        row, ref = found[where], reference_expert_row(records, config)
+        assert row["records"] == config.window and row["tokens"] == ref["tokens"]
+        assert row["dead_experts"] == ref["dead_experts"]
+        for field in ("load", "router_prob", "router_entropy", "top1_margin", "over_capacity",
+                      "balance_loss"):  # fmt: skip
+            np.testing.assert_allclose(row[field], ref[field], rtol=1e-6, atol=1e-7, err_msg=field)
+
+
+def test_expert_health_nan_logit_is_nan_statistics_and_routes_last():
+    config = EXPERT_CONFIGS["default"]
+    logits = np.zeros((1, 8), dtype=np.float32)
+    logits[0, 0] = np.nan
+    logits[0, 5] = 1.0
+    batch = [np.ones((2, 8), np.float32)] * (config.window - 1) + [logits]
+    row = run(config.name, ROUTER, [(batch, [0] * config.window)])
+    assert math.isnan(row["router_entropy"][0]) and math.isnan(row["top1_margin"][0])
+    # The NaN expert sorts after every number: top-2 of the NaN token is 5, then 1.
+    counts = np.rint(row["load"][0] * row["tokens"][0] * 2)
+    np.testing.assert_array_equal(counts, [8, 9, 0, 0, 0, 1, 0, 0])
