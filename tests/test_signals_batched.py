@@ -158,3 +158,76 @@ def test_expert_health_nan_logit_is_nan_statistics_and_routes_last():
     # The NaN expert sorts after every number: top-2 of the NaN token is 5, then 1.
     counts = np.rint(row["load"][0] * row["tokens"][0] * 2)
     np.testing.assert_array_equal(counts, [8, 9, 0, 0, 0, 1, 0, 0])
+
+
+# ---- pathways ----------------------------------------------------------------
+
+
+def reference_path_row(records: list[np.ndarray], config: pathways.PathwayConfig) -> dict:
+    layers, e = config.layers, config.experts
+    transitions = np.zeros((layers - 1, e, e), dtype=np.int64)
+    paths: Counter[tuple[int, ...]] = Counter()
+    for logits in records:
+        for token in logits.reshape(-1, layers, e):
+            path = tuple(int(np.argmax(layer)) for layer in token)
+            for layer in range(layers - 1):
+                transitions[layer, path[layer], path[layer + 1]] += 1
+            paths[path] += 1
+    ranked = sorted(paths.items(), key=lambda item: (-item[1], item[0]))[: config.top]
+    counts = np.array(list(paths.values()), dtype=np.float64)
+    p = counts / max(counts.sum(), 1)
+    return {
+        "tokens": sum(paths.values()),
+        "transitions": transitions,
+        "top_paths": [path for path, _ in ranked],
+        "top_counts": [count for _, count in ranked],
+        "distinct_paths": len(paths),
+        "path_entropy": float(-(p * np.log(p)).sum()) if len(p) else 0.0,
+    }
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("which", list(PATH_CONFIGS))
+def test_pathways_equal_per_record_reference(which, ties):
+    config = PATH_CONFIGS[which]
+    rng = np.random.default_rng(11)
+    batches = ragged_batches(rng, config.layers * config.experts, batches=8, ties=ties)
+    rows = run(config.name, PATH, batches)
+    expected = per_hook_windows(batches, config.window)
+    assert len(expected) >= 3 and len(rows) == len(expected)
+    found = by_window(rows)
+    assert found.keys() == expected.keys()
+    for where, records in expected.items():
+        row, ref = found[where], reference_path_row(records, config)
+        assert row["records"] == config.window and row["tokens"] == ref["tokens"]
+        assert row["exact"] == 1 and row["distinct_paths"] == ref["distinct_paths"]
+        np.testing.assert_array_equal(row["transitions"], ref["transitions"])
+        shown = len(ref["top_counts"])
+        np.testing.assert_array_equal(row["top_counts"][:shown], ref["top_counts"])
+        assert np.all(row["top_counts"][shown:] == 0)
+        np.testing.assert_array_equal(
+            row["top_paths"][:shown], np.array(ref["top_paths"]).reshape(shown, config.layers)
+        )
+        assert row["path_entropy"] == pytest.approx(ref["path_entropy"], rel=1e-6, abs=1e-7)
+
+
+def test_pathways_nan_logit_is_the_argmax_like_numpy():
+    config = PATH_CONFIGS["two layers"]
+    logits = np.array([[0.0, 5.0, np.nan, 9.0, 1.0, 2.0]], dtype=np.float32)
+    batch = [logits] * config.window
+    row = run(config.name, PATH, [(batch, [0] * config.window)])
+    np.testing.assert_array_equal(row["top_paths"][0][0], [2, 0])  # first NaN, first max
+
+
+@pytest.mark.parametrize("capacity", [3, 50, 10_000])
+def test_dense_path_counting_equals_sorting(capacity):
+    rng = np.random.default_rng(12)
+    codes = np.zeros(0, dtype=np.int64)
+    counts = np.zeros(0, dtype=np.int64)
+    for size in (0, 1, 300, 2000, 40):
+        new = rng.zipf(1.5, size=size).astype(np.int64) % 4096
+        dense = pathways.merge_counts(codes, counts, new, capacity, space=4096)
+        sorted_ = pathways.merge_counts(codes, counts, new, capacity)
+        for a, b in zip(dense, sorted_, strict=True):
+            np.testing.assert_array_equal(a, b)
+        codes, counts, _ = dense

@@ -183,3 +183,22 @@ def all_tokens(
         run_starts = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
         flat = payload[run_starts + np.arange(total)]
     return flat.view(element).reshape(-1, width), counts
+
+
+def token_ranges(
+    starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """The indices ``starts[i] .. starts[i] + counts[i] - 1`` of every run, run
+    after run: the token rows of a set of records, without a per-record loop."""
+    total = int(counts.sum())
+    run_start = np.cumsum(counts) - counts
+    indices: npt.NDArray[np.int64] = np.repeat(starts - run_start, counts) + np.arange(total)
+    return indices
+
+
+def float_rows(values: npt.NDArray[np.generic]) -> npt.NDArray[Any]:
+    """``values`` as a C-contiguous float32 or float64 array (what the native
+    kernels take): float32/float64 as they are, anything else as float64."""
+    if values.dtype not in (np.float32, np.float64):
+        values = values.astype(np.float64)
+    return np.ascontiguousarray(values)

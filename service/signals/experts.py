@@ -35,6 +35,7 @@ from taproute.service.signals.common import (
     DEFAULT_KEY_RANGE,
     Registered,
     all_tokens,
+    float_rows,
     hook_key,
     hooks_and_layers,
     positive,
@@ -86,9 +87,8 @@ def router_stats(
     """Statistics of ``len(tokens)`` records whose logits are ``logits``, record
     after record: one native pass over the batch's tokens
     (:func:`taproute.native.router_stats`), no per-record Python."""
-    values = logits if logits.dtype in (np.float32, np.float64) else logits.astype(np.float64)
     counts, prob_sum, entropy_sum, margin_sum, overflow = native_router_stats(
-        np.ascontiguousarray(values),
+        float_rows(logits),
         np.ascontiguousarray(tokens, dtype=np.int64),
         top_k,
         capacity_factor,

@@ -31,15 +31,18 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import StateRegion
+from taproute.native import path_codes as native_path_codes
 from taproute.routing import ConfigError, Layout, Records, SlotSpec, stateful_processor
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.service.signals.common import (
     DEFAULT_KEY_RANGE,
     Registered,
     all_tokens,
+    float_rows,
     hook_key,
     positive,
     tail_layout,
+    token_ranges,
     tumbling_windows,
 )
 
@@ -70,36 +73,16 @@ class PathwayConfig:
             raise ConfigError("PathwayConfig: top must be <= capacity")
 
 
-def top1_paths(logits: npt.NDArray[np.generic], layers: int, experts: int) -> npt.NDArray[np.intp]:
-    """``[tokens, layers]``: each token's top-1 expert per layer."""
-    chosen: npt.NDArray[np.intp] = logits.reshape(-1, layers, experts).argmax(axis=2)
-    return chosen
-
-
-def path_codes(paths: npt.NDArray[np.integer], experts: int) -> npt.NDArray[np.int64]:
-    """One int64 per path: its experts as base-``experts`` digits, first layer first."""
-    powers = experts ** np.arange(paths.shape[1] - 1, -1, -1, dtype=np.int64)
-    codes: npt.NDArray[np.int64] = paths.astype(np.int64) @ powers
-    return codes
-
-
 def decode_paths(codes: npt.NDArray[np.int64], layers: int, experts: int) -> npt.NDArray[np.int64]:
-    """The inverse of :func:`path_codes`: ``[n, layers]``."""
+    """Paths ``[n, layers]`` from their codes (base-``experts`` digits, first
+    layer first, as :func:`taproute.native.path_codes` writes them)."""
     powers = experts ** np.arange(layers - 1, -1, -1, dtype=np.int64)
     decoded: npt.NDArray[np.int64] = (codes[:, None] // powers) % experts
     return decoded
 
 
-def transition_counts(paths: npt.NDArray[np.integer], experts: int) -> npt.NDArray[np.int64]:
-    """``[layers - 1, experts, experts]`` counts of (expert at l, expert at l + 1)."""
-    layers = paths.shape[1]
-    cells = (
-        np.arange(layers - 1)[None, :] * experts * experts + paths[:, :-1] * experts + paths[:, 1:]
-    )
-    counts: npt.NDArray[np.int64] = np.bincount(
-        cells.reshape(-1), minlength=(layers - 1) * experts * experts
-    ).reshape(layers - 1, experts, experts)
-    return counts
+#: Path spaces (experts ** layers) up to this size are counted densely.
+DENSE_PATHS = 1 << 16
 
 
 def merge_counts(
@@ -107,15 +90,26 @@ def merge_counts(
     counts: npt.NDArray[np.int64],
     new_codes: npt.NDArray[np.int64],
     capacity: int,
+    *,
+    space: int | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool]:
     """Merge ``new_codes`` (one per token) into the summary ``(codes, counts)``.
 
-    Returns the new summary (at most ``capacity`` entries, counts descending)
-    and whether it had to drop counts (the Misra-Gries reduction).
+    Returns the new summary (at most ``capacity`` entries, counts descending,
+    equal counts in code order) and whether it had to drop counts (the
+    Misra-Gries reduction).  ``space``: codes lie in ``[0, space)``; when that
+    is at most :data:`DENSE_PATHS` they are counted in a dense array (one
+    ``bincount``) rather than sorted.
     """
-    unique, inverse = np.unique(np.concatenate([codes, new_codes]), return_inverse=True)
-    weights = np.concatenate([counts, np.ones(len(new_codes), dtype=np.int64)])
-    summed = np.bincount(inverse, weights=weights, minlength=len(unique)).astype(np.int64)
+    if space is not None and space <= DENSE_PATHS:
+        dense = np.bincount(new_codes, minlength=space)
+        dense[codes] += counts  # held codes are distinct
+        unique = np.flatnonzero(dense)
+        summed = dense[unique]
+    else:
+        unique, inverse = np.unique(np.concatenate([codes, new_codes]), return_inverse=True)
+        weights = np.concatenate([counts, np.ones(len(new_codes), dtype=np.int64)])
+        summed = np.bincount(inverse, weights=weights, minlength=len(unique)).astype(np.int64)
     order = np.argsort(-summed, kind="stable")
     unique, summed = unique[order], summed[order]
     if len(unique) <= capacity:
@@ -164,23 +158,23 @@ def register(config: PathwayConfig, *, registry: ProcessorRegistry = REGISTRY) -
         records: Records, keys: npt.NDArray[np.int64], state: StateRegion
     ) -> npt.NDArray[np.void] | None:
         logits, tokens = all_tokens(records, layers * experts, where=where)
-        paths = top1_paths(logits, layers, experts)
-        codes = path_codes(paths, experts)
-        record_of_token = np.repeat(np.arange(len(records)), tokens)
+        codes, transitions = native_path_codes(float_rows(logits), tokens, layers, experts)
+        first_token = np.cumsum(tokens) - tokens
 
         def add(slot: npt.NDArray[np.int64], part: npt.NDArray[np.intp]) -> None:
-            token_index = np.flatnonzero(np.isin(record_of_token, part))
+            token_index = token_ranges(first_token[part], tokens[part])
             held = int(slot[3])
             merged, counts, dropped = merge_counts(
                 slot[codes_at : codes_at + held],
                 slot[counts_at : counts_at + held],
                 codes[token_index],
                 cap,
+                space=experts**layers,
             )
             slot[2] += len(token_index)
             slot[3] = len(merged)
             slot[4] |= int(dropped)
-            slot[_HEAD:codes_at] += transition_counts(paths[token_index], experts).reshape(-1)
+            slot[_HEAD:codes_at] += transitions[part].sum(axis=0).reshape(-1)
             slot[codes_at : codes_at + len(merged)] = merged
             slot[counts_at : counts_at + len(merged)] = counts
 
