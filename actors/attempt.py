@@ -57,6 +57,9 @@ class Attempt:
     hold: Retained | None = None
     #: Per record, its id in the park store once it was parked there (None: not parked).
     park_ids: ParkIds | None = None
+    #: A failed call the record worker made itself, queued for a pool worker to
+    #: handle by the route's failure policy (None: the attempt is still to be made).
+    pending: Outcome | None = None
 
     def failed(self, code: FailureCode, error: BaseException, tb: str | None) -> None:
         """Note one more failure."""
@@ -76,6 +79,7 @@ class Attempt:
             keys=None if self.keys is None else self.keys[selection],
             hold=None,
             scheduled=False,
+            pending=None,
             park_ids=None if self.park_ids is None else self.park_ids[selection],
         )
 
@@ -227,6 +231,13 @@ class Placement:
             self.quick = INLINE_AFTER  # forgiven once: the trust is spent
 
 
+def runs_inline(planned: PlannedRoute, placement: Placement) -> bool:
+    """True when :func:`call_processor` would run ``planned``'s processor on the
+    loop now (it is quick, and not registered ``needs_thread``)."""
+    processor = planned.processor
+    return placement.inline and processor is not None and not processor.needs_thread
+
+
 def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``fn(*args)``, and the seconds it took (in its thread) as
     :class:`Placement` judges a call: its wall time, unless it ran past
@@ -289,7 +300,7 @@ async def call_processor(
     place = placement if placement is not None else Placement()
     elapsed = math.inf  # until the call returned
     try:
-        if place.inline and not planned.processor.needs_thread:
+        if runs_inline(planned, place):
             result, elapsed = timed_call(fn, records, *args)
             # A schedule point per call, as a thread hop would be; shielded so a
             # cancellation cannot lose a result already computed.

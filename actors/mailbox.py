@@ -27,9 +27,13 @@ class Mailbox(Generic[T]):
         self.name = name
         self.capacity_records = capacity_records
         self.capacity_bytes = capacity_bytes
-        #: Records / bytes of the messages waiting now.
+        #: Messages / records / bytes waiting now (sent and not yet received:
+        #: a message handed straight to a waiting receiver counts until that
+        #: receiver's ``receive`` returns).
+        self.messages = 0
         self.records = 0
         self.bytes = 0
+        self._closed = False
         self._send, self._receive = trio.open_memory_channel[tuple[T, int, int]](math.inf)
         self._space = trio.lowlevel.ParkingLot()
 
@@ -53,9 +57,10 @@ class Mailbox(Generic[T]):
         else:
             while not self._fits(records, nbytes):
                 await self._space.park()
+        self._send.send_nowait((message, records, nbytes))
+        self.messages += 1
         self.records += records
         self.bytes += nbytes
-        self._send.send_nowait((message, records, nbytes))
 
     async def receive(self) -> T:
         """The next message; raises ``trio.EndOfChannel`` once closed and drained.
@@ -69,14 +74,22 @@ class Mailbox(Generic[T]):
         except trio.WouldBlock:
             item = await self._receive.receive()
         message, records, nbytes = item
+        self.messages -= 1
         self.records -= records
         self.bytes -= nbytes
         if self._space:
             self._space.unpark_all()
         return message
 
+    @property
+    def idle(self) -> bool:
+        """True when no message waits and the mailbox is open: what its actor
+        would be handed now is the only thing it would have to do."""
+        return self.messages == 0 and not self._closed
+
     def close(self) -> None:
         """No more messages; receivers drain what is queued, then see EndOfChannel."""
+        self._closed = True
         self._send.close()
 
     def take_all(self) -> list[T]:
@@ -88,6 +101,7 @@ class Mailbox(Generic[T]):
                 message, records, nbytes = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
+            self.messages -= 1
             self.records -= records
             self.bytes -= nbytes
             taken.append(message)

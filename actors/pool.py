@@ -1,4 +1,12 @@
-"""Stateless routes: a pool of worker actors sharing one mailbox."""
+"""Stateless routes: a pool of worker actors sharing one mailbox.
+
+A batch the record worker hands over while the pool has nothing queued and a
+worker idle, for a processor quick enough to run on the loop, is tried by the
+record worker itself: a hop to a pool worker (a task wake-up and a scheduler
+pass) costs a lone batch more than the call.  Only the call and the delivery
+of its rows happen there; a failed call is queued for a pool worker, which
+handles it by the route's failure policy exactly as it would its own.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ from typing import Any
 
 import trio
 
-from taproute.actors.attempt import Attempt
+from taproute.actors.attempt import Attempt, runs_inline
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.parking import restored_attempt
 from taproute.actors.route_actor import RouteActor
@@ -32,12 +40,57 @@ class StatelessRoute(RouteActor):
         self.mailboxes = [self.mailbox]
         self._workers_left = 0
         self._workers_done = trio.Event()
+        #: Workers waiting on the mailbox with nothing to do.
+        self._idle_workers = 0
+        #: Attempts the record worker made itself, and how many of them failed
+        #: (handed to a pool worker) -- for tests and profiles.
+        self.made_here = 0
+        self.failed_here = 0
 
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         if wait:
             await self.parked.wait_for_room()
         self.counters.accepted += len(batch)
         await self._enqueue(self.mailbox, Attempt(batch), batch, wait=wait)
+
+    async def dispatch_here(self, batch: RecordBatch) -> None:
+        """Try ``batch`` in the calling task (the record worker) when the pool has
+        nothing queued, a worker is idle and the processor runs on the loop;
+        otherwise queue it as :meth:`dispatch` does.
+
+        The same bookkeeping as a queued message (lease, in flight, backlog),
+        so a flush waits for it and the counters read the same; the same
+        backpressure (a full park waits first, delivering waits on a full
+        destination).  A failed call is queued as is, for a pool worker to
+        isolate, park or give up.
+        """
+        await self.parked.wait_for_room()
+        self.counters.accepted += len(batch)
+        attempt = Attempt(batch)
+        if not (
+            self._idle_workers
+            and self.mailbox.idle
+            and not self.handing_over
+            and runs_inline(self.planned, self.placement)
+        ):
+            await self._enqueue(self.mailbox, attempt, batch)
+            return
+        batch.lease.acquire()
+        self._in_flight.add()
+        self.counters.backlog += len(batch)
+        self.made_here += 1
+        try:
+            outcome = await self._call(attempt)
+            if outcome.code is None:
+                await self._handle(attempt, outcome)
+            else:
+                self.failed_here += 1
+                attempt.pending = outcome
+                await self._enqueue(self.mailbox, attempt, batch)
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="stateless attempt in the record worker")
+        finally:
+            self._settle(batch)
 
     async def restore(self, restored: Restored) -> None:
         self.counters.accepted += len(restored.records)
@@ -53,6 +106,7 @@ class StatelessRoute(RouteActor):
 
     async def _worker(self) -> None:
         while True:
+            self._idle_workers += 1
             try:
                 attempt = await self.mailbox.receive()
             except trio.EndOfChannel:
@@ -60,8 +114,14 @@ class StatelessRoute(RouteActor):
                 if not self._workers_left:
                     self._workers_done.set()
                 return
+            finally:
+                self._idle_workers -= 1
             try:
-                await self._process(attempt)
+                if attempt.pending is not None:  # a failed call made by the record worker
+                    outcome, attempt.pending = attempt.pending, None
+                    await self._handle(attempt, outcome)
+                else:
+                    await self._process(attempt)
             except Exception as exc:
                 self._latch.latch(exc, route=self.name, where="stateless worker")
             finally:

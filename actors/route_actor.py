@@ -127,6 +127,13 @@ class RouteActor(RouteScreening):
         (a chain inside a cycle)."""
         raise NotImplementedError
 
+    async def dispatch_here(self, batch: RecordBatch) -> None:
+        """The record worker's :meth:`dispatch`: a route may do the work in the
+        calling task when that is quicker than a hop to its own actors (a
+        stateless route with a quick processor and an idle pool); by default
+        the same as ``dispatch(batch)``."""
+        await self.dispatch(batch)
+
     async def restore(self, restored: Restored) -> None:
         """Take back records a previous run left parked (tried again at once)."""
         raise NotImplementedError(f"route {self.name!r} ({self.planned.route.mode}) parks nothing")
@@ -204,7 +211,11 @@ class RouteActor(RouteScreening):
 
     async def _process(self, attempt: Attempt) -> bool:
         """Process ``attempt``; on failure isolate, park or give up. True on success."""
-        outcome = await self._call(attempt)
+        return await self._handle(attempt, await self._call(attempt))
+
+    async def _handle(self, attempt: Attempt, outcome: Outcome) -> bool:
+        """Deliver a successful call's rows; a failed one is isolated, parked or
+        given up by the route's policy.  True on success."""
         if outcome.code is None:
             await self._deliver(attempt, outcome.rows)
             return True

@@ -324,7 +324,7 @@ class RoutingSink(SinkFlushing):
                     )
                     await self._unmatched(part)
                 else:
-                    await routes[index].dispatch(part)
+                    await routes[index].dispatch_here(part)
 
     async def _apply_predicates(
         self, batch: RecordBatch, groups: Groups, declines: list[Decline]
