@@ -437,3 +437,16 @@ def test_an_arena_that_fails_leaves_every_batch_to_go_on_alone_in_order():
     raw.capture.clear()
     assert releases.calls == Counter({1: 1, 2: 1, 3: 1})
     pool.close()
+
+
+def test_merged_descriptors_are_the_batches_own_field_for_field():
+    pool = SharedBufferPool()
+    releases = Releases()
+    batches = [_pooled_batch(pool, k, key=k, records=k + 2, releases=releases) for k in range(5)]
+    (merged,), _ = merge(batches, pool)
+    assert merged.descriptors.dtype == batches[0].descriptors.dtype
+    want = np.concatenate([b.descriptors for b in batches])
+    for field in want.dtype.names:
+        if field != "offset":
+            np.testing.assert_array_equal(merged.descriptors[field], want[field])
+    pool.close()
