@@ -247,14 +247,13 @@ class StatefulRoute(KeyedRoute):
         """
         keys = attempt.keys
         assert keys is not None
-        slots = self.state.slots
         touched = distinct_keys(keys, self.key_range)
-        saved = slots[touched]  # fancy indexing: a copy
+        saved = self.state.save(touched, self._owner_of(int(touched[0])) if len(touched) else 0)
         outcome = await self._call_processor(attempt.batch, keys, self.state)
         if outcome.code is None:
             self.state.valid[keys] = True
         else:
-            slots[touched] = saved
+            self.state.restore(saved)
         return outcome
 
     def _units(self, attempt: Attempt) -> list[Attempt]:

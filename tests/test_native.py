@@ -128,6 +128,38 @@ def test_partition_matches_reference(keys, key_range, owners):
     assert sum(len(region.owner_keys(j)) for j in range(owners)) == key_range
 
 
+@settings(max_examples=200, deadline=None)
+@given(keys=st.sets(st.integers(0, 199), max_size=60), data=st.data())
+def test_state_save_restore_puts_back_only_the_saved_keys(keys, data):
+    """Whether save copies the keys' span or gathers their rows, restore puts
+    back exactly the saved keys' slots and leaves the others (another owner's
+    writes in the span meanwhile) as they are."""
+    region = StateRegion(200, (3,), "f8", 1)
+    region.slots[:] = np.arange(600, dtype="f8").reshape(200, 3)
+    saved_keys = np.asarray(sorted(keys), dtype=np.intp)
+    before = region.slots.copy()
+    saved = region.save(saved_keys, 0)
+    written = np.asarray(data.draw(st.lists(st.integers(0, 199), max_size=80)), dtype=np.intp)
+    region.slots[written] = -1.0  # the call's writes, and other keys' writes
+    region.restore(saved)
+    expected = before.copy()
+    expected[written] = -1.0
+    expected[saved_keys] = before[saved_keys]
+    assert np.array_equal(region.slots, expected)
+
+
+def test_state_save_copies_a_dense_span_whole_and_gathers_sparse_keys():
+    region = StateRegion(1000, (2,), "f4", 1)
+    dense = np.arange(10, 50, 2)  # 20 keys over a span of 39
+    saved = region.save(dense, 0)
+    assert saved.first == 10 and len(saved.copy) == 39
+    sparse = np.asarray([0, 500, 999])
+    saved = region.save(sparse, 0)
+    assert saved.first == -1 and len(saved.copy) == 3
+    # The buffer is reused: a later, smaller save copies into the same memory.
+    assert np.shares_memory(region.save(dense[:5], 0).copy, saved.copy)
+
+
 def test_lease_fires_once_after_last_holder():
     calls = []
     lease = BufferLease(lambda: calls.append("released"))
