@@ -124,8 +124,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--records", type=int, default=400_000, help="chains: records per run")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--malloc", default="fixed", help="as the benches: fixed or default")
     args = parser.parse_args()
-    print(f"load average {os.getloadavg()}", flush=True)
+    from harness import fix_malloc
+
+    print(f"load average {os.getloadavg()}; malloc: {fix_malloc(args.malloc)}", flush=True)
     {"stateful": stateful, "stateless": stateless, "chains": chains}[args.workload](args)
 
 
