@@ -91,7 +91,7 @@ class KeyedRoute(RouteActor):
         discarding = np.zeros(len(keys), dtype=bool)
         if action is KeyAction.CANCEL:
             discarding = self.keys.completing[keys] == 0
-            self.keys.cancelling[keys[discarding]] += 1
+            self.keys.cancel_in_transit(keys[discarding])
         elif action is KeyAction.COMPLETE:
             self.keys.completing[keys] += 1
         per_owner, _ = partition_keys(keys, self.key_range, len(self.owner_mailboxes))

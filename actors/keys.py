@@ -80,10 +80,22 @@ class KeyStates:
         self.completing = np.zeros(key_range, dtype=np.int32)
         #: Trio time of the key's first record since it (re)opened; NaN: not open.
         self.opened_at = np.full(key_range, np.nan)
+        #: False until a key is first ended or a cancel is first in transit:
+        #: until then no record needs screening (the usual case; saves two
+        #: gathers over the batch's keys per call).
+        self.ever_ended = False
 
-    def screen(self, keys: Keys) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
-        """Which of ``keys`` are being cancelled, and which are terminal."""
+    def screen(self, keys: Keys) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
+        """Which of ``keys`` are being cancelled, and which are terminal; None
+        when no key was ever ended or cancelled (then none is either)."""
+        if not self.ever_ended:
+            return None
         return self.cancelling[keys] > 0, self.state[keys] != KeyState.OPEN
+
+    def cancel_in_transit(self, keys: Keys) -> None:
+        """Count a cancel of ``keys`` on its way to their owners."""
+        self.ever_ended = True
+        self.cancelling[keys] += 1
 
     def opened(self, keys: Keys, now: float) -> None:
         """Note ``now`` as the opening time of those ``keys`` not open yet."""
@@ -96,6 +108,7 @@ class KeyStates:
         state.valid[key] = False
         self.opened_at[key] = np.nan
         self.state[key] = to
+        self.ever_ended = True
 
     def open_keys(self) -> int:
         """How many keys are open (had a record and were not ended since)."""

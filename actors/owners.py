@@ -216,9 +216,9 @@ class StatefulRoute(KeyedRoute):
         """Drop records of keys being cancelled (counted) and of ended keys
         (``_terminal``); note the rest's keys as open."""
         assert attempt.keys is not None
-        cancelling, terminal = self.keys.screen(attempt.keys)
-        ended = cancelling | terminal
-        if ended.any():
+        screened = self.keys.screen(attempt.keys)
+        if screened is not None and (ended := screened[0] | screened[1]).any():
+            cancelling, terminal = screened
             # Terminal first: a record after the key ended is terminal even while
             # another cancel of it is in transit.
             cancelled = cancelling & ~terminal
