@@ -3,6 +3,7 @@ batches come paced (one at a time) rather than in a burst (issue #13).
 
     python bench/_latency_profile.py steps --rates max,200000,max,200000
     python bench/_latency_profile.py wake
+    python bench/_latency_profile.py verdicts --rate 150000
     py-spy record --threads --nonblocking -r 500 -f raw -o prof.txt -- \\
         python bench/_latency_profile.py paced --rate 200000 --seconds 2 --reps 4
     python bench/_pyspy_summary.py prof.txt
@@ -14,7 +15,10 @@ between steps, and in I/O waits, and how many steps and scheduler passes
 a batch costs.  ``wake``: the loop thread's CPU per wake-up of a bare Trio
 loop woken by a paced producer thread (``run_sync_soon``, with and without
 the record worker's poll timeout; a socket of its own), against a thread
-blocked in ``queue.Queue.get``.  ``paced``: the paced runs alone, for a
+blocked in ``queue.Queue.get``.  ``verdicts``: each processor call of one
+paced run, its wall and CPU time and its thread's context switches, what
+:class:`~taproute.actors.attempt.Placement` was charged, and how many
+calls ran in worker threads.  ``paced``: the paced runs alone, for a
 profiler.
 """
 
@@ -222,6 +226,55 @@ def paced(rate: float, seconds: float, reps: int) -> None:
         print(f"paced {rate:,.0f}: achieved {got['achieved_records_per_s']:,.0f}, p99 {p99:.1f} ms")
 
 
+def verdicts(rate: float, seconds: float) -> None:
+    """Each processor call of one paced run: its wall time, its thread's CPU
+    time and context switches (getrusage), what Placement was charged, and
+    where it ran; the calls charged 0.5 ms or more, and how many ran in
+    worker threads."""
+    import resource
+
+    import taproute.actors.attempt as attempt
+
+    log: list[tuple[bool, float, float, float, int, int]] = []
+    charged_call = attempt.timed_call
+
+    def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        started = time.perf_counter()
+        result, charged = charged_call(fn, *args)
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        on_loop = threading.current_thread().name.startswith("taproute")
+        log.append(
+            (
+                on_loop,
+                wall,
+                cpu,
+                charged,
+                after.ru_nvcsw - before.ru_nvcsw,
+                after.ru_nivcsw - before.ru_nivcsw,
+            )
+        )
+        return result, charged
+
+    attempt.timed_call = timed_call  # type: ignore[assignment]
+    latency.run("stateless", int(rate * seconds / latency.PER_BATCH), rate, "/tmp")
+    slow = [entry for entry in log if entry[1] >= attempt.INLINE_BELOW_S]
+    print(
+        f"paced {rate:,.0f} rec/s: {len(log)} calls, {sum(not e[0] for e in log)} in worker "
+        f"threads; {len(slow)} of 0.5 ms wall or more, "
+        f"{sum(e[3] >= attempt.INLINE_BELOW_S for e in log)} charged 0.5 ms or more; "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    print("  where   wall ms  cpu ms  charged ms  voluntary  involuntary switches")
+    for on_loop, wall, cpu, charged, vol, invol in slow[:20]:
+        print(
+            f"  {'loop' if on_loop else 'thread':6s} {wall * 1e3:8.2f} {cpu * 1e3:7.2f} "
+            f"{charged * 1e3:11.2f} {vol:10d} {invol:12d}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -229,6 +282,9 @@ def main() -> None:
     s.add_argument("--rates", default="max,200000,max,200000")
     w = sub.add_parser("wake")
     w.add_argument("--rounds", type=int, default=3)
+    v = sub.add_parser("verdicts")
+    v.add_argument("--rate", type=float, default=150_000)
+    v.add_argument("--seconds", type=float, default=2.0)
     p = sub.add_parser("paced")
     p.add_argument("--rate", type=float, default=200_000)
     p.add_argument("--seconds", type=float, default=2.0)
@@ -238,6 +294,8 @@ def main() -> None:
         steps([None if r == "max" else float(r) for r in args.rates.split(",")])
     elif args.what == "wake":
         wake(args.rounds)
+    elif args.what == "verdicts":
+        verdicts(args.rate, args.seconds)
     else:
         paced(args.rate, args.seconds, args.reps)
 
