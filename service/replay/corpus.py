@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 from taproute.routing.schema import RecordSchema
 from taproute.service.replay.decode import DESCRIPTOR_NAMES
 from taproute.service.replay.errors import LayoutMismatch, MissingSource
-from taproute.service.replay.units import Filters, WorkUnit, unit_id
+from taproute.service.replay.units import Filters, WorkUnit, pack_keys, unit_id
 from taproute.service.sinks.clickhouse.tables import (
     SchemaMismatch,
     TableSpec,
@@ -136,36 +137,32 @@ class ClickHouseCorpus:
         hooks = self.hooks()
         if not hooks:
             return []
+        # The table is sorted by (hook, key, ...): aggregating in that order
+        # streams instead of hashing every row (half the CPU of this query).
         counts = self.transport.query(
             f"SELECT toString(hook) AS h, key, count() AS n FROM `{self.table}` "
-            f"WHERE {self._where(hooks)} GROUP BY h, key ORDER BY h, key"
+            f"WHERE {self._where(hooks)} GROUP BY h, key ORDER BY h, key "
+            "SETTINGS optimize_aggregation_in_order = 1"
         )
-        units: list[WorkUnit] = []
         if not counts.num_rows:
-            return units
-        hook_col = counts.column("h").to_pylist()
-        key_col = counts.column("key").to_pylist()
-        n_col = counts.column("n").to_pylist()
-        start = 0
-        rows = 0
-        for i, (hook, n) in enumerate(zip(hook_col, n_col, strict=True)):
-            rows += n
-            last = i + 1 == len(hook_col) or hook_col[i + 1] != hook
-            if rows >= unit_rows or last:
-                first_key, last_key = key_col[start], key_col[i]
-                uid = unit_id(self.table, self.layout, hook, first_key, last_key)
-                units.append(
-                    WorkUnit(
-                        id=uid,
-                        source=self.table,
-                        rows=rows,
-                        hook=hook,
-                        key_first=first_key,
-                        key_last=last_key,
-                    )
-                )
-                start, rows = i + 1, 0
-        return units
+            return []
+        packed = pack_keys(
+            np.asarray(counts.column("h").to_numpy(zero_copy_only=False), dtype=object),
+            np.asarray(counts.column("key").to_numpy(), dtype=np.int64),
+            np.asarray(counts.column("n").to_numpy(), dtype=np.int64),
+            unit_rows,
+        )
+        return [
+            WorkUnit(
+                id=unit_id(self.table, self.layout, hook, first_key, last_key),
+                source=self.table,
+                rows=rows,
+                hook=hook,
+                key_first=first_key,
+                key_last=last_key,
+            )
+            for hook, first_key, last_key, rows in packed
+        ]
 
     def columns(self) -> list[str]:
         """The raw table's columns a unit read returns (not the ``*_shape``

@@ -1,0 +1,63 @@
+"""A ClickHouse corpus's plan: keys packed into units by one binary search per
+unit give exactly the units of the key-by-key walk they replaced, so unit ids
+(and a run's resume) are unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taproute.service.replay.units import pack_keys
+
+
+def walked(hooks: list[str], keys: list[int], counts: list[int], unit_rows: int) -> list[tuple]:
+    """The plan as it was made before: a Python step per (hook, key)."""
+    units = []
+    start = rows = 0
+    for i, (hook, n) in enumerate(zip(hooks, counts, strict=True)):
+        rows += n
+        last = i + 1 == len(hooks) or hooks[i + 1] != hook
+        if rows >= unit_rows or last:
+            units.append((hook, keys[start], keys[i], rows))
+            start, rows = i + 1, 0
+    return units
+
+
+def packed(hooks: list[str], keys: list[int], counts: list[int], unit_rows: int) -> list[tuple]:
+    return pack_keys(
+        np.asarray(hooks, dtype=object),
+        np.asarray(keys, dtype=np.int64),
+        np.asarray(counts, dtype=np.int64),
+        unit_rows,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packing_matches_the_key_by_key_walk(seed):
+    rng = np.random.default_rng(seed)
+    hooks: list[str] = []
+    keys: list[int] = []
+    for h in range(int(rng.integers(1, 5))):
+        n = int(rng.integers(1, 60))
+        hooks += [f"layers.{h}.mlp"] * n
+        keys += sorted(rng.choice(10_000, size=n, replace=False).tolist())
+    counts = rng.integers(1, 50, size=len(keys)).tolist()
+    for unit_rows in (1, 7, 64, 500, 10**6):
+        assert packed(hooks, keys, counts, unit_rows) == walked(hooks, keys, counts, unit_rows)
+
+
+def test_packing_edge_cases():
+    assert packed([], [], [], 10) == []
+    # One key bigger than a unit is a unit of its own, never split.
+    assert packed(["a", "a", "a"], [1, 2, 3], [3, 100, 3], 10) == [
+        ("a", 1, 2, 103),
+        ("a", 3, 3, 3),
+    ]
+    # A hook's last keys make a short unit; the next hook starts afresh.
+    assert packed(["a", "a", "b", "b"], [5, 6, 5, 6], [4, 4, 4, 4], 5) == [
+        ("a", 5, 6, 8),
+        ("b", 5, 6, 8),
+    ]
+    # Keys and rows come back as Python ints (unit ids are JSON of them).
+    (unit,) = packed(["a"], [2**40], [3], 1)
+    assert all(type(v) is int for v in unit[1:])
