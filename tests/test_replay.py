@@ -242,6 +242,29 @@ def test_plan_is_deterministic_with_stable_unit_ids(corpus, tmp_path):
     assert sum(u.rows for u in a.plan) == KEYS * STEPS * len(HOOKS)
 
 
+def test_a_unit_read_is_the_units_stored_rows_hook_column_included(corpus):
+    ch = corpus
+    corpus_ = source(ch)
+    corpus_.check(SCHEMA)
+    plan = corpus_.plan(40)
+    assert {u.hook for u in plan} == set(HOOKS)
+    names = ", ".join(f"`{c}`" for c in corpus_.columns())
+    total = 0
+    for unit in plan:
+        got = corpus_.read(unit)
+        want = ch.transport.query(
+            f"SELECT {names} FROM {ch.prefix}_raw_vec WHERE hook = '{unit.hook}' "
+            f"AND key >= {unit.key_first} AND key <= {unit.key_last} "
+            "ORDER BY key, step, seq, timestamp"
+        )
+        assert got.schema.names == corpus_.columns() == want.schema.names
+        assert got.column("hook").type == want.column("hook").type
+        assert got.to_pylist() == want.to_pylist()
+        assert got.num_rows == unit.rows
+        total += got.num_rows
+    assert total == KEYS * STEPS * len(HOOKS)
+
+
 def test_dry_run_validates_and_writes_nothing(corpus, tmp_path):
     ch = corpus
     report = run_replay(

@@ -171,13 +171,20 @@ class ClickHouseCorpus:
         return [c for c in self._spec.column_names if not c.endswith("_shape")]
 
     def read(self, unit: WorkUnit) -> pa.Table:
+        """The unit's rows, :meth:`columns` in order.  A unit holds one hook,
+        so ``hook`` is not read: it is the unit's, repeated (reading it made
+        the server turn the column into one string per row)."""
         assert unit.hook is not None
-        names = ", ".join(f"`{c}`" for c in self.columns())
-        return self.transport.query(
+        columns = self.columns()
+        names = ", ".join(f"`{c}`" for c in columns if c != "hook")
+        table = self.transport.query(
             f"SELECT {names} FROM `{self.table}` WHERE hook = {_quote(unit.hook)} "
             f"AND key >= {unit.key_first} AND key <= {unit.key_last} AND {self.filters.sql()} "
             "ORDER BY key, step, seq, timestamp"
         )
+        if not table.num_columns:  # no rows came back at all
+            return table
+        return table.add_column(columns.index("hook"), "hook", pa.repeat(unit.hook, table.num_rows))
 
 
 class ParquetCorpus:
