@@ -12,7 +12,8 @@
 - :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: a
   capture hook's descriptors and packed payload, one call each;
   :func:`plan_records`: a capture's record plan and descriptor templates.
-- :func:`router_stats`, :func:`path_codes`, :func:`two_nearest`: the signal
+- :func:`router_stats`, :func:`path_codes`, :func:`two_nearest` (and
+  :func:`two_nearest_f32`): the signal
   processors' one-pass kernels (router statistics, top-1 expert paths, the
   two nearest neighbours off a Gram matrix).
 """
@@ -23,7 +24,7 @@ from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
 from taproute.native._roots import RootTable
 from taproute.native._roots import root_ids as native_root_ids
-from taproute.native._signals import path_codes, router_stats, two_nearest
+from taproute.native._signals import path_codes, router_stats, two_nearest, two_nearest_f32
 from taproute.native._state import scatter_add
 from taproute.native._validate import (
     NOT_A_PAYLOAD_LAYOUT,
@@ -75,4 +76,5 @@ __all__ = [
     "scatter_add",
     "stamped_copy",
     "two_nearest",
+    "two_nearest_f32",
 ]

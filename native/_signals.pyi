@@ -22,3 +22,6 @@ def path_codes(
 def two_nearest(
     gram: npt.NDArray[np.float64], sq: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]: ...
+def two_nearest_f32(
+    x: npt.NDArray[np.float32], gram: npt.NDArray[np.float32], slack: float
+) -> npt.NDArray[np.float64]: ...

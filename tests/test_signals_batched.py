@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from taproute.service.signals import experts, pathways
+from taproute import native
+from taproute.service.signals import experts, pathways, twonn
 from taproute.service.signals.common import tail_layout
 from tests.signal_records import Stateful, records_of
 
@@ -231,3 +232,79 @@ def test_dense_path_counting_equals_sorting(capacity):
         for a, b in zip(dense, sorted_, strict=True):
             np.testing.assert_array_equal(a, b)
         codes, counts, _ = dense
+
+
+# ---- TwoNN -------------------------------------------------------------------
+
+
+def reference_two_nn(points: np.ndarray, discard: float = 0.1) -> float:
+    """TwoNN point by point: each point's distances to all others, sorted."""
+    x = points.astype(np.float64)
+    mus = []
+    for i, point in enumerate(x):
+        others = np.delete(x, i, axis=0)
+        d = np.sort(np.sqrt(((others - point) ** 2).sum(axis=1)))
+        if d[0] > 0:
+            mus.append(d[1] / d[0])
+    mu = np.sort(mus)
+    used = int(np.floor(len(mu) * (1 - discard)))
+    xs = np.log(mu[:used])
+    ys = -np.log(1 - np.arange(1, used + 1) / len(mu))
+    return float((xs * ys).sum() / (xs * xs).sum())
+
+
+@pytest.mark.parametrize("n, dims", [(3, 1), (4, 2), (50, 3), (300, 20)])
+def test_two_nn_equals_point_by_point_reference(n, dims):
+    rng = np.random.default_rng(13)
+    points = rng.normal(size=(n, dims)).astype(np.float32)
+    assert twonn.two_nn(points) == pytest.approx(reference_two_nn(points), rel=1e-9)
+
+
+def test_two_nn_duplicates_are_left_out_and_ties_count_twice():
+    # Integer points: every distance is exact, duplicates (r1 = 0) and equal
+    # distances are common.
+    points = np.random.default_rng(14).integers(-6, 7, size=(200, 3)).astype(np.float32)
+    points[5] = points[4]
+    assert len(np.unique(points, axis=0)) < len(points)
+    expected = reference_two_nn(points)
+    assert np.isfinite(expected)
+    assert twonn.two_nn(points) == pytest.approx(expected, rel=1e-12)
+
+
+def test_two_nearest_scans_the_gram_matrix_like_a_sort():
+    rng = np.random.default_rng(15)
+    x = rng.normal(size=(60, 4))
+    x[10] = x[11]
+    gram, sq = x @ x.T, (x * x).sum(axis=1)
+    d2 = sq[:, None] + sq[None, :] - 2 * gram
+    np.fill_diagonal(d2, np.inf)
+    expected = np.maximum(np.sort(d2, axis=1)[:, :2], 0.0)
+    np.testing.assert_array_equal(native.two_nearest(gram, sq), expected)
+    with pytest.raises(ValueError, match="two_nearest"):
+        native.two_nearest(gram[:5], sq)
+    lone = native.two_nearest(np.ones((2, 2)), np.ones(2))  # one other point only
+    assert np.isnan(lone).all()
+
+
+@pytest.mark.parametrize("case", ["normal", "far from the origin", "lattice", "low rank"])
+def test_two_nearest_f32_equals_float64_distances(case):
+    """The float32 Gram prefilter finds the same two nearest distances as
+    exact float64 differences, including where float32 cancels badly (points
+    far from the origin) and where many distances tie (a lattice)."""
+    rng = np.random.default_rng(17)
+    x = rng.normal(size=(300, 24))
+    if case == "far from the origin":
+        x = 1000.0 + 0.01 * x
+    elif case == "lattice":
+        x = rng.integers(-2, 3, size=(300, 24)).astype(np.float64)
+        x[9] = x[8]
+    elif case == "low rank":
+        x = rng.normal(size=(300, 2)) @ rng.normal(size=(2, 24))
+    x32 = x.astype(np.float32)
+    dims = x32.shape[1]
+    slack = 1.01 * dims * 2.0**-24 / (1 - dims * 2.0**-24)
+    found = native.two_nearest_f32(x32, x32 @ x32.T, slack)
+    x64 = x32.astype(np.float64)
+    exact = ((x64[:, None, :] - x64[None, :, :]) ** 2).sum(-1)
+    np.fill_diagonal(exact, np.inf)
+    np.testing.assert_allclose(found, np.sort(exact, axis=1)[:, :2], rtol=1e-12, atol=0)

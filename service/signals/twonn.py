@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from taproute.native import StateRegion
+from taproute.native import StateRegion, two_nearest, two_nearest_f32
 from taproute.routing import ConfigError, Layout, Records, SlotSpec, stateful_processor
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.service.signals.common import (
@@ -67,14 +67,28 @@ class TwoNNConfig:
 
 
 def two_nn(points: npt.NDArray[np.generic], discard: float = 0.1) -> float:
-    """The TwoNN intrinsic dimension of ``points`` (``[n, dims]``); NaN if too few."""
-    x = np.asarray(points, dtype=np.float64)
-    if len(x) < MIN_POINTS:
+    """The TwoNN intrinsic dimension of ``points`` (``[n, dims]``); NaN if too few.
+
+    The nearest-neighbour distances come off a Gram matrix (BLAS) in one
+    native pass, never an n x n distance array.  float32 points (a reservoir
+    is float32) take a float32 Gram matrix, half the time of float64, and
+    :func:`taproute.native.two_nearest_f32` recomputes in float64 every
+    neighbour its rounding bound cannot rule out: the same neighbours and
+    distances as float64 arithmetic.  Other dtypes: a float64 Gram matrix
+    (:func:`taproute.native.two_nearest`).
+    """
+    if len(points) < MIN_POINTS:
         return float("nan")
-    sq = (x * x).sum(axis=1)
-    d2 = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
-    np.fill_diagonal(d2, np.inf)
-    nearest = np.sqrt(np.maximum(np.partition(d2, 1, axis=1)[:, :2], 0.0))
+    if points.dtype == np.float32:
+        x32 = np.ascontiguousarray(points)
+        dims = x32.shape[1]
+        unit = 2.0**-24
+        slack = 1.01 * dims * unit / (1.0 - dims * unit) + 1e-15
+        nearest = np.sqrt(two_nearest_f32(x32, x32 @ x32.T, slack))
+    else:
+        x = np.asarray(points, dtype=np.float64)
+        sq = (x * x).sum(axis=1)
+        nearest = np.sqrt(two_nearest(x @ x.T, sq))
     r1, r2 = nearest[:, 0], nearest[:, 1]
     keep = r1 > 0
     mu = np.sort(r2[keep] / r1[keep])
