@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 
 from taproute import native
-from taproute.service.signals import experts, pathways, twonn
+from taproute.routing.processors import REGISTRY
+from taproute.service.signals import experts, pathways, qk, twonn
 from taproute.service.signals.common import tail_layout
 from tests.signal_records import Stateful, records_of
 
 ROUTER = tail_layout("router_logits")
 PATH = tail_layout("router_path")
+QK = tail_layout("qk")
 HOOKS = ["model.layers.0.router", "model.layers.5.router", "model.layers.9.router"]
 
 EXPERT_CONFIGS = {
@@ -308,3 +310,85 @@ def test_two_nearest_f32_equals_float64_distances(case):
     exact = ((x64[:, None, :] - x64[None, :, :]) ** 2).sum(-1)
     np.fill_diagonal(exact, np.inf)
     np.testing.assert_allclose(found, np.sort(exact, axis=1)[:, :2], rtol=1e-12, atol=0)
+
+
+# ---- Q/K spectra -------------------------------------------------------------
+
+QK_CONFIGS = {
+    "causal": qk.QKConfig(
+        hidden=16, heads=4, top_k=6, window=4, spectra="batched.qk", summary="batched.qk_sum"
+    ),
+    "bidirectional": qk.QKConfig(
+        hidden=16,
+        heads=4,
+        top_k=3,
+        causal=False,
+        window=4,
+        spectra="batched.qk_bidir",
+        summary="batched.qk_bidir_sum",
+    ),
+}
+for _config in QK_CONFIGS.values():
+    qk.register(_config)
+
+
+def reference_qk_rows(a: np.ndarray, config: qk.QKConfig) -> list[dict]:
+    """One record, head by head: numpy's SVD and a masked softmax per query row."""
+    t, d = len(a), config.hidden // config.heads
+    out = []
+    for h in range(config.heads):
+        q = a[:, h * d : (h + 1) * d].astype(np.float64)
+        k = a[:, config.hidden + h * d : config.hidden + (h + 1) * d].astype(np.float64)
+        scores = q @ k.T / math.sqrt(d)
+        sv = np.linalg.svd(scores, compute_uv=False)
+        p = sv / sv.sum() if sv.sum() > 0 else sv
+        entropies = []
+        for i in range(t):
+            row = scores[i, : i + 1] if config.causal else scores[i]
+            w = np.exp(row - row.max())
+            w /= w.sum()
+            entropies.append(-(w[w > 0] * np.log(w[w > 0])).sum())
+        counted = entropies[1:] if config.causal and t > 1 else entropies
+        out.append({
+            "singular_values": np.pad(sv, (0, max(0, config.top_k - len(sv))))[: config.top_k],
+            "spectral_norm": sv[0],
+            "stable_rank": (sv**2).sum() / sv[0] ** 2 if sv[0] > 0 else 0.0,
+            "effective_rank": np.exp(-(p[p > 0] * np.log(p[p > 0])).sum()) if sv[0] > 0 else 0.0,
+            "entropy_mean": np.mean(counted),
+            "entropy_min": np.min(counted),
+            "entropy_last": entropies[-1],
+        })  # fmt: skip
+    return out
+
+
+def qk_batch(rng: np.random.Generator, config: qk.QKConfig) -> list[np.ndarray]:
+    """Ragged records around d = 4: 1, 2, 3, 4, 5, 9 and 17 tokens, one of
+    rank 1 (every token the same), one with all-zero keys."""
+    arrays = [
+        rng.normal(size=(t, 2 * config.hidden)).astype(np.float32)
+        for t in (1, 2, 3, 4, 5, 9, 17, 9, 4, 1)
+    ]
+    arrays[7][:] = arrays[7][0]
+    arrays[8][:, config.hidden :] = 0.0
+    return arrays
+
+
+@pytest.mark.parametrize("which", list(QK_CONFIGS))
+def test_qk_spectra_equal_per_record_reference(which):
+    config = QK_CONFIGS[which]
+    arrays = qk_batch(np.random.default_rng(16), config)
+    rows = REGISTRY.get(config.spectra).fn(records_of(arrays, QK, hooks=HOOKS))
+    assert len(rows) == len(arrays) * config.heads
+    for r, a in enumerate(arrays):
+        for h, ref in enumerate(reference_qk_rows(a, config)):
+            row = rows[r * config.heads + h]
+            assert row["head"] == h and row["tokens"] == len(a)
+            scale = max(ref["spectral_norm"], 1e-30)
+            np.testing.assert_allclose(
+                row["singular_values"], ref["singular_values"], rtol=1e-5, atol=1e-6 * scale
+            )
+            for field in ("spectral_norm", "entropy_mean", "entropy_min", "entropy_last"):
+                assert row[field] == pytest.approx(ref[field], rel=1e-5, abs=1e-6), field
+            if ref["spectral_norm"] > 0:
+                for field in ("stable_rank", "effective_rank"):
+                    assert row[field] == pytest.approx(ref[field], rel=1e-4, abs=1e-5), field

@@ -47,8 +47,13 @@ from taproute.service.signals.common import (
     window_segments,
 )
 
-#: Scores arrays are computed in chunks of at most this many float64 elements.
-_CHUNK_ELEMENTS = 1 << 23
+#: Records are processed in chunks whose attention logits take at most this many
+#: float64 elements (2 MiB): the softmax passes then run in cache, not in RAM.
+_CHUNK_ELEMENTS = 1 << 18
+
+#: Causal softmax rows are taken in blocks of this many query positions, each
+#: reading only the keys it can see (long sequences skip most of the masked half).
+_ROW_BLOCK = 32
 
 
 @attrs.frozen(kw_only=True)
@@ -102,9 +107,9 @@ def qk_stats(
 ) -> QKStats:
     """The spectral and entropy statistics of ``n`` sequences of equal length.
 
-    ``q`` and ``k`` are ``[n, tokens, hidden]``.  One stacked LAPACK call per
-    chunk: when tokens > d the singular values come from the d x d matrix
-    R_Q R_Kᵀ of the two QR factors (the same values, a smaller problem).
+    ``q`` and ``k`` are ``[n, tokens, hidden]``.  Stacked numpy/LAPACK calls per
+    chunk of records (no per-record Python); see :func:`singular_values` for
+    how the spectrum is computed.
     """
     n, t, hidden = q.shape
     per = max(1, _CHUNK_ELEMENTS // max(1, heads * t * t))
@@ -119,14 +124,9 @@ def qk_stats(
     d = hidden // heads
     qh, kh = _split_heads(q, heads), _split_heads(k, heads)
     scale = 1.0 / math.sqrt(d)
-    scores = (qh @ kh.transpose(0, 1, 3, 2)) * scale  # [n, H, T, T]
-    if t > d:
-        rq: npt.NDArray[np.float64] = np.linalg.qr(qh, mode="r")  # type: ignore[assignment]
-        rk: npt.NDArray[np.float64] = np.linalg.qr(kh, mode="r")  # type: ignore[assignment]
-        small = rq @ rk.transpose(0, 1, 3, 2)
-        sv = np.asarray(np.linalg.svd(small, compute_uv=False), dtype=np.float64) * scale
-    else:
-        sv = np.asarray(np.linalg.svd(scores, compute_uv=False), dtype=np.float64)
+    scores = qh @ kh.transpose(0, 1, 3, 2)
+    scores *= scale  # [n, H, T, T]
+    sv = singular_values(qh, kh, scores, scale)
     total = sv.sum(-1)
     p = sv / np.where(total > 0, total, 1.0)[..., None]
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
@@ -137,7 +137,7 @@ def qk_stats(
     m = min(top_k, sv.shape[-1])
     singular[..., :m] = sv[..., :m]
 
-    entropy = _softmax_entropy(scores, causal)  # [n, H, T]
+    entropy = softmax_entropy(scores, causal)  # [n, H, T]
     rows = entropy[..., 1:] if causal and t > 1 else entropy
     return QKStats(
         singular=singular,
@@ -150,20 +150,65 @@ def qk_stats(
     )
 
 
-def _softmax_entropy(scores: npt.NDArray[np.float64], causal: bool) -> npt.NDArray[np.float64]:
-    """Entropy (nats) of the softmax of each row of ``scores`` (causal: keys <= query)."""
+def singular_values(
+    qh: npt.NDArray[np.float64],
+    kh: npt.NDArray[np.float64],
+    scores: npt.NDArray[np.float64],
+    scale: float,
+) -> npt.NDArray[np.float64]:
+    """Singular values (descending, ``[..., min(T, d)]``) of ``scores = scale * qh khᵀ``.
+
+    T > d: the SVD of the d x d matrix R_Q R_Kᵀ of the two QR factors (the same
+    values, a smaller problem).  T <= d: the square roots of the eigenvalues of
+    the T x T Gram matrix A Aᵀ (one stacked ``eigvalsh``, about half the cost
+    of a stacked SVD at these sizes).  Squaring costs precision only in values
+    far below the spectral norm: each value is within 1e-7 x s1 of LAPACK's
+    SVD (a float32 column's own resolution of s1), and eigenvalues that are
+    rounding noise (below T * eps * s1²) count as exact zeros.
+    """
+    t, d = scores.shape[-1], qh.shape[-1]
+    if t > d:
+        rq: npt.NDArray[np.float64] = np.linalg.qr(qh, mode="r")  # type: ignore[assignment]
+        rk: npt.NDArray[np.float64] = np.linalg.qr(kh, mode="r")  # type: ignore[assignment]
+        small = rq @ rk.transpose(0, 1, 3, 2)
+        return np.asarray(np.linalg.svd(small, compute_uv=False), dtype=np.float64) * scale
+    gram = scores @ scores.transpose(0, 1, 3, 2)
+    eigen = np.linalg.eigvalsh(gram)[..., ::-1]  # descending
+    noise = t * np.finfo(np.float64).eps * eigen[..., :1]
+    result: npt.NDArray[np.float64] = np.sqrt(np.where(eigen > noise, eigen, 0.0))
+    return result
+
+
+def softmax_entropy(scores: npt.NDArray[np.float64], causal: bool) -> npt.NDArray[np.float64]:
+    """Entropy (nats) of the softmax of each row of ``scores`` (causal: keys <= query).
+
+    Causal rows go in blocks of :data:`_ROW_BLOCK` query positions, each over
+    the keys it can see, so a long sequence skips most of the masked half.
+    """
     t = scores.shape[-1]
-    if causal:
-        future = np.triu(np.ones((t, t), dtype=bool), 1)
-        masked = np.where(future, -np.inf, scores)
-    else:
-        future = np.zeros((t, t), dtype=bool)
-        masked = scores
-    top = masked.max(-1, keepdims=True)
-    exp = np.exp(masked - top)
-    z = exp.sum(-1, keepdims=True)
-    centred = np.where(future, 0.0, scores - top)
-    result: npt.NDArray[np.float64] = np.log(z[..., 0]) - (exp / z * centred).sum(-1)
+    if not causal:
+        return _row_entropy(scores, None)
+    out = np.empty(scores.shape[:-1])
+    for start in range(0, t, _ROW_BLOCK):
+        stop = min(t, start + _ROW_BLOCK)
+        future = np.arange(stop)[None, :] > np.arange(start, stop)[:, None]
+        out[..., start:stop] = _row_entropy(scores[..., start:stop, :stop], future)
+    return out
+
+
+def _row_entropy(
+    scores: npt.NDArray[np.float64], future: npt.NDArray[np.bool_] | None
+) -> npt.NDArray[np.float64]:
+    """Entropy of the softmax of each row of ``scores``, ``future`` cells masked
+    out: H = log z - Σ e·c / z with c = s - max and e = exp(c), in place on one
+    scratch array (few passes over the logits)."""
+    centred = scores.copy() if future is None else np.where(future, -np.inf, scores)
+    centred -= centred.max(-1, keepdims=True)
+    exp = np.exp(centred)
+    z = exp.sum(-1)
+    if future is not None:
+        np.copyto(centred, 0.0, where=future)  # e = 0 there; c = -inf would give NaN
+    result: npt.NDArray[np.float64] = np.log(z) - np.vecdot(exp, centred) / z
     return result
 
 
