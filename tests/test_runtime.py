@@ -421,3 +421,33 @@ def test_a_control_queued_while_the_dead_loop_is_being_wound_up_fails_with_its_e
         future.result(60)
     with pytest.raises(RoutingFailure, match="runtime loop failed: OSError: the loop task failed"):
         runtime.close(timeout=60)
+
+
+def test_an_empty_batch_is_a_no_op_that_still_releases_its_buffer():
+    """An empty ``submit_batch`` is accepted (its release runs once, like any
+    batch's) but counts as no ingress batch and reaches no sink: ``batches``
+    counts batches of records (it counted every empty one)."""
+    sink = NullSink()
+    released = threading.Event()
+    vec = SCHEMA.layout_id("vec")
+    with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        empty = make_descriptors(q, 16, count=0, layout_ids=vec)
+        runtime.submit_batch(empty, np.zeros((0, 4), np.float32), release=released.set)
+        assert runtime.try_submit_batch(empty, np.zeros((0, 4), np.float32))
+        assert runtime.offer_batch(empty, np.zeros((0, 4), np.float32))
+        runtime.submit_batch(make_descriptors(q, 16, count=2, layout_ids=vec), vec_payload(2))
+        runtime.flush(timeout=60)
+        assert released.wait(60)
+        counters = runtime.counters()
+    assert counters.ingress.batches == 1 and counters.ingress.submitted == 2
+    assert counters.destinations["cap"].records == 2
+    # A plain sink hosted by the runtime is never handed the empty batch.
+    plain = CaptureSink()
+    with create_record_runtime(record_sink=plain) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit_batch(make_descriptors(q, 16, count=0), np.zeros(0, np.uint8))
+        runtime.flush(timeout=60)
+        assert plain.batches == [] and runtime.counters().ingress.batches == 0
+    with pytest.raises(SinkClosed, match="runtime is closed; submit refused"):
+        runtime.submit_batch(make_descriptors(q, 16, count=0), np.zeros(0, np.uint8))

@@ -246,7 +246,10 @@ class Ingress:
         self._queue.append(batch)
         counters = self.counters
         counters.submitted += records
-        counters.batches += 1
+        # An empty batch is queued only for its release (on the loop thread,
+        # in order); it is no batch of records and the record worker skips it.
+        if records:
+            counters.batches += 1
         if not self._wake_pending and (
             not defer_wake
             or self._parked

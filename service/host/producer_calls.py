@@ -37,7 +37,10 @@ class ProducerCalls:
         ``release`` runs once, on the loop thread, after the last route and
         destination are done with the buffer.  A batch that fails validation
         is refused whole (and ``release`` is not called: the buffer is still
-        the caller's); blocks while ingress is full.
+        the caller's); blocks while ingress is full.  An empty batch (no
+        records) is a no-op: refused like any batch after close or a
+        failure, otherwise counted nowhere and routed nowhere; its
+        ``release`` still runs once, on the loop thread.
         """
         self._ingress.put_batch(self.intake.batch(descriptors, payload, release))
 

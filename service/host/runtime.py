@@ -282,7 +282,8 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             self._ingress.counters.merged += merged
         for batch in handed:
             try:
-                if self._latch.failure is None:
+                # An empty batch only comes for its release: nothing to route.
+                if self._latch.failure is None and len(batch):
                     await self._submit(batch)
             except Exception as exc:
                 self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
