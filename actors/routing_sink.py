@@ -270,6 +270,9 @@ class RoutingSink(SinkFlushing):
         if isinstance(actor, ForwardRoute):
             actor.taken(len(batch))
 
+    def _closed_reason(self) -> str | None:
+        return "routing sink is closed" if self._closing else None
+
     def _check_open(self) -> None:
         self._latch.raise_if_failed()
         if self._closing:

@@ -129,7 +129,8 @@ class OutputLayoutMismatch(RecordError):
 
 
 class SinkClosed(TaprouteError, RuntimeError):
-    """``submit`` or ``flush`` after ``close``."""
+    """``submit``, ``flush`` or ``bind_hook`` after ``close``; the message
+    names what is closed and the call refused."""
 
 
 class RerouteRefused(TaprouteError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from taproute.routing.errors import SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.latch import FailureLatch
@@ -47,8 +48,18 @@ class Producer(Generic[SnapshotT]):
 
     def bind_hook(self, name: str, *, layout: str | None = None) -> int:
         """The output_id for hook ``name`` (routes match it by name); an unknown
-        ``layout`` is refused now."""
+        ``layout`` is refused now.  Once the shell is closed it raises
+        :class:`~taproute.routing.errors.SinkClosed` and binds nothing, as
+        ``submit`` does: a hook bound then could never submit."""
+        closed = self._closed_reason()
+        if closed is not None:
+            raise SinkClosed(f"{closed}; bind_hook({name!r}) refused")
         return self.intake.bind_hook(name, layout=layout)
+
+    def _closed_reason(self) -> str | None:
+        """What is closed (``"runtime is closed"``), or None while producers may
+        still bind; each shell says."""
+        return None
 
     @property
     def failure(self) -> BaseException | None:

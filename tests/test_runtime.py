@@ -423,6 +423,22 @@ def test_a_control_queued_while_the_dead_loop_is_being_wound_up_fails_with_its_e
         runtime.close(timeout=60)
 
 
+def test_bind_hook_after_close_is_refused_naming_what_is_closed():
+    """It used to succeed silently: a hook bound to a closed runtime can never
+    submit.  The refusal names what is closed and binds nothing."""
+    sink = routing_sink({"cap": NullSink()})
+    runtime = create_record_runtime(record_sink=sink)
+    q = runtime.bind_hook(Q, layout="vec")
+    runtime.close(timeout=60)
+    with pytest.raises(SinkClosed, match=r"^runtime is closed; bind_hook\('layers.1.q'\) refused"):
+        runtime.bind_hook("layers.1.q", layout="vec")
+    with pytest.raises(SinkClosed, match=r"^routing sink is closed; bind_hook\('layers.1.q'\)"):
+        sink.bind_hook("layers.1.q", layout="vec")
+    assert runtime.hooks.id_of("layers.1.q") is None and runtime.hooks.id_of(Q) == q
+    with pytest.raises(SinkClosed, match="runtime is closed"):  # as submit after close
+        runtime.submit(q, vec_payload(1))
+
+
 def test_an_empty_batch_is_a_no_op_that_still_releases_its_buffer():
     """An empty ``submit_batch`` is accepted (its release runs once, like any
     batch's) but counts as no ingress batch and reaches no sink: ``batches``

@@ -114,6 +114,11 @@ class Ingress:
         with their lock held)."""
         self._wake = wake
 
+    @property
+    def closed(self) -> bool:
+        """True once a close was queued: nothing more is accepted."""
+        return self._closed
+
     # -- producer side -----------------------------------------------------
 
     @property

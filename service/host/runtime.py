@@ -290,6 +290,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             finally:
                 batch.lease.release()
 
+    def _closed_reason(self) -> str | None:
+        return "runtime is closed" if self._ingress.closed else None
+
     def stop(self, timeout: float | None = None) -> None:
         """Same as :meth:`close` (the service-object spelling)."""
         self.close(timeout)
