@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import trio
-
 from taproute.routing.batch import Batch
 from taproute.routing.latch import FailureLatch
+from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.handover import HandsOverToOwner, PartlyInserted
 from taproute.service.sinks.clickhouse.transport import Transport, connection_failure
@@ -26,6 +25,7 @@ class OwnerInserts(HandsOverToOwner):
     """Hand-over of failed blocks and direct inserts, for a sink's owner."""
 
     transport: Transport
+    _calls: AbandonableCalls
     counters: dict[str, TableCounters]
     _latch: FailureLatch
 
@@ -56,7 +56,10 @@ class OwnerInserts(HandsOverToOwner):
         and neither does a repeat of a block this sink sealed and handed over
         (:meth:`hand_over_failures`) with that block's token.  When a later
         table fails after an earlier one was stored, :class:`PartlyInserted`
-        says which parts were not.
+        says which parts were not.  Cancelling the caller abandons the
+        insert in progress (its thread runs on within the transport's
+        timeouts, its outcome dropped): the owner keeps the batches and
+        repeats them under ``token`` later (a spool's drain at close).
         """
         parts: dict[str, TableBuffer] = {}
         for batch in batches:
@@ -64,7 +67,7 @@ class OwnerInserts(HandsOverToOwner):
                 parts.setdefault(table, TableBuffer()).items.append(part)
         for done, (table, buffer) in enumerate(parts.items()):
             try:
-                await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
+                await self._calls.run(self._insert_blocking, table, buffer, token)
             except Exception as exc:
                 if done == 0:
                     raise

@@ -35,6 +35,7 @@ from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
+from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
@@ -108,6 +109,12 @@ class ClickHouseSink(OwnerInserts):
         self.batching = batching or Batching()
         self.retry = retry or Retry()
         self._owns_transport = owns_transport
+        #: Every blocking call on the transport goes through it, so the
+        #: transport is never closed under a call (even an abandoned one).
+        self._calls = AbandonableCalls(
+            f"the transport to {transport.description}",
+            transport.close if owns_transport else None,
+        )
         try:  # a failed constructor releases what it opened (the chDB directory)
             self._raw: dict[int, TableSpec] = {}
             self._rows: dict[str, TableSpec] = {}
@@ -286,7 +293,10 @@ class ClickHouseSink(OwnerInserts):
                 failures = 0
                 while True:
                     try:
-                        await trio.to_thread.run_sync(self._insert_blocking, table, buffer, token)
+                        # Not abandoned: the block holds the producers' buffers.
+                        await trio.to_thread.run_sync(
+                            self._calls.call, self._insert_blocking, table, buffer, token
+                        )
                     except Exception as exc:
                         failures += 1
                         counters.errors += 1
@@ -360,8 +370,9 @@ class ClickHouseSink(OwnerInserts):
                 for hold in buffer.holds:
                     hold.release()
             self._buffers = {n: TableBuffer() for n in self.tables}
-            if self._owns_transport:
-                await trio.to_thread.run_sync(self.transport.close)
+            # Closed now, or by the last call an owner abandoned (insert_now,
+            # check_tables) once it returns.
+            await trio.to_thread.run_sync(self._calls.close)
 
     # -- tables checked when the server is first reached -------------------
 
@@ -382,8 +393,10 @@ class ClickHouseSink(OwnerInserts):
         return self._checks.failure
 
     def check_tables(self) -> None:
-        """Check the tables left unchecked (blocking; see :class:`TableChecks`)."""
-        self._checks.when_reached()
+        """Check the tables left unchecked (blocking; see :class:`TableChecks`).
+        The owner may abandon the call (its thread) at close: the transport
+        is closed only once it returned."""
+        self._calls.call(self._checks.when_reached)
 
     # -- observation ----------------------------------------------------------
 

@@ -38,7 +38,9 @@ NO_ROOM_WAIT = 1.0
 
 @runtime_checkable
 class InsertsWithToken(Protocol):
-    """An inner sink that inserts batches now, idempotently per token."""
+    """An inner sink that inserts batches now, idempotently per token; a
+    cancelled ``insert_now`` returns at once (an insert in a worker thread
+    is abandoned), the batches being the caller's to repeat."""
 
     async def insert_now(self, batches: Sequence[Batch], token: str) -> None: ...
 
@@ -59,7 +61,8 @@ class ChecksTablesLater(Protocol):
     are checked when it is first reached (``check_tables``, blocking: the
     driver's transient error while unreachable, a table's error for good) and
     who writes nothing before (the ClickHouse sink, ``when_unreachable=
-    "check_later"``)."""
+    "check_later"``).  ``check_tables`` runs in a worker thread its owner
+    abandons at close: it must not fail for the sink being closed under it."""
 
     @property
     def tables_checked(self) -> bool: ...
@@ -233,7 +236,8 @@ class Delivery:
             return
         while True:
             try:
-                await trio.to_thread.run_sync(checks.check_tables)
+                # Abandoned at close (the sink keeps its transport open under it).
+                await trio.to_thread.run_sync(checks.check_tables, abandon_on_cancel=True)
             except Exception as exc:
                 if not self.transient(exc):
                     await self.unusable(exc)

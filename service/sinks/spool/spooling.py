@@ -274,7 +274,9 @@ class SpoolingSink:
     async def close(self) -> None:
         """Flush; while the destination is healthy, deliver what is held for up to
         ``drain_on_close`` seconds; then stop (the spool keeps the rest for the
-        next start) and close."""
+        next start) and close.  Unhealthy, it stops right after the flush: the
+        drain's try in flight is abandoned, not waited for (its group stays
+        unacknowledged, repeated under the same token next time)."""
         if self._closing:
             await self._stopped.wait()
             return
