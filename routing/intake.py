@@ -132,9 +132,13 @@ class Intake:
         rule = self._record_rules.get(output_id)
         if rule is not None:
             return rule
-        if not 0 <= output_id < len(self.hooks):
+        if not isinstance(output_id, (int, np.integer)) or not 0 <= output_id < len(self.hooks):
+            hint = ""
+            if isinstance(output_id, str):
+                hint = "; an output_id is the int bind_hook returned, not the hook's name"
             raise UnboundOutputId(
-                f"output_id {output_id} was never bound with bind_hook ({len(self.hooks)} bound)"
+                f"output_id {output_id!r} was never bound with bind_hook "
+                f"({len(self.hooks)} bound){hint}"
             )
         layout_name = self.hooks.layout_of(output_id)
         if self.schema is None:

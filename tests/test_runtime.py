@@ -123,6 +123,9 @@ def test_bad_batches_are_refused_and_nothing_accepted_is_lost():
             runtime.submit(q, b"\0" * 8)
         with pytest.raises(UnboundOutputId, match="output_id 5 was never bound"):
             runtime.submit(5, b"\0" * 16)
+        # The hook's name for its id: named as such (it was a bare TypeError on '<=').
+        with pytest.raises(UnboundOutputId, match=r"output_id 'layers.0.attn.q' .* not the hook's"):
+            runtime.submit(Q, b"\0" * 16)  # type: ignore[arg-type]
         runtime.submit(q, vec_payload(1, start=100.0))
         runtime.flush(timeout=60)
         assert runtime.failure is None
