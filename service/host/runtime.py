@@ -47,7 +47,7 @@ from taproute.routing.sink import (
 from taproute.service.host.batch_merge import SpansPayloads, merge, mergeable
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
-from taproute.service.host.ingress import Ingress, WhenFull
+from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull
 from taproute.service.host.ingress_control import Control
 from taproute.service.host.producer_calls import ProducerCalls
 from taproute.service.host.sink_controls import SinkControls
@@ -88,9 +88,12 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         name: str = "taproute",
         max_block: float | None = None,
         arena: SpansPayloads | None = None,
+        wake_delay: float = WAKE_DELAY_S,
     ) -> None:
         if max_block is not None and not max_block >= 0:
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
+        if not (wake_delay >= 0 and math.isfinite(wake_delay)):
+            raise ValueError(f"wake_delay must be finite seconds >= 0, got {wake_delay!r}")
         self.record_sink = record_sink
         #: How long :meth:`offer_batch` may wait for ingress room (None: no bound).
         self.max_block = max_block
@@ -144,6 +147,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             capacity_bytes=capacity_bytes,
             when_full=when_full,
             coalesce_records=coalesce_records,
+            wake_delay=wake_delay,
         )
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None

@@ -31,7 +31,7 @@ from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
 from taproute.service.host.batch_merge import SpansPayloads
 from taproute.service.host.http import HttpConfig, build_app, serve_http
-from taproute.service.host.ingress import WhenFull
+from taproute.service.host.ingress import WAKE_DELAY_S, WhenFull
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
@@ -128,6 +128,7 @@ def create_record_runtime(
     dead_letters: DeadLetterStore | None = None,
     max_block: float | None = None,
     arena: SpansPayloads | None = None,
+    wake_delay: float = WAKE_DELAY_S,
 ) -> RecordService:
     """Start a :class:`RecordService` around ``record_sink`` and return it.
 
@@ -142,7 +143,12 @@ def create_record_runtime(
     block the model waiting for ingress room; past it, records are shed and
     counted (``offer_batch``).  With ``arena`` (where the capture hooks copy
     payloads: a writer sink's ``buffer_pool``), the batches taken at one
-    wake-up are handed on merged into one, without a copy.
+    wake-up are handed on merged into one, without a copy.  ``wake_delay``
+    (seconds) is how often the loop takes what capture hooks queued while
+    they keep queueing (they do not wake it; half-full ingress does): a
+    longer one means fewer, larger wake-ups (each pays the loop's fixed cost
+    once, on the GIL the model shares) and records that reach their
+    destinations up to that much later.
     """
     return RecordService(
         record_sink,
@@ -157,6 +163,7 @@ def create_record_runtime(
         name=name,
         max_block=max_block,
         arena=arena,
+        wake_delay=wake_delay,
     ).start()
 
 
