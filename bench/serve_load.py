@@ -18,7 +18,10 @@ The capture-on server writes through ``--writer`` (default ``process``:
 chDB in a writer process, the choice the README gives for a serving process
 whose model runs Python on its own thread), the batches of one wake-up
 handed on merged into one (``--merge-batches 0``: each alone, as before
-the merge).  Each capture-on phase ends with
+the merge), taproute's loop polling the hooks' queue every
+``--wake-delay-ms`` (``--compare-merge 1`` and ``--compare-wake-ms N`` add
+a capture-on server with the merge off, or polling every N ms, to every
+phase).  Each capture-on phase ends with
 a flush of the on-server (everything captured is in ClickHouse), and its
 throughput is also given to that point.  Per phase: requests/s, tokens/s,
 p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
@@ -61,6 +64,7 @@ class Server:
         log: Path,
         writer: str = "thread",
         merge_batches: bool = True,
+        wake_delay_ms: float = 100.0,
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -80,6 +84,8 @@ class Server:
                 writer,
                 "--merge-batches",
                 "on" if merge_batches else "off",
+                "--wake-delay-ms",
+                str(wake_delay_ms),
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -296,6 +302,8 @@ def main() -> None:
         compare_thread=(1, 1),
         merge_batches=(1, 1),
         compare_merge=(0, 0),
+        wake_delay_ms=(100.0, 100.0),
+        compare_wake_ms=(0.0, 0.0),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
@@ -309,6 +317,8 @@ def main() -> None:
             "compare_thread",
             "merge_batches",
             "compare_merge",
+            "wake_delay_ms",
+            "compare_wake_ms",
         )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
@@ -324,7 +334,14 @@ def main() -> None:
     # on alone, in every phase (what the merge buys, interleaved).
     if args.compare_merge:
         saturation_modes.append("on_nomerge")
-    load_modes = ["off", "on"] + (["on_nomerge"] if args.compare_merge else [])
+    # "on_wake" (--compare-wake-ms N): "on" with the loop polling every N ms.
+    if args.compare_wake_ms:
+        saturation_modes.append("on_wake")
+    extra_labels = {
+        "on_nomerge": "each captured batch alone (merge off)",
+        "on_wake": f"loop polling every {args.compare_wake_ms:g} ms",
+    }
+    load_modes = ["off", "on"] + [m for m in ("on_nomerge", "on_wake") if m in saturation_modes]
     servers = {
         mode: Server(
             mode != "off",
@@ -334,6 +351,7 @@ def main() -> None:
             data / f"{mode}.log",
             writer="thread" if mode == "on_thread" else args.writer,
             merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
+            wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
         )
         for mode in saturation_modes
     }
@@ -408,23 +426,23 @@ def main() -> None:
                         unit="requests/s",
                     )
                 )
-            if "on_nomerge" in saturation:
-                comparisons.append(
-                    harness.comparison(
-                        f"{workload}: throughput at saturation, each captured batch alone "
-                        "(merge off)",
-                        harness.summary(
-                            [
-                                p["requests_per_s_persisted"]
-                                for p in phases[f"{workload}/saturation/on_nomerge"]
-                            ][args.warmup :]
-                        ),
-                        saturation["off"],
-                        taproute_label="capture on, merge off",
-                        peer_label="capture off",
-                        unit="requests/s",
+            for mode, label in extra_labels.items():
+                if mode in saturation:
+                    comparisons.append(
+                        harness.comparison(
+                            f"{workload}: throughput at saturation, {label}",
+                            harness.summary(
+                                [
+                                    p["requests_per_s_persisted"]
+                                    for p in phases[f"{workload}/saturation/{mode}"]
+                                ][args.warmup :]
+                            ),
+                            saturation["off"],
+                            taproute_label=f"capture on, {label}",
+                            peer_label="capture off",
+                            unit="requests/s",
+                        )
                     )
-                )
             ratio = persisted["median"] / capacity
             targets.append(
                 harness.target(
@@ -457,19 +475,20 @@ def main() -> None:
                         higher_is_better=False,
                     )
                 )
-                if "on_nomerge" in p99:
-                    comparisons.append(
-                        harness.comparison(
-                            f"{workload}: p99 latency at {int(load * 100)}% of capacity, "
-                            "each captured batch alone (merge off)",
-                            p99["on_nomerge"],
-                            p99["off"],
-                            taproute_label="capture on, merge off",
-                            peer_label="capture off",
-                            unit="ms",
-                            higher_is_better=False,
+                for mode, label in extra_labels.items():
+                    if mode in p99:
+                        comparisons.append(
+                            harness.comparison(
+                                f"{workload}: p99 latency at {int(load * 100)}% of capacity, "
+                                f"{label}",
+                                p99[mode],
+                                p99["off"],
+                                taproute_label=f"capture on, {label}",
+                                peer_label="capture off",
+                                unit="ms",
+                                higher_is_better=False,
+                            )
                         )
-                    )
                 if load in (0.5, 0.8):
                     r = p99["on"]["median"] / p99["off"]["median"]
                     targets.append(
