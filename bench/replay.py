@@ -18,8 +18,10 @@ cores shared with the driver, which reads and writes every unit).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +86,14 @@ def hand_loop(transport: ChdbTransport, units: list, table: str) -> None:
 def main() -> None:
     args = arguments(__doc__, records=(262_144, 32_768), unit_rows=(16_384, 4096), repeat=(5, 2))
     directory = Path(tempfile.mkdtemp(prefix="taproute-replay-bench-"))
+    try:
+        run(args, directory)
+    finally:
+        # The corpus and every variant's output (hundreds of MB at full size) go with the run.
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, directory: Path) -> None:
     transport = ChdbTransport(directory / "chdb")
     make_corpus(transport, args.records)
     corpus = ClickHouseCorpus(transport, "act")
