@@ -204,3 +204,30 @@ spool_block_timeout = -1
         for p in problems
     ), problems
     assert "destinations.ch.spool_block_timeout: expected seconds >= 0, found -1.0" in problems
+
+
+def test_spool_numbers_are_refused_when_the_file_is_loaded(tmp_path):
+    """A spool quota or fsync interval <= 0 was refused only when the service
+    started (a ConfigError naming neither file nor key), and ``taproute
+    check`` passed the file; now loading it names both."""
+    text = """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+
+[destinations.ch]
+url = "http://127.0.0.1:1/"
+raw = ["vec"]
+spool_quota_bytes = 0
+spool_fsync_interval = -1.0
+"""
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(write(tmp_path, text))
+    problems = caught.value.problems
+    assert "destinations.ch.spool_quota_bytes: expected bytes > 0, found 0" in problems
+    assert "destinations.ch.spool_fsync_interval: expected seconds > 0, found -1.0" in problems

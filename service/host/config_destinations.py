@@ -117,6 +117,12 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
                 yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
     if dest.path == "":
         yield f"{where}.path: empty"
+    # SpoolConfig refuses these too, but only when the service starts, without the key.
+    if not dest.spool_quota_bytes > 0:
+        yield f"{where}.spool_quota_bytes: expected bytes > 0, found {dest.spool_quota_bytes}"
+    if not dest.spool_fsync_interval > 0:
+        found_interval = dest.spool_fsync_interval
+        yield f"{where}.spool_fsync_interval: expected seconds > 0, found {found_interval}"
     if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
         found = dest.spool_block_timeout
         yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
