@@ -136,6 +136,8 @@ def make_descriptors(
                 break
         else:
             count = 1
+    if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
+        raise DescriptorFieldError(f"make_descriptors: count must be an int >= 0, got {count!r}")
     arguments: dict[str, IntArrayLike | None] = {
         "output_ids": output_ids,
         "lengths": lengths,

@@ -16,6 +16,7 @@ from taproute.native import (
     DESCRIPTOR_DTYPE,
     UNMATCHED,
     BufferLease,
+    DescriptorFieldError,
     LeaseError,
     RouteTable,
     StateRegion,
@@ -183,6 +184,11 @@ def test_make_descriptors_packs_payloads_back_to_back():
     assert desc["key"].tolist() == [5, 5, 5]
     assert desc["seq"].tolist() == [0, 1, 2]
     assert (desc["timestamp_ns"] > 0).all()
+    # A bad count is named (numpy's "negative dimensions are not allowed" was not).
+    with pytest.raises(DescriptorFieldError, match=r"count must be an int >= 0, got -1"):
+        make_descriptors(0, 16, count=-1)
+    with pytest.raises(DescriptorFieldError, match=r"count must be an int >= 0, got 2.0"):
+        make_descriptors(0, 16, count=2.0)  # type: ignore[arg-type]
 
 
 def test_scatter_add_matches_numpy_add_at_and_checks_keys():
