@@ -334,3 +334,50 @@ def test_reroute_goes_only_to_the_failed_route_once_and_refuses_what_it_cannot_d
     assert sorted(out.rows("r")["seq"].tolist()) == [2, 3, 4]
     assert len({store.get(i).reroute_id for i in ids[1:]}) == 4  # each copy its own id
     store.close()
+
+
+def test_reroute_over_http_while_the_service_is_closed_answers_503_and_keeps_the_letter(
+    tmp_path,
+):
+    """A reroute that reaches a closing (here: closed) runtime is refused with
+    503 and the SinkClosed message, not a 500; the letter stays dead, so the
+    operator can reroute it on the next start."""
+    import trio
+
+    from taproute.service.host.http import build_app, serve_http
+    from taproute.service.ops.controls import DeadLetterControls
+
+    store = DeadLetterStore(tmp_path / "dead.sqlite")
+    sink = RoutingSink(
+        RoutingConfig(
+            [Route("r", "*", "out", mode="stateless", processor="fail.invalid_when_broken")]
+        ),
+        SCHEMA,
+        {"out": CaptureSink()},
+        unmatched="drop",
+        on_failure=store.handle,
+    )
+    SCRIPT.broken = True
+    with create_record_runtime(record_sink=sink, dead_letters=store) as runtime:
+        q = runtime.bind_hook("layers.0.q", layout="vec")
+        batch = vec_batch(q, 1)
+        runtime.submit_batch(batch.descriptors, batch.payload)
+        runtime.flush()
+    (letter,) = store.list()
+    app = build_app(lambda: None, controls=DeadLetterControls(store, runtime, token=TOKEN))
+
+    async def main() -> tuple[int, object]:
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(serve_http, app, HttpConfig(port=0))
+            answer = await trio.to_thread.run_sync(
+                lambda: request(f"{url}/dead-letters/{letter.id}/reroute", "POST", TOKEN)
+            )
+            nursery.cancel_scope.cancel()
+        return answer
+
+    status, body = trio.run(main)
+    assert status == 503, body
+    assert "closed" in body["error"]
+    assert store.get(letter.id).state == "dead"
+    assert store.get(letter.id).state == "dead"
+    store.close()

@@ -19,7 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from taproute.routing.errors import ConfigError, IngressFull, RerouteRefused, TaprouteError
+from taproute.routing.errors import (
+    ConfigError,
+    IngressFull,
+    RerouteRefused,
+    SinkClosed,
+    TaprouteError,
+)
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
 
@@ -192,6 +198,8 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             except DeadLetterNotFound as exc:
                 return json_error(404, str(exc))
             except IngressFull as exc:
+                return json_error(503, str(exc))
+            except SinkClosed as exc:  # the service is closing: try again on the next one
                 return json_error(503, str(exc))
             except RerouteRefused as exc:  # already rerouted / skipped / no route takes it
                 return json_error(409, str(exc))
