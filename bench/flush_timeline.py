@@ -5,9 +5,10 @@
 The inference-cost workload (GPT-2 4 x 256 from a config, batch 8 x 64 with
 half the rows padded to half length, 12 hooks, torch on one thread, rounds of
 ``--passes`` forward passes then ``flush()``), into chDB in this process,
-with the ClickHouse sink's early seal on (``Batching()``: a table's buffer
-becomes an insert at ``early_bytes`` while none of its inserts runs) and off
-(``early_bytes = max_bytes``: sealed only when full, as before), alternated
+with the ClickHouse sink's early seal on (``Batching(early_bytes=EARLY)``,
+2 MiB: a table's buffer becomes an insert at ``early_bytes`` while none of
+its inserts runs) and off (``Batching()``, the default: sealed only when
+full), alternated
 round by round with no hooks and the naive copy hook.  Per round: forward
 time, time until ``flush()`` returned, and every insert's start, end and
 size relative to the end of the last forward pass (from a wrapper around the
@@ -37,6 +38,9 @@ from inference_cost import SCHEMA, fix_malloc, naive_hooks, probe_gpt2
 from taproute.service import Batching, ClickHouseSink, create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
 from taproute.service.sinks.writer import WriterProcessSink
+
+#: The early seal measured against the default (off).
+EARLY = 2 * 2**20
 
 #: One insert: (start, end) seconds relative to the end of the forward
 #: passes, and its bytes.
@@ -108,8 +112,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="taproute-flush-timeline-") as data_dir:
         runtimes: dict[str, tuple[Any, TimedTransport | None]] = {}
         for name, batching in (
-            ("early", Batching()),
-            ("late", Batching(early_bytes=Batching().max_bytes)),
+            ("early", Batching(early_bytes=EARLY)),
+            ("late", Batching()),
         ):
             sink = ClickHouseSink.embedded(
                 SCHEMA, data_dir, raw=["acts"], raw_table=f"raw_{{layout}}_{name}"
@@ -120,8 +124,8 @@ def main() -> None:
             runtimes[name] = (create_record_runtime(record_sink=sink), timed)
         writers: dict[str, WriterProcessSink] = {}
         for name, batching in (
-            ("p_early", Batching()),
-            ("p_late", Batching(early_bytes=Batching().max_bytes)),
+            ("p_early", Batching(early_bytes=EARLY)),
+            ("p_late", Batching()),
         ):
             writer = WriterProcessSink.embedded(
                 SCHEMA, f"{data_dir}/{name}", raw=["acts"], batching=batching

@@ -382,7 +382,8 @@ async def test_seals_at_early_bytes_while_no_insert_of_the_table_runs(clickhouse
 
 def test_seal_rule():
     """Full buffers seal; early ones only while no insert runs; an
-    ``early_bytes`` at ``max_bytes`` never seals early."""
+    ``early_bytes`` at ``max_bytes`` never seals early, and by default
+    nothing seals early."""
     batching = Batching(max_rows=100, max_bytes=1000, early_bytes=300)
     assert seal_due(100, 10, batching, inserting=True)
     assert seal_due(1, 1000, batching, inserting=True)
@@ -391,6 +392,10 @@ def test_seal_rule():
     assert not seal_due(99, 299, batching, inserting=False)
     never_early = Batching(max_bytes=1000, early_bytes=1000)
     assert not seal_due(1, 999, never_early, inserting=False)
+    default = Batching()
+    assert default.early_bytes is None
+    assert not seal_due(1, default.max_bytes - 1, default, inserting=False)
+    assert seal_due(1, default.max_bytes, default, inserting=False)
 
 
 def test_routed_and_direct_sinks_write_identical_tables(clickhouse):

@@ -322,6 +322,10 @@ def refused(capsys, tmp_path, text: str) -> str:
             "destinations.ch.batching.linger: expected a finite number, found inf",
         ),
         (
+            ("[http]", "[destinations.ch.batching]\nearly_bytes = 0\n[http]"),
+            "destinations.ch.batching.early_bytes: must be in [1, 2**40], found 0",
+        ),
+        (
             ('destination = "ch"\n', 'destination = "ch"\nworkers = 1000000000\n'),
             "routes[0].workers: must be in [1, 1024], found 1000000000",
         ),

@@ -11,9 +11,6 @@ from taproute.routing.limits import DESTINATION_BUFFER_BYTES, capped_backoff
 
 _DAY = 86_400.0
 
-#: :attr:`Batching.early_bytes`' default: see :func:`seal_due`.
-EARLY_BYTES = 2 * 2**20
-
 #: Bounds of :class:`Batching`'s and :class:`Retry`'s numbers: their own
 #: validators and config files use these.  A linger of NaN or 0 would spin the
 #: linger timer; a huge ``inserts_in_flight`` would start that many threads.
@@ -45,14 +42,17 @@ def _retry(field: str, kind: type[int] | type[float]) -> Validator:
 class Batching:
     """When a table's buffer is inserted: at ``max_rows`` rows, ``max_bytes``
     bytes, or ``linger`` seconds after its first row, whichever comes first
-    (defaults in the spirit of Vector's ClickHouse sink), and early, at
-    ``early_bytes``, while no insert of that table runs (see
-    :func:`seal_due`).  At most ``inserts_in_flight`` inserts run per table;
-    past ``max_buffered_bytes`` buffered or in flight, ``submit`` waits."""
+    (defaults in the spirit of Vector's ClickHouse sink), and, when
+    ``early_bytes`` is given, early at that size while no insert of that
+    table runs (see :func:`seal_due`; off by default).  At most
+    ``inserts_in_flight`` inserts run per table; past ``max_buffered_bytes``
+    buffered or in flight, ``submit`` waits."""
 
     max_rows: int = attrs.field(default=1_000_000, validator=_batching("max_rows", int))
     max_bytes: int = attrs.field(default=10 * 2**20, validator=_batching("max_bytes", int))
-    early_bytes: int = attrs.field(default=EARLY_BYTES, validator=_batching("early_bytes", int))
+    early_bytes: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_batching("early_bytes", int))
+    )
     linger: float = attrs.field(default=1.0, validator=_batching("linger", float))
     inserts_in_flight: int = attrs.field(default=2, validator=_batching("inserts_in_flight", int))
     max_buffered_bytes: int = attrs.field(
@@ -62,8 +62,9 @@ class Batching:
 
 def seal_due(rows: int, nbytes: int, batching: Batching, *, inserting: bool) -> bool:
     """Whether a buffer of ``rows`` rows and ``nbytes`` bytes becomes an insert
-    now: when full (``max_rows`` or ``max_bytes``), or, while no insert of it
-    runs (``inserting`` false), once it holds ``early_bytes``.
+    now: when full (``max_rows`` or ``max_bytes``), or, when ``early_bytes``
+    is set and no insert of it runs (``inserting`` false), once it holds
+    ``early_bytes``.
 
     The early seal keeps the insert lane busy while data arrives slower than
     it is written, so what is left for a ``flush()`` is the data of the last
@@ -71,12 +72,17 @@ def seal_due(rows: int, nbytes: int, batching: Batching, *, inserting: bool) -> 
     of a run waited for a whole 10 MiB block sealed just before it).  Under
     load an insert runs and buffers fill to ``max_bytes`` as before.  Each
     insert has a fixed cost (about 5 ms of CPU on chDB whatever its size),
-    which ``early_bytes`` bounds: at or above ``max_bytes`` it never seals
-    early.
+    which ``early_bytes`` bounds.  It is off by default: in the inference
+    process, more and smaller inserts during the forward passes cost the
+    model more than the shorter flush saves (bench/inference_cost.py, quiet
+    machine, early_bytes 2 MiB against off, alternated: MiniLM's forward time
+    with capture to chDB 1.14-1.27x against 0.96-1.03x of no hooks, and its
+    time until flush returned 1.16-1.31x against 1.01-1.07x).
     """
     if rows >= batching.max_rows or nbytes >= batching.max_bytes:
         return True
-    return not inserting and nbytes >= batching.early_bytes
+    early = batching.early_bytes
+    return early is not None and not inserting and nbytes >= early
 
 
 @attrs.frozen(kw_only=True)
