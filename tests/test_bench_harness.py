@@ -133,3 +133,25 @@ def test_max_repeat_caps_the_default_repetitions_only(monkeypatch):
     monkeypatch.delenv(harness.MAX_REPEAT_ENV)
     monkeypatch.setattr(sys, "argv", ["script"])
     assert harness.arguments(None, repeat=(9, 3)).repeat == 9
+
+
+def test_timed_rate_repeats_a_short_call_until_min_seconds_have_passed(monkeypatch):
+    """A sample of a short call is the rate over back-to-back calls filling
+    ``min_seconds``; without it, one call."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.0625  # every reading is 1/16 s after the last (exact in binary)
+        return now[0]
+
+    fake = SimpleNamespace(perf_counter=clock, process_time=lambda: 0.0)
+    monkeypatch.setattr(harness, "time", fake)
+    calls: list[int] = []
+    rate = harness.timed_rate(100, lambda: calls.append(1), min_seconds=0.25)
+    assert len(calls) == 4  # elapsed 1/16, 2/16, 3/16, 4/16 s after each call
+    assert rate == pytest.approx(100 * 4 / 0.25)
+    calls.clear()
+    assert harness.timed_rate(100, lambda: calls.append(1)) == pytest.approx(100 / 0.0625)
+    assert len(calls) == 1
