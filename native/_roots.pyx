@@ -27,8 +27,13 @@ pass per quarter of ``max_roots`` new roots.  An evicted root is forgotten:
 its next derived record starts a fresh count (and is pinned with the limits
 then in force), so a bounded table errs toward admitting, never refusing a
 record the unbounded table would have accepted.  Roots deriving at a high
-rate (a runaway chain) have the highest counts and are the last evicted.  The probing helpers are ``noexcept``: inside the
-``nogil`` loop an exception check would take the GIL state per record.
+rate (a runaway chain) have the highest counts and are the last evicted.
+Roots pinned with earlier limits (kept after a reload) are evicted only
+when the table holds nothing else: pinned again with the current limits, a
+tightened limit would apply to their chains, so the promise holds for them
+while the table has room for them.  The probing helpers are ``noexcept``:
+inside the ``nogil`` loop an exception check would take the GIL state per
+record.
 
 :func:`root_ids` hashes captured records' identities into their root ids.
 
@@ -190,7 +195,7 @@ cdef class RootTable:
         while start < n and not bad:
             stop = min(n, start + chunk)
             if max_roots and self._size + (stop - start) > max_roots:
-                self._evict(max_roots - max(stop - start, max_roots // 4), minute, max_roots)
+                self._evict(max_roots - max(stop - start, max_roots // 4), minute, current, max_roots)
             # Room for every record to be a new root: the table never fills.
             if 2 * (self._size + stop - start) > <Py_ssize_t>(self._mask + 1):
                 self._rebuild(_slots_for(self._size + stop - start), np.empty(0, dtype=np.uint8))
@@ -252,13 +257,15 @@ cdef class RootTable:
                 e.count = <uint32_t>(used + 1)
         return bad
 
-    cdef _evict(self, Py_ssize_t keep, int64_t minute, Py_ssize_t max_roots):
-        """Forget all but the ``keep`` roots with the most derived records in
-        ``minute`` (a root last counted earlier has none); the table shrinks to
-        what ``max_roots`` needs if it was larger (a reload lowered it)."""
+    cdef _evict(self, Py_ssize_t keep, int64_t minute, int16_t current, Py_ssize_t max_roots):
+        """Forget all but ``keep`` roots: first those pinned with the
+        ``current`` limits, fewest derived records in ``minute`` first (a root
+        last counted earlier has none); roots pinned with earlier limits only
+        when no other is left.  The table shrinks to what ``max_roots`` needs
+        if it was larger (a reload lowered it)."""
         cdef Py_ssize_t slots = <Py_ssize_t>(self._mask + 1)
         cdef Py_ssize_t i, k = 0
-        cdef uint64_t count
+        cdef uint64_t count, older
         keep = max(keep, 0)
         where_arr = np.flatnonzero(self._used_arr)
         ranks_arr = np.empty(len(where_arr), dtype=np.uint64)
@@ -268,13 +275,25 @@ cdef class RootTable:
             for k in range(where.shape[0]):
                 i = where[k]
                 count = self._entries[i].count if self._entries[i].minute == minute else 0
-                # Count in the high half, a hash of the root in the low half:
-                # ties (most roots of a flood have one record each) are broken
-                # at random, not by slot.  Keeping the highest slots on a tie
-                # packed every survivor into one end of the table, and after a
-                # few evictions probing for a new root walked a cluster tens of
+                if count > 0x7FFFFFFFULL:
+                    count = 0x7FFFFFFFULL
+                # The top bit: pinned with earlier limits.  Such a root, evicted,
+                # would be pinned again with the current ones (a tightened
+                # depth would then refuse its chain, which its own limits
+                # allow); one pinned with the current limits only restarts its
+                # count, which errs toward admitting.  So those go first.
+                older = 1 if self._entries[i].pin != current else 0
+                # Then the count, then a hash of the root: ties (most roots of
+                # a flood have one record each) are broken at random, not by
+                # slot.  Keeping the highest slots on a tie packed every
+                # survivor into one end of the table, and after a few
+                # evictions probing for a new root walked a cluster tens of
                 # thousands of slots long (a 1024-root batch took 14 ms, not 25 us).
-                ranks[k] = (count << 32) | (_splitmix(<uint64_t>self._entries[i].root) & 0xFFFFFFFFULL)
+                ranks[k] = (
+                    (older << 63)
+                    | (count << 32)
+                    | (_splitmix(<uint64_t>self._entries[i].root) & 0xFFFFFFFFULL)
+                )
         keep_arr = np.zeros(slots, dtype=np.uint8)
         if 0 < keep < len(where_arr):
             # The ``keep`` highest ranks, in linear time.

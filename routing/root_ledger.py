@@ -12,6 +12,8 @@ Bounded: the table holds at most the current limits' ``max_roots`` roots;
 when full, the roots with the fewest derived records this minute are
 evicted (counted in :attr:`RootLedger.evicted`) and start afresh if they
 derive again, so memory is bounded by the table's size whatever the rate.
+Roots pinned with earlier limits go only when nothing else is left (see
+``taproute.native._roots``).
 """
 
 from __future__ import annotations

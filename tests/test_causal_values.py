@@ -311,6 +311,28 @@ def test_evicting_a_flood_of_one_record_roots_keeps_lookups_short():
     assert longest < 256, longest
 
 
+def test_a_flood_after_a_reload_evicts_roots_of_the_current_limits_first():
+    """A root pinned before a reload that tightened max_depth keeps its own
+    limits through a flood of new roots that fills the ledger: roots pinned
+    with the current limits (which only restart their counts) are evicted
+    first, so its chain goes on at depth 5 as an unbounded ledger allows."""
+    old = CausalLimits(max_depth=32, max_roots=64)
+    new = CausalLimits(max_depth=2, max_roots=64)
+    root = 12345
+    verdicts = {}
+    for name, limits in (("bounded", new), ("unbounded", attrs.evolve(new, max_roots=2**26))):
+        ledger = RootLedger()
+        assert ledger.admit(np.array([root]), np.array([1], np.int32), 600.0, old).accepted.all()
+        flood = np.arange(1, 200, dtype=np.int64) * 7919 + 10**9
+        ledger.admit(flood, np.ones(len(flood), np.int32), 600.0, limits)
+        if name == "bounded":
+            assert ledger.evicted > 0 and len(ledger) <= 64
+        assert ledger.pinned(root) == old
+        deeper = ledger.admit(np.array([root]), np.array([5], np.int32), 600.0, limits)
+        verdicts[name] = bool(deeper.accepted[0])
+    assert verdicts == {"bounded": True, "unbounded": True}
+
+
 def test_a_bounded_ledger_never_refuses_what_an_unbounded_one_accepts():
     """Against the same ledger with room for every root: the bounded one
     admits a superset (its counts are never higher), and admits more once it
