@@ -380,6 +380,27 @@ async def test_seals_at_early_bytes_while_no_insert_of_the_table_runs(clickhouse
     assert table_rows(clickhouse, f"SELECT count() AS n FROM {table}") == [{"n": 110}]
 
 
+async def test_a_producer_waiting_for_room_gets_an_insert_started_not_the_linger(clickhouse):
+    """With ``max_buffered_bytes`` below ``max_bytes`` and no early seal, the
+    buffer reaches the room limit with no insert running: a submit waiting
+    for room seals it, instead of waiting for the linger (an hour here)."""
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    batching = Batching(max_bytes=100_000, max_buffered_bytes=300, linger=3600)
+    ch = clickhouse.sink(SCHEMA, clickhouse.transport, raw=["vec"], hooks=hooks, batching=batching)
+    table = clickhouse.raw("vec")
+    counters = ch.counters[table]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        with trio.fail_after(30):  # the linger would take an hour
+            for i in range(4):  # 160 bytes each: room for two
+                await ch.submit(vec_batch(q, 10, start=10 * i))
+        assert counters.inserts >= 1  # made room: an insert ran before the linger
+        await ch.flush()
+        await ch.close()
+    assert table_rows(clickhouse, f"SELECT count() AS n FROM {table}") == [{"n": 40}]
+
+
 def test_seal_rule():
     """Full buffers seal; early ones only while no insert runs; an
     ``early_bytes`` at ``max_bytes`` never seals early, and by default

@@ -517,6 +517,42 @@ def test_a_done_handled_before_the_send_returned_counts(tmp_path, monkeypatch):
         runtime.close()
 
 
+async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_path):
+    """With ``max_buffered_bytes`` below ``max_bytes`` and no early seal, the
+    buffer reaches the room limit with no block at the writer: a submit
+    waiting for room seals it, instead of waiting for the linger (an hour)."""
+    from taproute.routing import HookRegistry, RecordBatch
+    from taproute.service.sinks.clickhouse import Batching
+
+    nbytes = 4 * WIDTH * 4
+    batching = Batching(max_bytes=100 * nbytes, max_buffered_bytes=2 * nbytes, linger=3600)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
+    hooks = HookRegistry()
+    hook = hooks.bind("h.0", layout="acts")
+    sink.use_hooks(hooks)
+
+    def batch(step: int) -> RecordBatch:
+        descriptors = make_descriptors(
+            hook,
+            np.full(4, WIDTH * 4),
+            offsets=np.arange(4) * WIDTH * 4,
+            layout_ids=SCHEMA.layout_id("acts"),
+            keys=np.arange(4),
+            steps=step,
+        )
+        return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        with trio.fail_after(60):  # the linger would take an hour
+            for step in range(1, 6):
+                await sink.submit(batch(step))
+        assert sink.counters.blocks >= 1  # made room: a block was persisted before the linger
+        await sink.flush()
+        await sink.close()
+    assert _totals(sink) == _expected(range(1, 6))
+
+
 async def test_a_block_is_sealed_early_while_none_is_at_the_writer(tmp_path):
     """With no block at the writer, a buffer becomes one at ``early_bytes``;
     while one is there, the buffer fills towards ``max_bytes``."""

@@ -246,6 +246,8 @@ class ClickHouseSink(OwnerInserts):
         if self._nursery is None:
             raise RuntimeError("ClickHouseSink is not running: start its run() task first")
         while self._pending_bytes >= self.batching.max_buffered_bytes:
+            # Only an insert finishing makes room: make sure one will.
+            self._seal_idle_tables()
             await self._space.park()
             self._latch.raise_if_failed()
         for table, part in self._by_table(batch):
@@ -270,6 +272,18 @@ class ClickHouseSink(OwnerInserts):
         inserting = counters.in_flight_rows > 0
         if seal_due(buffer.rows, buffer.bytes, self.batching, inserting=inserting):
             self._seal(table)
+
+    def _seal_idle_tables(self) -> None:
+        """Seal the buffer of every table none of whose inserts runs.
+
+        A producer waiting for room (``max_buffered_bytes``) waits for an
+        insert to finish; with ``max_buffered_bytes`` below ``max_bytes`` and
+        no early seal, buffers could hold all of it with nothing in flight,
+        and the wait would last until the linger sealed them.
+        """
+        for table, buffer in self._buffers.items():
+            if buffer.items and self.counters[table].in_flight_rows == 0:
+                self._seal(table)
 
     def _seal(self, table: str) -> None:
         """Hand the table's buffer to an insert task."""

@@ -224,6 +224,12 @@ class WriterProcessSink(WriterConversation):
         """Buffer ``batch``; waits while too much is buffered or in flight."""
         self._check_open()
         while self._pending_bytes >= self.batching.max_buffered_bytes:
+            # Only a block persisted makes room: make sure one is on its way
+            # (with max_buffered_bytes below max_bytes and no early seal, the
+            # buffer could hold all of it with no block at the writer, and the
+            # wait would last until the linger sealed it).
+            if not self._blocks:
+                self._seal()
             await self._space.park()
             self._latch.raise_if_failed()
         if len(batch) == 0:
