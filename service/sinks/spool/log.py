@@ -311,6 +311,11 @@ class SegmentLog:
         self.unacked_bytes += size
         return entry
 
+    def rolls_next(self) -> bool:
+        """Whether the next :meth:`append` closes a full segment first (an
+        fsync of it: disk time, not page-cache time)."""
+        return self._active_fd is not None and self._active_size >= self.segment_bytes
+
     def retire_active(self) -> bool:
         """Close and delete the segment being appended to when every frame in
         it is acknowledged, so the next append starts a new file; False when
