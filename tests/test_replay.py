@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import tests.replay_processors as rp
@@ -28,6 +29,8 @@ from taproute.service.replay import (
     UnknownRun,
     run_replay,
 )
+from taproute.service.replay.corpus import timestamp_within_ties
+from taproute.service.sinks.clickhouse.tables import raw_table_spec
 from tests.processors import SCHEMA
 
 HOOKS = ("layers.0.attn.q", "layers.1.attn.q")
@@ -263,6 +266,45 @@ def test_a_unit_read_is_the_units_stored_rows_hook_column_included(corpus):
         assert got.num_rows == unit.rows
         total += got.num_rows
     assert total == KEYS * STEPS * len(HOOKS)
+
+
+def test_a_unit_read_orders_rows_equal_in_key_step_seq_by_timestamp(clickhouse):
+    """The server sorts by (key, step, seq) only; rows equal in all three
+    (written out of time order, in one insert and across inserts) still come
+    back oldest first, as ORDER BY key, step, seq, timestamp gives them."""
+    ch = clickhouse
+    table = ch.raw("vec")
+    ch.transport.execute(raw_table_spec(SCHEMA.layout("vec"), table).create_sql())
+    # (key, step, seq, timestamp ns): five ties on (1, 0, 5), out of time order
+    # within an insert and across inserts
+    rows_ = [
+        [(1, 0, 5, 3_000), (0, 0, 1, 9_000), (1, 0, 5, 1_000), (1, 0, 5, 5_000)],
+        [(1, 0, 5, 2_000), (2, 1, 0, 0), (1, 0, 5, 4_000)],
+    ]
+    for i, part in enumerate(rows_):
+        key, step, seq, ts = (list(c) for c in zip(*part, strict=True))
+        data = pa.table(
+            {
+                "hook": ["h"] * len(part),
+                "output_id": pa.array([0] * len(part), pa.uint32()),
+                "key": pa.array(key, pa.int64()),
+                "step": pa.array(step, pa.int64()),
+                "seq": pa.array(seq, pa.int64()),
+                "timestamp": pa.array(ts, pa.timestamp("ns")),
+                "values": [[float(t), 0.0, 0.0, 0.0] for t in ts],
+                "values_shape": [[4]] * len(part),
+            }
+        )
+        ch.transport.insert(table, data, dedup_token=f"ties-{i}")
+    corpus_ = ClickHouseCorpus(ch.transport, "vec", table=table)
+    corpus_.check(SCHEMA)
+    (unit,) = corpus_.plan(100)
+    got = corpus_.read(unit)
+    order = [(r["key"], r["step"], r["seq"], r["values"][0]) for r in got.to_pylist()]
+    ties = [(1, 0, 5, float(t)) for t in (1000, 2000, 3000, 4000, 5000)]
+    assert order == [(0, 0, 1, 9000), *ties, (2, 1, 0, 0)]
+    rest = got.slice(5)  # one tie left: nothing to reorder, the same rows back
+    assert timestamp_within_ties(rest).to_pylist() == rest.to_pylist()
 
 
 def test_dry_run_validates_and_writes_nothing(corpus, tmp_path):
