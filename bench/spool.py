@@ -16,7 +16,11 @@
   ``SpoolingSink`` in modes ``off`` / ``outage`` / ``always`` over a healthy
   destination (records/s; clock stopped when every row is inserted), and
   the same runs' records per CPU-second of the whole process (less
-  sensitive than wall time to other processes on shared cores).
+  sensitive than wall time to other processes on shared cores); these
+  three run ``--forward-repeat`` interleaved rounds among themselves.
+
+Every run's tables are dropped once it is measured, so chDB's background
+merges of one run's parts are not billed to the next.
 
 Targets (issue #12): append >= 0.8x the plain write; ``outage`` costs
 nothing measurable while healthy (>= 0.9x ``off``).
@@ -156,8 +160,9 @@ def forward_rate(
     directory = fresh(root / f"fwd-{mode}")
     cpu: list[float] = []
 
+    inner = make_sink()
+
     async def body() -> float:
-        inner = make_sink()
         spool = None if mode == "off" else Spool.open(SpoolConfig(directory=directory))
         sink = SpoolingSink("bench", inner, spool, mode=mode)  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:
@@ -174,9 +179,21 @@ def forward_rate(
         assert sum(c.records for c in inner.counters.values()) == records
         return elapsed
 
-    rate = records / trio.run(body)
+    try:
+        rate = records / trio.run(body)
+    finally:
+        drop_tables(inner)
     FORWARD_CPU.setdefault(mode, []).append(records / cpu[0])
     return rate
+
+
+def drop_tables(sink: ClickHouseSink) -> None:
+    """Drop ``sink``'s tables once its run is measured (clock stopped): chDB
+    merges a table's parts in the background after its inserts, and that
+    work (CPU on the same cores, counted in the process's CPU time) would
+    otherwise land in whichever run comes next."""
+    for table in sink.tables:
+        sink.transport.execute(f"DROP TABLE IF EXISTS `{table}` SYNC")
 
 
 def groups(batches: Sequence[RecordBatch], group_bytes: int) -> list[list[RecordBatch]]:
@@ -208,7 +225,7 @@ def versus_off(
 
 
 def main() -> None:
-    args = arguments(__doc__, batches=(64, 16), per_batch=(1024, 256))
+    args = arguments(__doc__, batches=(64, 16), per_batch=(1024, 256), forward_repeat=(15, 3))
     root = Path(tempfile.mkdtemp(prefix="taproute-bench-spool-"))
     try:
         batches = make_batches(args.batches, args.per_batch)
@@ -260,6 +277,7 @@ def main() -> None:
 
             rate = records / trio.run(body)
             assert inner.counters[inner.tables and next(iter(inner.tables))].records == records
+            drop_tables(inner)
             return rate
 
         def direct() -> float:
@@ -269,7 +287,9 @@ def main() -> None:
                 for i, group in enumerate(groups(batches, GROUP_BYTES)):
                     await inner.insert_now(group, f"direct-{rounds['n']}-{i}")
 
-            return timed_rate(records, lambda: trio.run(body))
+            rate = timed_rate(records, lambda: trio.run(body))
+            drop_tables(inner)
+            return rate
 
         figures = interleave(
             {
@@ -278,11 +298,20 @@ def main() -> None:
                 "expert_write": lambda: expert_write_rate(root, batches),
                 "drain": drain,
                 "direct_insert": direct,
-                "forward_off": lambda: forward_rate(root, "off", batches, sink),
-                "forward_outage": lambda: forward_rate(root, "outage", batches, sink),
-                "forward_always": lambda: forward_rate(root, "always", batches, sink),
             },
             repeat=args.repeat,
+        )
+        # A forward run takes a fraction of a second and its ratios moved by
+        # tens of percent between single runs: more rounds, among themselves.
+        figures.update(
+            interleave(
+                {
+                    "forward_off": lambda: forward_rate(root, "off", batches, sink),
+                    "forward_outage": lambda: forward_rate(root, "outage", batches, sink),
+                    "forward_always": lambda: forward_rate(root, "always", batches, sink),
+                },
+                repeat=args.forward_repeat,
+            )
         )
         transport.close()
     finally:
@@ -328,6 +357,7 @@ def main() -> None:
             "records_per_batch": args.per_batch,
             "payload_bytes_per_record": FLOATS * 4,
             "repeat": args.repeat,
+            "forward_repeat": args.forward_repeat,
             "fsync": "once per run (flush)",
             "drain_group_bytes": GROUP_BYTES,
             "forward_destination": "ClickHouseSink on chDB, default Batching",
