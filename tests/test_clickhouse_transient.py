@@ -93,7 +93,7 @@ def test_connection_failures_are_retried():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
         ServerTransport(f"http://default:@127.0.0.1:{port}/default")
-    assert isinstance(refused.value.__cause__, OperationalError)
+    assert isinstance(refused.value.__cause__, ConnectionRefusedError)
     assert classify(refused.value.__cause__).retry
     for error in (ConnectionResetError("reset"), TimeoutError("timed out"), OSError(28, "full")):
         assert classify(error).retry, error

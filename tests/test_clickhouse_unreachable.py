@@ -56,7 +56,7 @@ def test_an_unreachable_server_url_is_refused_naming_the_url_and_reason(refusing
     assert isinstance(error, ConfigError)
     assert str(error) == f"cannot reach ClickHouse server at {url} (to connect): Connection refused"
     assert error.target == f"ClickHouse server at {url}" and error.reason == "Connection refused"
-    assert isinstance(error.__cause__, OperationalError)  # the driver's error, kept
+    assert isinstance(error.__cause__, ConnectionRefusedError)  # the socket's error, kept
 
 
 def test_credentials_in_the_url_stay_out_of_the_error(refusing_port):

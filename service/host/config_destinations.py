@@ -23,6 +23,7 @@ from taproute.routing.sink import RecordSink
 from taproute.service.host.config_rules import ConfigFileError
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry, ServerUnreachable
+from taproute.service.sinks.clickhouse.transport import connect_timeout_of, without_credentials
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.dead_letters import destination_dead_letters
 from taproute.service.sinks.spool.spooling import SpoolingSink
@@ -114,7 +115,12 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
             yield f"{where}.url: not a valid URL: {exc}"
         else:
             if url.scheme not in ("http", "https") or not url.hostname:
-                yield f"{where}.url: expected http(s)://host[:port][/database], found {dest.url!r}"
+                shown = without_credentials(dest.url)
+                yield f"{where}.url: expected http(s)://host[:port][/database], found {shown!r}"
+            try:
+                connect_timeout_of(dest.url)
+            except TaprouteError as exc:
+                yield f"{where}.url: {exc}"
     if dest.path == "":
         yield f"{where}.path: empty"
     # SpoolConfig refuses these too, but only when the service starts, without the key.
@@ -304,13 +310,18 @@ def open_destination(
     except ConfigFileError:
         raise
     except ServerUnreachable as exc:
+        assert dest.url is not None
         raise ConfigFileError(
-            source, [f"{where}.url: cannot open {dest.url}: {exc.reason}"]
+            source, [f"{where}.url: cannot open {without_credentials(dest.url)}: {exc.reason}"]
         ) from None
     except TaprouteError as exc:
         raise ConfigFileError(source, [f"{where}: {exc}"]) from None
     except Exception as exc:  # a driver's error: say where, in one line
-        key, target = ("path", f"chDB at {path}") if path is not None else ("url", dest.url)
+        key, target = (
+            ("path", f"chDB at {path}")
+            if path is not None
+            else ("url", without_credentials(dest.url or ""))
+        )
         detail = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ConfigFileError(
             source, [f"{where}.{key}: cannot open {target}: {type(exc).__name__}: {detail}"]

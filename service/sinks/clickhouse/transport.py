@@ -15,12 +15,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
+from taproute.service.sinks.clickhouse.reach import NotReached, probe
 from taproute.service.sinks.clickhouse.transient import classify, error_code, http_status
+
+#: Seconds a server has to answer before it counts as unreachable (TCP
+#: connect, TLS handshake and the first byte of an answer, all together), and
+#: clickhouse-connect's ``connect_timeout`` for each connection its client
+#: opens, unless the URL sets ``?connect_timeout=``.  clickhouse-connect's own
+#: default is 10 s per try, two tries.
+DEFAULT_CONNECT_TIMEOUT = 5
 
 
 class Transport(Protocol):
@@ -62,21 +70,36 @@ class Transport(Protocol):
 
 class ServerUnreachable(ConfigError):
     """A ClickHouse server that did not answer while a sink was being built
-    (connection refused or timed out, DNS failure, TLS handshake failure).
+    (connection refused, no answer within the URL's ``connect_timeout``, DNS
+    failure, TLS handshake failure).
 
-    Raised instead of the driver's own error, whatever the sink's spool mode:
-    a sink checks (or creates) its tables when it is built, and cannot
-    without the server.  Once built, an unreachable server is an outage: a
-    spooling destination spools and retries, a plain sink retries within its
-    ``Retry`` budget, then fails.  ``target`` is the server's description
-    (its URL without credentials), ``reason`` the driver's reason in a few
-    words; the driver's exception is ``__cause__``.
+    Known within ``connect_timeout`` seconds (default
+    :data:`DEFAULT_CONNECT_TIMEOUT`; see :mod:`.reach`), not after the
+    driver's own retries.  A sink checks (or creates) its tables when it is
+    built, and by default cannot without the server; one built with
+    ``when_unreachable="check_later"`` (a spooling destination's) keeps this
+    as the reason its tables wait.  Once built, an unreachable server is an
+    outage: a spooling destination spools and retries, a plain sink retries
+    within its ``Retry`` budget, then fails.  ``target`` is the server's
+    description (its URL without credentials), ``reason`` the reason in a
+    few words; the socket's or driver's exception is ``__cause__``.
     """
 
     def __init__(self, target: str, reason: str, *, doing: str = "connect") -> None:
         self.target = target
         self.reason = reason
+        self.doing = doing
         super().__init__(f"cannot reach {target} (to {doing}): {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses from a writer process intact (not as a RuntimeError's text).
+        return (_unreachable, (self.target, self.reason, self.doing, self.where))
+
+
+def _unreachable(target: str, reason: str, doing: str, where: str | None) -> ServerUnreachable:
+    error = ServerUnreachable(target, reason, doing=doing)
+    error.where = where
+    return error
 
 
 #: urllib3 buries the reason in a long line; ``[Errno 111] Connection refused``
@@ -98,6 +121,8 @@ def connection_failure(error: BaseException) -> str | None:
         pass
     if not connection:
         return None
+    if isinstance(error, NotReached):
+        return str(error)
     text = str(error)
     match = _ERRNO_REASON.search(text)
     if match:
@@ -288,9 +313,12 @@ class ServerTransport:
         self._url: str | None = None
         self._client: Any = None
         self._connecting = threading.Lock()
+        #: Seconds the server has to answer (see :data:`DEFAULT_CONNECT_TIMEOUT`).
+        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
         if isinstance(client_or_url, str):
-            self.description = f"ClickHouse server at {_without_credentials(client_or_url)}"
+            self.description = f"ClickHouse server at {without_credentials(client_or_url)}"
             _check_scheme(client_or_url)
+            self.connect_timeout = connect_timeout_of(client_or_url)
             self._url = client_or_url
             if not connect:  # see client: the first call that needs the server connects
                 return
@@ -329,6 +357,9 @@ class ServerTransport:
         return client
 
     def _connect(self, url: str) -> Any:
+        # One bounded try first: the client's own start-up queries would wait
+        # out its timeouts (two connection tries, or 300 s for an answer).
+        probe(url, self.connect_timeout)
         client = _client_from_url(url)
         self._refuse_session(client, owned=True)
         return client
@@ -376,11 +407,26 @@ class ServerTransport:
                     self._client.close()
 
 
-def _without_credentials(url: str) -> str:
+def without_credentials(url: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def connect_timeout_of(url: str) -> int:
+    """The URL's ``connect_timeout`` parameter (whole seconds >= 1, as
+    clickhouse-connect takes it), else :data:`DEFAULT_CONNECT_TIMEOUT`;
+    :class:`ConfigError` naming the value if it is not one."""
+    values = parse_qs(urlsplit(url).query).get("connect_timeout")
+    if not values:
+        return DEFAULT_CONNECT_TIMEOUT
+    value = values[-1]
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"connect_timeout in the ClickHouse URL must be whole seconds >= 1, found {value!r}"
+        )
+    return int(value)
 
 
 def _check_scheme(url: str) -> None:
@@ -405,4 +451,5 @@ def _client_from_url(url: str) -> Any:
         username=username,
         password=password or "",
         autogenerate_session_id=False,
+        connect_timeout=DEFAULT_CONNECT_TIMEOUT,  # the URL's own wins
     )
