@@ -107,14 +107,16 @@ class CaptureContext:
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def _integers(name: str, values: Any, *, indexed: bool = True) -> tuple[int, ...]:
+def _integers(
+    name: str, values: Any, *, indexed: bool = True, caller: str = "capture_context"
+) -> tuple[int, ...]:
     """``values`` as Python ints, each an integer (no float truncated, no string
-    parsed) in int64's range; the error names the argument and the item."""
+    parsed) in int64's range; the error names the caller, the argument and the item."""
     try:
         items = list(values)
     except TypeError:
         raise ContextMismatch(
-            f"capture_context: {name} must be a sequence of integers, found {type(values).__name__}"
+            f"{caller}: {name} must be a sequence of integers, found {type(values).__name__}"
         ) from None
     out = []
     for i, value in enumerate(items):
@@ -123,10 +125,10 @@ def _integers(name: str, values: Any, *, indexed: bool = True) -> tuple[int, ...
             number = operator.index(value)
         except TypeError:
             raise ContextMismatch(
-                f"capture_context: {where} = {value!r} is not an integer ({type(value).__name__})"
+                f"{caller}: {where} = {value!r} is not an integer ({type(value).__name__})"
             ) from None
         if not _INT64[0] <= number <= _INT64[1]:
-            raise ContextMismatch(f"capture_context: {where} = {number} is outside int64")
+            raise ContextMismatch(f"{caller}: {where} = {number} is outside int64")
         out.append(number)
     return tuple(out)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from taproute.service.capture.context import _CONTEXT, CaptureContext, build_context
+from taproute.service.capture.context import _CONTEXT, CaptureContext, _integers, build_context
 from taproute.service.capture.errors import CaptureError
 
 if TYPE_CHECKING:
@@ -41,26 +41,31 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     ``keys[i]``, with ``step`` 0 for the prefill and ``n`` for the n-th decode
     step.  Finished sequences that the loop keeps padding still produce
     records (their rows are still in the batch).  Without an
-    ``attention_mask`` every position of each pass is real.
+    ``attention_mask`` every position of each pass is real.  When generate
+    expands each prompt into ``n`` rows (``num_beams``,
+    ``num_return_sequences``: ``len(keys) * n`` rows, each prompt's ``n``
+    next to each other), every row is keyed by its prompt's key, so a key
+    gets ``n`` records per step.
+
+    ``keys`` are checked here (integers, as :func:`capture_context` takes
+    them).  Nothing raises into the model's forward pass: a pass whose rows
+    do not fit the keys, or that has neither ``input_ids`` nor
+    ``inputs_embeds``, gets a context of the keys alone, and its hooks drop
+    what does not fit, counted (reason ``invalid_context``).
     """
     state = DecodeSteps()
-    key_list = [int(k) for k in keys]
+    key_list = list(_integers("keys", keys, caller="capture_decode"))
 
     def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        if tokens is None:
-            raise CaptureError(
-                "capture_decode: the model was called without input_ids or inputs_embeds"
-            )
-        mask = kwargs.get("attention_mask")
-        width = tokens.shape[1]
-        # The mask covers the cache and this pass: its last `width` columns are this pass.
-        mask = mask[:, -width:] if mask is not None and mask.dim() == 2 else None
-        state.current = build_context(key_list, attention_mask=mask, step=state.steps)
+        # A forward pre-hook: whatever goes wrong here must not reach the model.
+        step = state.steps
         state.steps += 1
-        _CONTEXT.set(state.current)
+        try:
+            context = _pass_context(key_list, args, kwargs, step)
+        except Exception:
+            context = build_context(key_list, step=step)
+        state.current = context
+        _CONTEXT.set(context)
 
     outer = _CONTEXT.set(None)
     handle = model.register_forward_pre_hook(before, with_kwargs=True)
@@ -69,6 +74,26 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     finally:
         handle.remove()
         _CONTEXT.reset(outer)
+
+
+def _pass_context(
+    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int
+) -> CaptureContext:
+    """The context of one forward pass: its rows' keys, its real positions."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise CaptureError("capture_decode: a pass without input_ids or inputs_embeds")
+    rows = tokens.shape[0]
+    if keys and rows != len(keys) and rows % len(keys) == 0:
+        # generate's expansion (beams, return sequences) repeats each prompt's row in place.
+        keys = [key for key in keys for _ in range(rows // len(keys))]
+    mask = kwargs.get("attention_mask")
+    width = tokens.shape[1]
+    # The mask covers the cache and this pass: its last `width` columns are this pass.
+    mask = mask[:, -width:] if mask is not None and mask.dim() == 2 else None
+    return build_context(keys, attention_mask=mask, step=step)
 
 
 __all__ = ["DecodeSteps", "capture_decode"]

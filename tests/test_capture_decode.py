@@ -1,0 +1,83 @@
+"""capture_decode around generate loops that change the batch: beams and
+return sequences expand each prompt into several rows, and a pass that does
+not fit the keys is counted, never raised into the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from taproute.routing import RecordSchema
+from taproute.service import CaptureSink, create_record_runtime
+from taproute.service.capture import ContextMismatch, bind_modules, capture_decode
+from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
+
+HOOK = "transformer.h.0.mlp"
+
+
+def bits(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_return_sequences": 2, "do_sample": True},
+        {"num_beams": 2, "num_return_sequences": 2},
+    ],
+)
+def test_expanded_generate_keys_each_row_by_its_prompt(options):
+    model = gpt2()
+    torch.manual_seed(11)
+    prompt = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    reference = Reference(model, [HOOK], lambda out: out)
+    cap = CaptureSink()
+    new_tokens = 3
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts", on_error="raise")
+        with torch.inference_mode(), capture_decode(model, [30, 31]) as decode:
+            model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, **options)
+        runtime.flush()
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+        assert not runtime.counters().ingress.dropped
+    assert decode.steps == new_tokens
+    # Two rows per prompt, next to each other, each keyed by its prompt.
+    assert [(key, step) for key, step, _ in records] == [
+        (key, step) for step in range(new_tokens) for key in (30, 30, 31, 31)
+    ]
+    calls = reference.calls[HOOK]
+    for i, (_, step, payload) in enumerate(records):
+        row = i % 4
+        expected = calls[step][row]
+        if step == 0:
+            expected = expected[mask[row // 2] == 1]
+        np.testing.assert_array_equal(bits(as_float32(payload).reshape(-1, 32)), bits(expected))
+
+
+def test_a_pass_whose_rows_do_not_fit_the_keys_is_counted_not_raised():
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (3, 4))
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts")
+        with (
+            pytest.warns(UserWarning, match="3 rows"),
+            torch.inference_mode(),
+            capture_decode(model, [1, 2]) as decode,
+        ):
+            model(ids, attention_mask=torch.ones(3, 4, dtype=torch.long))  # 3 rows, 2 keys
+            model(inputs_embeds=model.transformer.wte(ids[:2]))  # fits: captured
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {HOOK: {"invalid_context": 2}}
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+    assert decode.steps == 2
+    assert [(key, step) for key, step, _ in records] == [(1, 1), (2, 1)]
+
+
+def test_capture_decode_keys_are_integers_not_truncated():
+    model = gpt2()
+    refused = r"capture_decode: keys\[0\] = 30.7 is not an integer"
+    with pytest.raises(ContextMismatch, match=refused), capture_decode(model, [30.7, 31]):
+        pass
