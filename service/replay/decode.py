@@ -29,6 +29,48 @@ def _numpy(column: pa.ChunkedArray | pa.Array) -> npt.NDArray[np.generic]:
     return np.asarray(column.to_numpy(zero_copy_only=False))
 
 
+def _values(
+    array: pa.Array, dtype: np.dtype[np.generic], name: str, where: str
+) -> npt.NDArray[np.generic]:
+    """``array``'s values as ``dtype``.
+
+    Arrow has no bfloat16: ClickHouse (chDB, and a server's Arrow output)
+    hands a ``BFloat16`` value out as 2 bytes of binary, the value's own
+    bytes, so a binary array whose every item is ``dtype``'s size is those
+    values, read without a copy.
+    """
+    kind = array.type
+    if pa.types.is_fixed_size_binary(kind):
+        width = kind.byte_width
+        if width != dtype.itemsize:
+            raise LayoutMismatch(
+                f"{where}: column {name!r} holds {width}-byte binary values, "
+                f"expected {dtype.itemsize}-byte {dtype}"
+            )
+        data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
+        start = array.offset * width
+        return data[start : start + len(array) * width].view(dtype)
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        offset_type = np.int64 if pa.types.is_large_binary(kind) else np.int32
+        offsets = np.frombuffer(array.buffers()[1], dtype=offset_type)
+        offsets = offsets[array.offset : array.offset + len(array) + 1]
+        sizes = np.diff(offsets)
+        if len(sizes) and bool(np.any(sizes != dtype.itemsize)):
+            bad = int(np.flatnonzero(sizes != dtype.itemsize)[0])
+            raise LayoutMismatch(
+                f"{where}: column {name!r} value {bad} is {int(sizes[bad])} bytes of binary, "
+                f"expected one {dtype.itemsize}-byte {dtype}"
+            )
+        if not len(array):
+            return np.zeros(0, dtype=dtype)
+        data = np.frombuffer(array.buffers()[2], dtype=np.uint8)
+        return data[int(offsets[0]) : int(offsets[-1])].view(dtype)
+    values = np.asarray(array.to_numpy(zero_copy_only=False))
+    if values.dtype != dtype:
+        values = values.astype(dtype)
+    return values
+
+
 def _list_values(
     table: pa.Table, column: Column, where: str
 ) -> tuple[npt.NDArray[np.generic], npt.NDArray[np.int64]]:
@@ -40,10 +82,7 @@ def _list_values(
             f"{where}: column {column.name!r} expected {column.type}, found Arrow {array.type}"
         )
     counts = np.asarray(pc.list_value_length(array).fill_null(0).to_numpy(), dtype=np.int64)
-    flat = array.flatten()
-    values = np.asarray(flat.to_numpy(zero_copy_only=False))
-    if values.dtype != column.element_dtype:
-        values = values.astype(column.element_dtype)
+    values = _values(array.flatten(), column.element_dtype, column.name, where)
     return values, counts
 
 
@@ -68,7 +107,9 @@ def _fixed_rows(table: pa.Table, columns: tuple[Column, ...], where: str) -> npt
             _check_width(counts, column, where)
             rows[column.name] = values.reshape(n, *column.shape)
         else:
-            rows[column.name] = _numpy(table.column(column.name)).astype(column.dtype)
+            chunked = table.column(column.name)
+            array = chunked.combine_chunks() if isinstance(chunked, pa.ChunkedArray) else chunked
+            rows[column.name] = _values(array, column.dtype, column.name, where)
     return rows
 
 
