@@ -26,6 +26,7 @@ from typing import Self
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
+from taproute.actors.destination import is_sink
 from taproute.routing.batch import RecordBatch
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
@@ -90,6 +91,18 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         arena: SpansPayloads | None = None,
         wake_delay: float = WAKE_DELAY_S,
     ) -> None:
+        if not is_sink(record_sink):
+            hint = (
+                f" (the class itself; give an instance: {record_sink.__name__}(...))"
+                if isinstance(record_sink, type)
+                else " (a factory is taken only as a RoutingSink destination; call it)"
+                if callable(record_sink)
+                else ""
+            )
+            raise TypeError(
+                "record_sink: expected a RecordSink instance (submit/flush/close), found "
+                f"{type(record_sink).__name__} {record_sink!r:.80}{hint}"
+            )
         if max_block is not None and not max_block >= 0:
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
         if not (wake_delay >= 0 and math.isfinite(wake_delay)):
