@@ -154,3 +154,13 @@ class RecordSchema:
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
+
+
+def expect_schema(value: object, where: str) -> RecordSchema:
+    """``value`` if it is a :class:`RecordSchema`, else a ``TypeError`` naming ``where``
+    (e.g. a path and a schema handed in the wrong order)."""
+    if not isinstance(value, RecordSchema):
+        raise TypeError(
+            f"{where}: schema must be a RecordSchema, found {type(value).__name__} ({value!r:.80})"
+        )
+    return value

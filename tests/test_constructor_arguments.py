@@ -4,10 +4,12 @@ a schema in the wrong order; one layout's name alone is that layout."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from taproute.routing import Layout, RecordSchema
-from taproute.service import CaptureSink, create_record_runtime
+from taproute.service import CaptureSink, ClickHouseSink, create_record_runtime
 
 SCHEMA = RecordSchema(
     [Layout("acts", [("values", "Array(Float32)")]), Layout("norm", [("key", "Int64")])]
@@ -25,3 +27,25 @@ SCHEMA = RecordSchema(
 def test_the_runtime_takes_a_sink_instance_and_says_so(record_sink, hint):
     with pytest.raises(TypeError, match=f"record_sink: expected a RecordSink instance.*{hint}"):
         create_record_runtime(record_sink=record_sink, schema=SCHEMA)
+
+
+def test_a_path_given_where_the_schema_goes_is_named_and_nothing_is_opened(tmp_path):
+    path = tmp_path / "data"
+    with pytest.raises(TypeError, match=r"ClickHouseSink.embedded\(schema, path, \.\.\.\): schema"):
+        ClickHouseSink.embedded(str(path), SCHEMA, raw=["acts"])  # type: ignore[arg-type]
+    assert not path.exists()
+
+
+def test_one_layout_name_alone_is_that_layout(chdb_transport):
+    prefix = "t" + uuid.uuid4().hex[:10]
+    sink = ClickHouseSink(
+        chdb_transport,
+        SCHEMA,
+        raw="acts",
+        rows="norm",
+        create_tables=True,
+        raw_table=f"{prefix}_raw_{{layout}}",
+        rows_table=f"{prefix}_{{layout}}",
+        owns_transport=False,
+    )
+    assert sorted(sink.tables) == [f"{prefix}_norm", f"{prefix}_raw_acts"]

@@ -34,7 +34,7 @@ from taproute.routing.batch import Batch, Retained, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.routing.schema import RecordSchema
+from taproute.routing.schema import RecordSchema, expect_schema
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
@@ -104,7 +104,7 @@ class ClickHouseSink(OwnerInserts):
                 f"when_unreachable must be 'refuse' or 'check_later', got {when_unreachable!r}"
             )
         self.transport = transport
-        self.schema = schema
+        self.schema = expect_schema(schema, "ClickHouseSink(transport, schema, ...)")
         self.hooks = hooks
         self.batching = batching or Batching()
         self.retry = retry or Retry()
@@ -118,6 +118,9 @@ class ClickHouseSink(OwnerInserts):
         try:  # a failed constructor releases what it opened (the chDB directory)
             self._raw: dict[int, TableSpec] = {}
             self._rows: dict[str, TableSpec] = {}
+            # One layout's name alone is that layout, not its letters.
+            raw = (raw,) if isinstance(raw, str) else raw
+            rows = (rows,) if isinstance(rows, str) else rows
             for name in raw:
                 layout = schema.layout(name)
                 layout.check_payload_layout()
@@ -173,6 +176,7 @@ class ClickHouseSink(OwnerInserts):
         cls, schema: RecordSchema, path: str | Path = "taproute-data", **kwargs: Any
     ) -> ClickHouseSink:
         """A sink on chDB persisted to ``path`` (tables created by default)."""
+        expect_schema(schema, "ClickHouseSink.embedded(schema, path, ...)")
         kwargs.setdefault("create_tables", True)
         return cls._owning(ChdbTransport(path), schema, kwargs)
 
@@ -180,6 +184,7 @@ class ClickHouseSink(OwnerInserts):
     def server(cls, schema: RecordSchema, client_or_url: Any, **kwargs: Any) -> ClickHouseSink:
         """A sink on a ClickHouse server, from a clickhouse-connect client or URL
         (``when_unreachable="check_later"``: see :class:`ClickHouseSink`)."""
+        expect_schema(schema, "ClickHouseSink.server(schema, client_or_url, ...)")
         later = kwargs.get("when_unreachable") == "check_later"
         return cls._owning(ServerTransport(client_or_url, connect=not later), schema, kwargs)
 

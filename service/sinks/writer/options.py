@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from taproute.routing.schema import RecordSchema
+from taproute.routing.schema import RecordSchema, expect_schema
 from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.writer.protocol import WriterConfig
 
@@ -15,6 +15,7 @@ def writer_config(
     kind: str, where: str, schema: RecordSchema, kwargs: dict[str, Any]
 ) -> WriterConfig:
     """A :class:`WriterConfig` from the table keywords in ``kwargs`` (removed from it)."""
+    expect_schema(schema, f"WriterProcessSink.{'embedded' if kind == 'chdb' else 'server'}")
     batching = kwargs.get("batching") or Batching()
     table_options = {
         name: kwargs.pop(name)
