@@ -4,13 +4,16 @@ not fit the keys is counted, never raised into the model."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
 from taproute.routing import RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import ContextMismatch, bind_modules, capture_decode
+from taproute.service.capture import ContextMismatch, bind_modules, capture_decode, carry_context
 from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
 
 HOOK = "transformer.h.0.mlp"
@@ -81,3 +84,54 @@ def test_capture_decode_keys_are_integers_not_truncated():
     refused = r"capture_decode: keys\[0\] = 30.7 is not an integer"
     with pytest.raises(ContextMismatch, match=refused), capture_decode(model, [30.7, 31]):
         pass
+
+
+def test_concurrent_generate_calls_on_one_model_keep_their_own_keys_and_steps():
+    """Two server threads decoding on one model: each block's steps and keys
+    are its own passes', never the other thread's (the pre-hook is the model's)."""
+    model = gpt2()
+    new_tokens = 4
+    both_inside = threading.Barrier(2)
+    steps: dict[int, int] = {}
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts", on_error="raise")
+
+        def decode(keys: list[int]) -> None:
+            prompt = torch.randint(3, VOCAB, (2, 5))
+            with torch.inference_mode(), capture_decode(model, keys) as state:
+                both_inside.wait()  # both blocks' hooks are on the model from here
+                model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+            steps[keys[0]] = state.steps
+
+        threads = [threading.Thread(target=decode, args=(keys,)) for keys in ([1, 2], [3, 4])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        runtime.flush()
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+    assert steps == {1: new_tokens, 3: new_tokens}
+    assert sorted((key, step) for key, step, _ in records) == sorted(
+        (key, step) for key in (1, 2, 3, 4) for step in range(new_tokens)
+    )
+
+
+def test_generate_carried_into_a_worker_thread_is_captured_step_by_step():
+    model = gpt2()
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts", on_error="raise")
+        with (
+            ThreadPoolExecutor(1) as pool,
+            torch.inference_mode(),
+            capture_decode(model, [7, 8]) as state,
+        ):
+            prompt = torch.randint(3, VOCAB, (2, 5))
+            pool.submit(carry_context(model.generate), prompt, max_new_tokens=3).result()
+        runtime.flush()
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+    assert state.steps == 3
+    assert [(key, step) for key, step, _ in records] == [
+        (key, step) for step in range(3) for key in (7, 8)
+    ]

@@ -9,6 +9,7 @@ prompt's real tokens at step 0, the one new token per sequence after).
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,12 @@ from taproute.service.capture.errors import CaptureError
 
 if TYPE_CHECKING:
     import torch
+
+
+#: The innermost capture_decode block in effect here (a thread's own, or carried).
+_DECODING: contextvars.ContextVar[DecodeSteps | None] = contextvars.ContextVar(
+    "taproute_capture_decode", default=None
+)
 
 
 class DecodeSteps:
@@ -57,6 +64,10 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     key_list = list(_integers("keys", keys, caller="capture_decode"))
 
     def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # The hook is the model's, so it fires for every thread's passes: only
+        # those run under this block (its thread, or carried) are its steps.
+        if _DECODING.get() is not state:
+            return
         # A forward pre-hook: whatever goes wrong here must not reach the model.
         step = state.steps
         state.steps += 1
@@ -68,11 +79,13 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
         _CONTEXT.set(context)
 
     outer = _CONTEXT.set(None)
+    decoding = _DECODING.set(state)
     handle = model.register_forward_pre_hook(before, with_kwargs=True)
     try:
         yield state
     finally:
         handle.remove()
+        _DECODING.reset(decoding)
         _CONTEXT.reset(outer)
 
 
