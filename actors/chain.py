@@ -158,7 +158,8 @@ class CausalGate:
         ]
         self.recent.extend(refusals)
         refused = batch.select(positions)
-        if self.limits.redact_payload:
+        redacted = self.limits.redact_payload  # a copy with a lease of its own
+        if redacted:
             refused = _redacted(refused)
         failure = RecordFailure(
             route=source,
@@ -177,7 +178,7 @@ class CausalGate:
         except Exception as exc:
             self._latch.latch(exc, route=source, where="failure handler (dead letters)")
         finally:
-            if refused.lease is not batch.lease:
+            if redacted:
                 refused.lease.release()
 
 
@@ -275,6 +276,7 @@ class ChainLink:
             batch.lease,
             nbytes=batch.nbytes,
             lineage=Lineage(lineage.roots, lineage.depths + 1),
+            parts=batch.parts,  # the same records, in the same order
         )
         return await self._send(derived)
 

@@ -4,7 +4,8 @@
 - :class:`RouteTable`: output_id -> route set, one-pass grouping of a batch.
 - :func:`partition_keys`: key -> owner partitioning of a stateful route.
 - :func:`check_descriptors` (and its verdict codes): one-pass batch validation.
-- :class:`BufferLease`: lease counting of shared read-only record buffers.
+- :class:`BufferLease`: lease counting of shared read-only record buffers;
+  :class:`PartsLease`: a merged batch's, each part holding only its own buffers.
 - :class:`RootTable`: the causal limits' per-root table (pinned limits, count
   per minute), admitting a batch of derived records in one C loop.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
@@ -19,7 +20,7 @@
 """
 
 from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
-from taproute.native._lease import BufferLease, LeaseError
+from taproute.native._lease import BufferLease, LeaseError, PartsLease
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
 from taproute.native._roots import RootTable
@@ -57,6 +58,7 @@ __all__ = [
     "BufferLease",
     "DescriptorFieldError",
     "LeaseError",
+    "PartsLease",
     "RootTable",
     "native_root_ids",
     "RouteTable",

@@ -1,4 +1,7 @@
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import numpy.typing as npt
 
 class LeaseError(RuntimeError): ...
 
@@ -10,3 +13,10 @@ class BufferLease:
     def holders(self) -> int: ...
     @property
     def released(self) -> bool: ...
+
+class PartsLease(BufferLease):
+    @staticmethod
+    def merged(leases: Iterable[BufferLease]) -> PartsLease: ...
+    def over(self, parts: npt.NDArray[np.int32]) -> PartsLease: ...
+    @property
+    def buffers(self) -> int: ...

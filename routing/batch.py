@@ -3,7 +3,9 @@
 A batch is immutable.  Every route and destination that a batch reaches gets
 the *same* object (or a :meth:`RecordBatch.select` of it that shares the same
 buffer and lease); nobody copies payload bytes to forward them.  The
-producer's release callback runs once, when the last holder is done.
+producer's release callback runs once, when the last holder is done.  A
+batch merged from several (its payload one view over their buffers) knows
+which buffer each record lies in, so a selection of it holds only those.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from taproute.native import DESCRIPTOR_DTYPE, BufferLease
+from taproute.native import DESCRIPTOR_DTYPE, BufferLease, PartsLease
 from taproute.routing.errors import RecordError
 
 Descriptors = npt.NDArray[np.void]
@@ -109,6 +111,11 @@ class RecordBatch:
     #: (None: raw bytes), checked against the records' layouts at submit.
     source_dtype: np.dtype[Any] | None = attrs.field(default=None, kw_only=True, eq=False)
 
+    #: A merged batch's (its ``lease`` a :class:`~taproute.native.PartsLease`):
+    #: per record, which of the merged buffers its payload lies in (an int32
+    #: index into the lease's).  None: the lease holds the whole buffer.
+    parts: npt.NDArray[np.int32] | None = attrs.field(default=None, kw_only=True, eq=False)
+
     @nbytes.default
     def _sum_lengths(self) -> int:
         return int(self.descriptors["length"].sum())
@@ -134,12 +141,20 @@ class RecordBatch:
         """The records at ``selection`` (``None``: this batch itself).
 
         The result shares this batch's payload buffer and lease; only the
-        (small) descriptor array is new.
+        (small) descriptor array is new.  Of a merged batch, it shares the
+        payload and has a lease of its own over the buffers its records lie
+        in (found in one native pass), so whoever keeps it keeps only those.
         """
         if selection is None:
             return self
         lineage = None if self.lineage is None else self.lineage.select(selection)
-        return RecordBatch(self.descriptors[selection], self.payload, self.lease, lineage=lineage)
+        lease, parts = self.lease, self.parts
+        if parts is not None and isinstance(lease, PartsLease):
+            parts = parts[selection]
+            lease = lease.over(parts)
+        return RecordBatch(
+            self.descriptors[selection], self.payload, lease, lineage=lineage, parts=parts
+        )
 
     def payload_of(self, index: int) -> Payload:
         """The read-only payload bytes of record ``index`` (a view, not a copy)."""

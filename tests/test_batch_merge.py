@@ -18,10 +18,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from taproute.native import make_descriptors
+from taproute.native import BufferLease, LeaseError, PartsLease, make_descriptors
 from taproute.routing import Batch, RecordBatch, Route, RoutingConfig, RowBatch
 from taproute.service import RoutingSink
-from taproute.service.host.batch_merge import ReleaseEach, SpansPayloads, merge
+from taproute.service.host.batch_merge import SpansPayloads, merge
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.sinks.capture import CaptureSink
 from taproute.service.sinks.writer.shared_pool import SharedBufferPool
@@ -144,7 +144,7 @@ def test_a_merged_batch_releases_each_producer_buffer_once_after_its_last_holder
     (merged,), _ = merge(batches, pool)
     hold = merged.select(np.array([4], dtype=np.intp)).retain()  # a destination keeps one record
     merged.lease.release()  # the record worker is done with it
-    assert releases.calls == Counter()  # a holder is left: nothing goes back yet
+    assert releases.calls == Counter({0: 1, 2: 1})  # record 4 lies in batch 1's buffer
     hold.release()
     assert releases.calls == Counter({0: 1, 1: 1, 2: 1})
     hold.release()  # a second release of the same hold changes nothing
@@ -152,7 +152,7 @@ def test_a_merged_batch_releases_each_producer_buffer_once_after_its_last_holder
     pool.close()
 
 
-def test_release_each_gives_every_lease_back_even_when_one_callback_raises():
+def test_a_merged_lease_gives_every_lease_back_even_when_one_callback_raises():
     pool = SharedBufferPool()
     releases = Releases()
     good = [_pooled_batch(pool, 0, key=k, records=1, releases=releases) for k in (1, 2)]
@@ -161,12 +161,13 @@ def test_release_each_gives_every_lease_back_even_when_one_callback_raises():
         raise RuntimeError("pool gone")
 
     bad = RecordBatch.from_buffer(make_descriptors(0, RECORD, count=1), bytes(RECORD), broken)
-    release = ReleaseEach([good[0].lease, bad.lease, good[1].lease])
+    merged = PartsLease.merged([good[0].lease, bad.lease, good[1].lease])
     with pytest.raises(RuntimeError, match="pool gone"):
-        release()
+        merged.release()
     assert releases.calls == Counter({1: 1, 2: 1})
-    assert bad.lease.released
-    release()  # once only
+    assert bad.lease.released and merged.released
+    with pytest.raises(LeaseError):
+        merged.release()  # once only
     assert releases.calls == Counter({1: 1, 2: 1})
     pool.close()
 
@@ -257,8 +258,9 @@ def test_batches_of_one_wake_up_reach_each_route_merged_in_order_and_release_onc
     assert list(norms["seq"]) == [20, 21, 40, 41, 42, 43, 60, 61, 62, 63, 64, 65]
     want = np.concatenate([np.linalg.norm(_vectors(n, n), axis=1) for n in (2, 4, 6)])
     np.testing.assert_allclose(norms["norm"], want, rtol=1e-6)
-    # The raw destination still holds its records' buffer: nothing went back.
-    assert releases.calls == Counter()
+    # The raw destination still holds its (Q, odd) records' buffers; the K
+    # buffers, processed into rows, went back.
+    assert releases.calls == Counter({2: 1, 4: 1, 6: 1})
     raw.capture.clear()
     assert releases.calls == Counter(dict.fromkeys(range(1, 7), 1))
     pool.close()
@@ -449,4 +451,170 @@ def test_merged_descriptors_are_the_batches_own_field_for_field():
     for field in want.dtype.names:
         if field != "offset":
             np.testing.assert_array_equal(merged.descriptors[field], want[field])
+    pool.close()
+
+
+# -- what a part of a merged batch holds (review of c1592f2) --------------------
+
+
+class CountedReleases(Releases):
+    """:class:`Releases` a test can wait on (an event, not a sleep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = threading.Condition(self._lock)
+
+    def of(self, key: int):
+        def release() -> None:
+            with self._changed:
+                self.calls[key] += 1
+                self._changed.notify_all()
+
+        return release
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Whether ``count`` buffers went back within ``timeout`` (a hang guard)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.calls) >= count, timeout)
+
+
+def _one_mib_batches(pool: SharedBufferPool, releases: Releases) -> list[RecordBatch]:
+    """Twelve batches of one 1 MiB record each in pool buffers (one per hook call)."""
+    batches = []
+    for k in range(12):
+        buffer = pool.take_array(1 << 20)
+        buffer[: 1 << 20] = k
+        desc = make_descriptors(0, 1 << 20, count=1, keys=k, seqs=k)
+        release = releases.of(k)
+        batches.append(
+            RecordBatch.from_buffer(
+                desc,
+                buffer[: 1 << 20],
+                lambda buffer=buffer, release=release: (pool.give_back(buffer), release()),
+            )
+        )
+    return batches
+
+
+def test_a_part_of_a_merged_batch_holds_only_the_buffers_its_records_lie_in():
+    pool = SharedBufferPool()
+    releases = Releases()
+    (merged,), _ = merge(_one_mib_batches(pool, releases), pool)
+    parked = merged.select(np.array([3], dtype=np.intp)).retain()  # one record kept for a retry
+    pair = merged.select(np.array([6, 5], dtype=np.intp))  # a route's part over two buffers
+    pair_hold = pair.retain()
+    single = pair.select(np.array([1], dtype=np.intp))  # record 5, a part of the part
+    single_hold = single.retain()
+    assert single.payload_of(0)[0] == 5 and pair.payload_of(0)[0] == 6
+    merged.lease.release()  # the record worker and every other holder are done
+    assert releases.calls == Counter(dict.fromkeys(set(range(12)) - {3, 5, 6}, 1))
+    pair_hold.release()
+    assert releases.calls[6] == 1 and releases.calls[5] == 0  # record 5 is still held
+    single_hold.release()
+    assert releases.calls[5] == 1 and releases.calls[3] == 0
+    parked.release()
+    assert releases.calls == Counter(dict.fromkeys(range(12), 1))  # each exactly once
+    pool.close()
+
+
+def test_a_part_acquired_after_one_of_its_buffers_went_back_takes_no_hold():
+    released: list[int] = []
+    leases = [BufferLease(lambda k=k: released.append(k)) for k in range(3)]
+    merged = PartsLease.merged(leases)
+    early = merged.over(np.array([0, 2], dtype=np.int32))
+    late = merged.over(np.array([2, 1], dtype=np.int32))
+    assert (early.buffers, late.buffers, late.holders) == (2, 2, 0)
+    early.acquire()
+    merged.release()  # buffer 1 goes back: only early's records are held
+    assert released == [1]
+    with pytest.raises(LeaseError):
+        late.acquire()  # a bug: nobody held what it selected from
+    early.release()
+    assert sorted(released) == [0, 1, 2]  # late's failed acquire took no hold on 2
+    with pytest.raises(IndexError, match="part 3 of a lease over 3 buffers"):
+        merged.over(np.array([3], dtype=np.int32))
+    with pytest.raises(TypeError, match="PartsLease.merged"):
+        PartsLease()
+
+
+def test_a_record_parked_for_a_retry_holds_only_its_own_buffer():
+    """One record of twelve merged batches waits out a backoff: the other eleven
+    buffers go back to the pool meanwhile (they held all twelve until it was done)."""
+    from taproute.routing import FailurePolicy
+    from tests.failing_processors import SCRIPT
+
+    SCRIPT.reset()
+    SCRIPT.failures_left[-2] = 1  # fail.connection_then_ok: one transient failure
+    pool = SharedBufferPool()
+    releases = CountedReleases()
+    out = CaptureSink()
+    route = Route(
+        "r",
+        "h.3",
+        "out",
+        mode="stateless",
+        processor="fail.connection_then_ok",
+        failure_policy=FailurePolicy(deadline=0, initial_backoff=3600.0),
+    )
+    sink = RoutingSink(RoutingConfig([route]), SCHEMA, {"out": out}, unmatched="drop")
+    runtime = RecordRuntime(sink, arena=pool)
+    hooks = [runtime.bind_hook(f"h.{k}", layout="vec") for k in range(12)]
+    for k in range(12):  # queued before the loop runs: one wake-up, one merge
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, hooks[k], key=k, records=1, releases=releases), defer_wake=True
+        )
+    runtime.start()
+    try:
+        runtime.flush(timeout=HANG_GUARD_S)
+        snapshot = runtime.snapshot()
+        assert snapshot.ingress.merged == 12
+        assert snapshot.routes["r"].parked == 1  # waiting out its hour of backoff
+        assert releases.calls == Counter(dict.fromkeys(set(range(12)) - {3}, 1))
+    finally:
+        runtime.close(timeout=HANG_GUARD_S)  # closing gives the parked record up
+    assert releases.calls == Counter(dict.fromkeys(range(12), 1))
+    pool.close()
+
+
+def test_records_waiting_in_a_clickhouse_table_buffer_hold_only_their_own_buffers(
+    chdb_transport,
+):
+    """A ClickHouse table buffer lingering for its insert keeps the buffers of
+    its own records, not every buffer merged with them."""
+    import uuid
+
+    from taproute.service.sinks.clickhouse import Batching, ClickHouseSink
+
+    table = f"merge_hold_{uuid.uuid4().hex[:8]}"
+    ch = ClickHouseSink(
+        chdb_transport,
+        SCHEMA,
+        raw=["vec"],
+        create_tables=True,
+        raw_table=table,
+        batching=Batching(linger=3600.0),
+        owns_transport=False,
+    )
+    pool = SharedBufferPool()
+    releases = CountedReleases()
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", "h.0", "ch")]), SCHEMA, {"ch": lambda: ch}, unmatched="drop"
+    )
+    runtime = RecordRuntime(sink, arena=pool)
+    hooks = [runtime.bind_hook(f"h.{k}", layout="vec") for k in range(12)]
+    for k in range(12):
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, hooks[k], key=k, records=2, releases=releases), defer_wake=True
+        )
+    with runtime.start():
+        # Eleven buffers come back once the record worker is done; h.0's
+        # records wait in the table buffer (an hour's linger) meanwhile.
+        assert releases.wait_for(11, timeout=20.0), f"given back: {sorted(releases.calls)}"
+        assert runtime.snapshot().ingress.merged == 12
+        assert releases.calls == Counter(dict.fromkeys(range(1, 12), 1))
+        runtime.flush(timeout=HANG_GUARD_S)
+        assert releases.calls == Counter(dict.fromkeys(range(12), 1))
+        rows = ch.query(f"SELECT key, seq FROM {table} ORDER BY seq").to_pylist()
+    assert rows == [{"key": 0, "seq": 0}, {"key": 0, "seq": 1}]
+    assert releases.calls == Counter(dict.fromkeys(range(12), 1))
     pool.close()

@@ -13,8 +13,14 @@ view of: a :class:`SpansPayloads` (the writer process's
 :class:`~taproute.service.sinks.writer.shared_pool.SharedBufferPool`,
 whose segments the capture hooks copy into).  The merged batch's payload is
 that view, its descriptors the batches' own, offsets moved to it, in the
-order the batches were queued; its lease holds each batch's lease and gives
-each back exactly once, when the last route or destination is done.
+order the batches were queued.  Its lease (a
+:class:`~taproute.native.PartsLease`) takes over each batch's lease, and it
+knows which batch each record came from (``RecordBatch.parts``): a
+selection of it (a route's part, a record parked for a retry, a table's
+part buffered for an insert) holds only the buffers its records lie in, so
+what is kept is bounded by what those records hold, as without the merge.
+Each batch's lease goes back exactly once, when the last part covering it
+is done.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from taproute.native import BufferLease
+from taproute.native import PartsLease
 from taproute.routing.batch import Payload, RecordBatch
 
 #: A run of ``count`` consecutive payloads, one view covering them (None: a
@@ -40,32 +46,6 @@ class SpansPayloads(Protocol):
         """``payloads`` cut into runs of consecutive arrays that lie in one
         region, each with one read-only view covering it (see :data:`Run`)."""
         ...
-
-
-class ReleaseEach:
-    """A merged batch's release: gives back each merged batch's lease once.
-
-    Every lease is released even when one's callback raises; the first error
-    is raised after the rest were given back.
-    """
-
-    __slots__ = ("_leases",)
-
-    def __init__(self, leases: list[BufferLease]) -> None:
-        self._leases: list[BufferLease] | None = leases
-
-    def __call__(self) -> None:
-        leases, self._leases = self._leases, None
-        if leases is None:
-            return
-        error: BaseException | None = None
-        for lease in leases:
-            try:
-                lease.release()
-            except BaseException as exc:  # the others still go back
-                error = error or exc
-        if error is not None:
-            raise error
 
 
 def mergeable(batch: RecordBatch) -> bool:
@@ -93,8 +73,9 @@ def merge(batches: Sequence[RecordBatch], arena: SpansPayloads) -> tuple[list[Re
     many of ``batches`` went into merged ones.
 
     A merged batch takes over its batches' leases: releasing its own (the
-    submitter's hold, and every hold taken on it or its selections) releases
-    each of theirs once.  Do not release theirs as well.
+    submitter's hold, and every hold taken on it) releases each of theirs
+    once, and a selection of it holds only the leases of the batches its
+    records came from.  Do not release theirs as well.
     """
     out: list[RecordBatch] = []
     at = merged = 0
@@ -112,12 +93,13 @@ def merge(batches: Sequence[RecordBatch], arena: SpansPayloads) -> tuple[list[Re
             RecordBatch(
                 descriptors,
                 view,
-                BufferLease(ReleaseEach([batch.lease for batch in run])),
+                PartsLease.merged([batch.lease for batch in run]),
                 nbytes=sum(batch.nbytes for batch in run),
+                parts=np.repeat(np.arange(count, dtype=np.int32), counts),
             )
         )
     out.extend(batches[at:])  # an arena that left some out: they go on alone
     return out, merged
 
 
-__all__ = ["ReleaseEach", "Run", "SpansPayloads", "merge", "mergeable"]
+__all__ = ["Run", "SpansPayloads", "merge", "mergeable"]
