@@ -618,3 +618,33 @@ def test_records_waiting_in_a_clickhouse_table_buffer_hold_only_their_own_buffer
     assert rows == [{"key": 0, "seq": 0}, {"key": 0, "seq": 1}]
     assert releases.calls == Counter(dict.fromkeys(range(12), 1))
     pool.close()
+
+
+def test_the_writer_counts_the_bytes_a_merged_batch_s_records_cover(tmp_path):
+    """``shared_bytes`` is what crossed by reference: each route's records'
+    bytes, not the merged view's span (size-class padding and the other
+    routes' buffers between them), once per route."""
+    from taproute.service.sinks.writer import WriterProcessSink
+
+    writer = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["vec"])
+    pool = writer.buffer_pool
+    releases = Releases()
+    config = RoutingConfig([Route("even", "h.even", "w"), Route("odd", "h.odd", "w")])
+    runtime = RecordRuntime(
+        RoutingSink(config, SCHEMA, {"w": lambda: writer}, unmatched="drop"), arena=pool
+    )
+    hooks = [runtime.bind_hook(name, layout="vec") for name in ("h.even", "h.odd")]
+    records = 0
+    for k in range(8):  # 16 to 128 bytes each, in 4 KiB pool buffers
+        runtime._ingress.put_batch(
+            _pooled_batch(pool, hooks[k % 2], key=k, records=k + 1, releases=releases),
+            defer_wake=True,
+        )
+        records += k + 1
+    with runtime.start():
+        runtime.flush(timeout=HANG_GUARD_S)
+        assert runtime.snapshot().ingress.merged == 8
+        assert writer.query("SELECT count() AS n FROM raw_vec").to_pylist() == [{"n": records}]
+        assert writer.counters.copied_bytes == 0
+        assert writer.counters.shared_bytes == records * RECORD
+    assert releases.calls == Counter(dict.fromkeys(range(8), 1))

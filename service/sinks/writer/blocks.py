@@ -16,8 +16,9 @@ from taproute.service.sinks.writer.protocol import Answer, RawItem, RowItem
 @attrs.define
 class WriterCounters:
     """Records and blocks persisted through the writer; what failed; how the
-    payloads crossed (``shared_bytes`` by reference, ``copied_bytes`` copied
-    into shared memory first); writer deaths and restarts."""
+    payloads crossed (``shared_bytes``: the bytes the records sent by
+    reference cover; ``copied_bytes``: bytes copied into shared memory
+    first); writer deaths and restarts."""
 
     records: int = 0
     bytes: int = 0

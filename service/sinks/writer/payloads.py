@@ -62,7 +62,9 @@ def batch_item(
     payload = batch.payload
     ref = pool.locate(payload)
     if ref is not None:
-        counters.shared_bytes += payload.nbytes
+        # The bytes its records cover: a merged batch's payload is a view
+        # spanning other parts' buffers and pool padding between them.
+        counters.shared_bytes += batch.nbytes
         hold: Any = batch.retain()
     else:  # not in shared memory: one copy into it
         staging = pool.take_array(payload.nbytes)[: payload.nbytes]
