@@ -648,3 +648,61 @@ def test_the_writer_counts_the_bytes_a_merged_batch_s_records_cover(tmp_path):
         assert writer.counters.copied_bytes == 0
         assert writer.counters.shared_bytes == records * RECORD
     assert releases.calls == Counter(dict.fromkeys(range(8), 1))
+
+
+async def test_a_chained_part_of_a_merged_batch_refused_by_the_causal_limits_goes_back_once():
+    """Forward records derived from a merged batch keep its parts; a part the
+    causal limits refuse (its payload kept for the dead letter) has a lease
+    of its own that nobody acquired: the refusal must not release it (only
+    a redacted copy's lease is the refusal's to release)."""
+    from taproute.actors import open_routing_sink
+    from taproute.routing import HookRegistry, RecordFailure
+    from taproute.routing.causal import CausalLimits
+
+    pool = SharedBufferPool()
+    releases = Releases()
+    hooks = HookRegistry()
+    q, k = hooks.bind(Q, layout="vec"), hooks.bind(K, layout="vec")
+    raw = CaptureSink()
+    config = RoutingConfig(
+        [
+            Route("a", Q, "raw", then=("b",)),
+            Route("b", "route:a", "raw", then=("c",)),
+            Route("c", "route:b", "raw"),  # depth 2: refused
+        ],
+        causal_limits=CausalLimits(max_depth=1, redact_payload=False),
+    )
+    failures: list[RecordFailure] = []
+
+    def keep(failure: RecordFailure) -> None:
+        failures.append(failure)
+        assert failure.records.payload_of(0).nbytes == RECORD  # the payload, not redacted
+
+    batches = [
+        _pooled_batch(pool, q if key % 2 else k, key=key, records=2, releases=releases)
+        for key in range(1, 5)
+    ]
+    (merged,), _ = merge(batches, pool)
+    async with open_routing_sink(
+        config, SCHEMA, {"raw": raw}, unmatched="drop", hooks=hooks, on_failure=keep
+    ) as sink:
+        await sink.submit(merged)
+        merged.lease.release()  # the submitter is done
+        await sink.flush()
+        snap = sink.snapshot()
+        assert releases.calls == Counter({2: 1, 4: 1})  # K's records: dropped, given back
+    assert snap.causal.refused_depth == 4 and snap.failure is None
+    assert [len(f.records) for f in failures] == [4]
+    assert sorted(int(key) for b in raw.record_batches for key in b.descriptors["key"]) == [
+        1,
+        1,
+        1,
+        1,
+        3,
+        3,
+        3,
+        3,
+    ]
+    raw.clear()
+    assert releases.calls == Counter({1: 1, 2: 1, 3: 1, 4: 1})
+    pool.close()
