@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from transformers import T5Config, T5ForConditionalGeneration
 
 from taproute.routing import RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
@@ -135,3 +136,58 @@ def test_generate_carried_into_a_worker_thread_is_captured_step_by_step():
     assert [(key, step) for key, step, _ in records] == [
         (key, step) for step in range(3) for key in (7, 8)
     ]
+
+
+def t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(4)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5ForConditionalGeneration(config).eval()
+
+
+ENCODER = "encoder.block.0.layer.1"
+DECODER = "decoder.block.0.layer.2"
+
+
+def test_an_encoder_decoder_captures_its_encoder_as_the_prefill_and_decoder_steps():
+    """generate runs a T5's encoder once, outside the model's forward: its
+    records are step 0 with the source's real positions, not skipped as
+    outside any context; the decoder's are one per sequence per step."""
+    model = t5()
+    source = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    reference = Reference(model, [ENCODER, DECODER], lambda out: out)
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, ENCODER, layout="acts", on_error="raise")
+        bind_modules(runtime, model, DECODER, layout="acts", on_error="raise")
+        with torch.inference_mode(), capture_decode(model, [40, 41]) as state:
+            model.generate(
+                source, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False
+            )
+            # The model called directly: the encoder's records are this pass's step.
+            model(input_ids=source, attention_mask=mask, decoder_input_ids=source[:, :2])
+        runtime.flush()
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(cap.record_batches, runtime.hooks)
+    assert state.steps == 3 + 1
+    encoded = records[ENCODER]
+    assert [(key, step) for key, step, _ in encoded] == [(40, 0), (41, 0), (40, 3), (41, 3)]
+    for i, (_, _, payload) in enumerate(encoded):
+        expected = reference.calls[ENCODER][i // 2][i % 2][mask[i % 2] == 1]
+        np.testing.assert_array_equal(bits(as_float32(payload).reshape(-1, 32)), bits(expected))
+    decoded = records[DECODER]
+    assert [(key, step) for key, step, _ in decoded] == [
+        (key, step) for step in range(4) for key in (40, 41)
+    ]
+    assert [as_float32(payload).size // 32 for _, _, payload in decoded] == [1] * 6 + [2] * 2

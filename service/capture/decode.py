@@ -62,6 +62,11 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     """
     state = DecodeSteps()
     key_list = list(_integers("keys", keys, caller="capture_decode"))
+    config = getattr(model, "config", None)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    get_encoder = getattr(model, "get_encoder", None) if encoder_decoder else None
+    encoder: torch.nn.Module | None = get_encoder() if callable(get_encoder) else None
+    passes: list[CaptureContext | None] = []  # the model's passes running now, innermost last
 
     def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The hook is the model's, so it fires for every thread's passes: only
@@ -71,38 +76,84 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
         # A forward pre-hook: whatever goes wrong here must not reach the model.
         step = state.steps
         state.steps += 1
-        try:
-            context = _pass_context(key_list, args, kwargs, step)
-        except Exception:
-            context = build_context(key_list, step=step)
+        context = _safe_context(key_list, args, kwargs, step, decoder=encoder_decoder)
         state.current = context
+        passes.append(context)
         _CONTEXT.set(context)
+
+    def after(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+        if _DECODING.get() is state and passes:
+            passes.pop()
+
+    def before_encoder(
+        _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        # generate runs an encoder-decoder's encoder once, on its own, before
+        # the first pass: its records are the prefill's (the step to come);
+        # inside a pass (the model called directly) they are that pass's.
+        if _DECODING.get() is not state:
+            return
+        step = state.steps - 1 if passes else state.steps
+        context = _safe_context(key_list, args, kwargs, step, decoder=False)
+        passes.append(_CONTEXT.get())
+        _CONTEXT.set(context)
+
+    def after_encoder(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+        if _DECODING.get() is state and passes:
+            _CONTEXT.set(passes.pop())  # the decoder's context again, in a pass
 
     outer = _CONTEXT.set(None)
     decoding = _DECODING.set(state)
-    handle = model.register_forward_pre_hook(before, with_kwargs=True)
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
+    if encoder is not None:
+        handles.append(encoder.register_forward_pre_hook(before_encoder, with_kwargs=True))
+        handles.append(
+            encoder.register_forward_hook(after_encoder, with_kwargs=True, always_call=True)
+        )
     try:
         yield state
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         _DECODING.reset(decoding)
         _CONTEXT.reset(outer)
 
 
-def _pass_context(
-    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int
+def _safe_context(
+    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int, *, decoder: bool
 ) -> CaptureContext:
-    """The context of one forward pass: its rows' keys, its real positions."""
-    tokens = kwargs.get("input_ids", args[0] if args else None)
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
+    """:func:`_pass_context`, or a context of the keys alone when it can't be made."""
+    try:
+        return _pass_context(keys, args, kwargs, step, decoder=decoder)
+    except Exception:
+        return build_context(keys, step=step)
+
+
+def _pass_context(
+    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int, *, decoder: bool
+) -> CaptureContext:
+    """The context of one forward pass: its rows' keys, its real positions
+    (``decoder``: an encoder-decoder's pass, whose hooks outside the encoder
+    see the decoder's tokens)."""
+    if decoder:
+        tokens = kwargs.get("decoder_input_ids")
+        if tokens is None:
+            tokens = kwargs.get("decoder_inputs_embeds")
+        mask = kwargs.get("decoder_attention_mask")
+    else:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        mask = kwargs.get("attention_mask")
     if tokens is None:
         raise CaptureError("capture_decode: a pass without input_ids or inputs_embeds")
     rows = tokens.shape[0]
     if keys and rows != len(keys) and rows % len(keys) == 0:
         # generate's expansion (beams, return sequences) repeats each prompt's row in place.
         keys = [key for key in keys for _ in range(rows // len(keys))]
-    mask = kwargs.get("attention_mask")
     width = tokens.shape[1]
     # The mask covers the cache and this pass: its last `width` columns are this pass.
     mask = mask[:, -width:] if mask is not None and mask.dim() == 2 else None
