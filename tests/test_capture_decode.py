@@ -191,3 +191,37 @@ def test_an_encoder_decoder_captures_its_encoder_as_the_prefill_and_decoder_step
         (key, step) for step in range(4) for key in (40, 41)
     ]
     assert [as_float32(payload).size // 32 for _, _, payload in decoded] == [1] * 6 + [2] * 2
+
+
+def test_a_compiled_model_binds_by_its_eager_names_and_decodes_step_by_step():
+    """torch.compile(model) names its submodules _orig_mod.<name>, and its
+    generate runs the wrapped model: both are seen through."""
+    model = gpt2()
+    compiled = torch.compile(model)
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        (binding,) = bind_modules(runtime, compiled, HOOK, layout="acts", on_error="raise")
+        assert binding.name == HOOK
+        with torch.inference_mode(), capture_decode(compiled, [5, 6]) as state:
+            prompt = torch.randint(3, VOCAB, (2, 5))
+            compiled.generate(prompt, max_new_tokens=3, do_sample=False)
+        runtime.flush()
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+    assert state.steps == 3
+    assert [(key, step) for key, step, _ in records] == [
+        (key, step) for step in range(3) for key in (5, 6)
+    ]
+
+
+def test_capture_decode_on_a_compiled_model_sees_the_passes_of_its_generate():
+    model = gpt2()
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts", on_error="raise")
+        compiled = torch.compile(model)
+        with torch.inference_mode(), capture_decode(compiled, [5, 6]) as state:
+            compiled.generate(torch.randint(3, VOCAB, (2, 5)), max_new_tokens=2, do_sample=False)
+        runtime.flush()
+        assert runtime.counters().ingress.skipped == {}
+    assert state.steps == 2

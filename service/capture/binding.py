@@ -30,6 +30,7 @@ from taproute.native import BufferLease, stamped_copy
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull
 from taproute.service.capture import plans as shared_plans
+from taproute.service.capture.compiled import uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 from taproute.service.capture.extract import (
@@ -338,6 +339,7 @@ def bind_modules(
     Hook names are ``prefix + qualified name``; one buffer pool serves all;
     the other options are :func:`bind_module`'s.  Raises if nothing matches.
     """
+    model = uncompiled(model)  # a compiled model's submodules under their own names
     matches = [
         (qualified, module)
         for qualified, module in model.named_modules()

@@ -10,10 +10,11 @@ prompt's real tokens at step 0, the one new token per sequence after).
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from taproute.service.capture.compiled import uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext, _integers, build_context
 from taproute.service.capture.errors import CaptureError
 
@@ -60,8 +61,11 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     ``inputs_embeds``, gets a context of the keys alone, and its hooks drop
     what does not fit, counted (reason ``invalid_context``).
     """
+    import torch
+
     state = DecodeSteps()
     key_list = list(_integers("keys", keys, caller="capture_decode"))
+    model = uncompiled(model)  # generate on a compiled model runs the model it wraps
     config = getattr(model, "config", None)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     get_encoder = getattr(model, "get_encoder", None) if encoder_decoder else None
@@ -104,14 +108,16 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
 
     outer = _CONTEXT.set(None)
     decoding = _DECODING.set(state)
+    # Under torch.compile the hooks run eagerly, as capture hooks do.
+    eager: Callable[[Callable[..., None]], Callable[..., None]] = torch.compiler.disable
     handles = [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+        model.register_forward_pre_hook(eager(before), with_kwargs=True),
+        model.register_forward_hook(eager(after), with_kwargs=True, always_call=True),
     ]
     if encoder is not None:
-        handles.append(encoder.register_forward_pre_hook(before_encoder, with_kwargs=True))
+        handles.append(encoder.register_forward_pre_hook(eager(before_encoder), with_kwargs=True))
         handles.append(
-            encoder.register_forward_hook(after_encoder, with_kwargs=True, always_call=True)
+            encoder.register_forward_hook(eager(after_encoder), with_kwargs=True, always_call=True)
         )
     try:
         yield state
