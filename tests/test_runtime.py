@@ -225,6 +225,22 @@ def test_failure_surfaces_in_flush_submit_and_close():
     assert "insert refused" in runtime.counters().failure
 
 
+def test_an_exception_inside_with_stands_and_carries_the_latched_failure_as_a_note():
+    """Leaving ``with`` by an exception: that exception propagates (not the
+    runtime's), and the failure close() raised is attached as a note."""
+    failing = FailingSink(fail_on=1, message="insert refused")
+    runtime = create_record_runtime(record_sink=routing_sink({"cap": failing}))
+    with pytest.raises(KeyError) as raised, runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        runtime.submit(q, vec_payload(1))
+        with pytest.raises(RoutingFailure):
+            runtime.flush(timeout=60)
+        raise KeyError("the caller's own error")
+    (note,) = raised.value.__notes__
+    assert "failed too: RoutingFailure" in note
+    assert "insert refused" in note
+
+
 def test_submits_from_many_threads_all_arrive():
     sink = NullSink()
     with create_record_runtime(record_sink=routing_sink({"cap": sink})) as runtime:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import suppress
 from types import TracebackType
 from typing import Self
 
@@ -12,7 +11,8 @@ class ClosesOnExit:
 
     Leaving normally, a failure of ``close()`` (the first latched failure) is
     raised; leaving by an exception, that exception stands and a failing
-    ``close()`` is not allowed to replace it.
+    ``close()`` is not allowed to replace it: its failure is added to the
+    exception as a note, so it is seen rather than lost.
     """
 
     def close(self, timeout: float | None = None) -> None:
@@ -29,6 +29,11 @@ class ClosesOnExit:
     ) -> None:
         if exc is None:
             self.close()
-        else:
-            with suppress(Exception):  # already failing; the first error stands
-                self.close()
+            return
+        try:
+            self.close()
+        except Exception as failure:  # already failing: the first error stands
+            exc.add_note(
+                f"while leaving the with block, closing the {type(self).__name__} "
+                f"failed too: {type(failure).__name__}: {failure}"
+            )
