@@ -19,7 +19,7 @@ from taproute.routing import RecordSchema
 from taproute.service import CaptureSink, HttpConfig, create_record_runtime
 from taproute.service.capture import CaptureWarning, bind_module, bind_modules, capture_context
 from tests.capture_models import ACTS, VOCAB, gpt2
-from tests.sinks import FailingSink
+from tests.sinks import FailingSink, NullSink
 
 SCHEMA = RecordSchema([ACTS])
 
@@ -68,6 +68,28 @@ def test_a_failed_destination_never_fails_the_forward_pass():
     assert dropped == {"transformer.h.0": {"runtime_failed": 2, "detached": 2}}
     with pytest.raises(Exception, match="disk full"):
         runtime.close()
+
+
+def test_a_model_still_running_after_a_clean_close_counts_runtime_closed():
+    """After a clean close() the hooks don't raise or detach: each call's
+    records are counted as dropped for 'runtime_closed', warned once."""
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 4))
+    with torch.inference_mode():
+        expected = model(ids).logits
+    runtime = create_record_runtime(record_sink=NullSink(), schema=SCHEMA)
+    (binding,) = bind_modules(runtime, model, "transformer.h.0", layout="acts")
+    runtime.close()
+    with torch.inference_mode(), capture_context([1, 2]):
+        with pytest.warns(CaptureWarning) as warned:
+            got = model(ids).logits
+        (warning,) = warned
+        assert "runtime is closed" in str(warning.message)
+        again = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    assert not binding.detached
+    assert runtime.counters().ingress.dropped == {"transformer.h.0": {"runtime_closed": 4}}
 
 
 def test_on_error_raise_lets_a_strict_user_see_the_failure_in_the_forward():

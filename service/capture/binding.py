@@ -28,7 +28,7 @@ import numpy as np
 
 from taproute.native import BufferLease, stamped_copy
 from taproute.routing.batch import RecordBatch
-from taproute.routing.errors import IngressFull
+from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
 from taproute.service.capture.compiled import uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
@@ -50,6 +50,7 @@ from taproute.service.capture.hook_binding import (
     INVALID_CONTEXT,
     MAX_BLOCK,
     NO_CONTEXT,
+    RUNTIME_CLOSED,
     RUNTIME_FAILED,
     CaptureTarget,
     HookBinding,
@@ -302,6 +303,15 @@ def bind_module(
             runtime.count_dropped(name, BAD_OUTPUT, len(context.keys))
             binding._warn_once(
                 BAD_OUTPUT, f"{exc}; the hook detached and drops its records (reason 'detached')"
+            )
+        except SinkClosed as exc:
+            if on_error == "raise":
+                raise
+            # Closed without a failure (a model still running after shutdown
+            # began): nothing went wrong with the capture, each call is counted.
+            runtime.count_dropped(name, RUNTIME_CLOSED, len(context.keys))
+            binding._warn_once(
+                RUNTIME_CLOSED, f"hook {name!r}: {exc}; records dropped (reason 'runtime_closed')"
             )
         except Exception as exc:
             if on_error == "raise":

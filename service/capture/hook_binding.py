@@ -40,6 +40,7 @@ NO_CONTEXT = "no_context"  # skipped: the hook ran outside any capture context
 INVALID_CONTEXT = "invalid_context"  # dropped: lengths/mask/keys do not fit the output
 BAD_OUTPUT = "bad_output"  # dropped, binding detached: output can't be captured as bound
 RUNTIME_FAILED = "runtime_failed"  # dropped, binding detached: submit raised
+RUNTIME_CLOSED = "runtime_closed"  # dropped: the runtime was closed (cleanly)
 DETACHED = "detached"  # dropped: calls after the binding detached
 MAX_BLOCK = "max_block"  # dropped: ingress stayed full longer than max_block
 INGRESS_FULL = "ingress_full"  # dropped: ingress full and the runtime rejects (when_full)
@@ -88,6 +89,7 @@ __all__ = [
     "INVALID_CONTEXT",
     "MAX_BLOCK",
     "NO_CONTEXT",
+    "RUNTIME_CLOSED",
     "RUNTIME_FAILED",
     "CaptureTarget",
     "HookBinding",
