@@ -100,7 +100,10 @@ class FaultyProxy:
     ``faults`` is consumed one per insert: ``("reply", status, code)`` answers
     without forwarding (``code`` goes in ``X-ClickHouse-Exception-Code`` when
     not None); ``("lose_reply", status)`` forwards the insert (the server
-    stores it) and answers ``status`` instead of the server's reply.
+    stores it) and answers ``status`` instead of the server's reply;
+    ``("hang",)`` neither forwards nor answers until :attr:`released` is set
+    (or the proxy closes), then drops the connection, as a server that took
+    the request and went silent would.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class FaultyProxy:
         self.faults = list(faults)
         self.inserts = 0
         self.authorizations: set[str] = set()  # Authorization headers seen
+        self.released = threading.Event()  # ends every ("hang",)
         self._lock = threading.Lock()
         proxy = self
 
@@ -135,6 +139,10 @@ class FaultyProxy:
                 if self.path != "/ping":  # the sink's reachability probe sends none
                     proxy.authorizations.add(self.headers.get("Authorization", ""))
                 fault = proxy._next_fault(self.path, body)
+                if fault is not None and fault[0] == "hang":
+                    proxy.released.wait()
+                    self.close_connection = True
+                    return
                 if fault is not None and fault[0] == "reply":
                     self._answer(
                         fault[1],
@@ -201,5 +209,6 @@ class FaultyProxy:
             conn.close()
 
     def close(self) -> None:
+        self.released.set()
         self._server.shutdown()
         self._server.server_close()

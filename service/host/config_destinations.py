@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import string
@@ -72,6 +73,9 @@ class DestinationConfig:
     spool_when_full: Literal["block", "drop_newest", "dead_letter"] = "block"
     spool_block_timeout: float | None = None
     writer: Literal["thread", "process"] = "thread"
+    #: Seconds close() waits for the inserts in flight (``ClickHouseSink``'s
+    #: ``close_timeout``; the default writer only).
+    close_timeout: float = 10.0
 
     def spool_directory(self, base: Path, name: str) -> Path:
         """Where this destination's spool lives (relative paths are relative to ``base``)."""
@@ -132,6 +136,8 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
     if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
         found = dest.spool_block_timeout
         yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
+    if not 0 <= dest.close_timeout < math.inf:
+        yield f"{where}.close_timeout: expected seconds >= 0, found {dest.close_timeout}"
     for key, names in (("raw", dest.raw), ("rows", dest.rows)):
         for i, layout in enumerate(names):
             if layout not in layouts:
@@ -299,10 +305,13 @@ def open_destination(
                 )
             if dest.writer == "process":
                 return WriterProcessSink.embedded(schema, path, **options)
-            return ClickHouseSink.embedded(schema, path, **options)
+            return ClickHouseSink.embedded(
+                schema, path, close_timeout=dest.close_timeout, **options
+            )
         if dest.writer == "process":
             assert dest.url is not None
             return WriterProcessSink.server(schema, dest.url, **options)
+        options["close_timeout"] = dest.close_timeout
         if check_later:
             options["when_unreachable"] = "check_later"
         with _quiet("clickhouse_connect"):  # its log line would repeat our one-line error

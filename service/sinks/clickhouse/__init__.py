@@ -1,7 +1,7 @@
 """ClickHouse destinations: chDB embedded, or a server through clickhouse-connect."""
 
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
-from taproute.service.sinks.clickhouse.blocks import TableCounters
+from taproute.service.sinks.clickhouse.blocks import InsertAbandoned, TableCounters
 from taproute.service.sinks.clickhouse.deduplication import NoDeduplication
 from taproute.service.sinks.clickhouse.sink import ClickHouseSink
 from taproute.service.sinks.clickhouse.tables import (
@@ -23,6 +23,7 @@ __all__ = [
     "Batching",
     "ChdbTransport",
     "ClickHouseSink",
+    "InsertAbandoned",
     "MissingTable",
     "NoDeduplication",
     "Retry",

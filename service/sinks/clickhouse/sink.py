@@ -37,7 +37,12 @@ from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema, expect_schema
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
-from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
+from taproute.service.sinks.clickhouse.blocks import (
+    HeldAttempt,
+    InsertAbandoned,
+    TableBuffer,
+    TableCounters,
+)
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
 from taproute.service.sinks.clickhouse.owner_inserts import OwnerInserts
@@ -77,6 +82,11 @@ class ClickHouseSink(OwnerInserts):
     reached, before any block is written (for a spooling destination, whose
     batches spool meanwhile; see :mod:`.table_checks`).
 
+    ``close_timeout`` (seconds, default 10) bounds how long :meth:`close`
+    waits for the inserts in flight; past it they are abandoned: an owner
+    takes their blocks, else their rows are counted (``abandoned_rows``) and
+    close raises :class:`InsertAbandoned` as the latched failure.
+
     Use :meth:`embedded` for chDB in a local directory, :meth:`server` for a
     ClickHouse server.  Needs its :meth:`run` task (the runtime and routing
     sink start it; a Trio program uses ``async with sink.running()``).
@@ -98,7 +108,10 @@ class ClickHouseSink(OwnerInserts):
         owns_transport: bool = True,
         require_deduplication: bool = True,
         when_unreachable: WhenUnreachable = "refuse",
+        close_timeout: float = 10.0,
     ) -> None:
+        if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < math.inf):
+            raise ConfigError(f"close_timeout must be seconds >= 0, got {close_timeout!r}")
         if when_unreachable not in ("refuse", "check_later"):
             raise ConfigError(
                 f"when_unreachable must be 'refuse' or 'check_later', got {when_unreachable!r}"
@@ -108,6 +121,8 @@ class ClickHouseSink(OwnerInserts):
         self.hooks = hooks
         self.batching = batching or Batching()
         self.retry = retry or Retry()
+        #: Seconds close() waits for inserts in flight (see :meth:`flush`).
+        self.close_timeout = float(close_timeout)
         self._owns_transport = owns_transport
         #: Every blocking call on the transport goes through it, so the
         #: transport is never closed under a call (even an abandoned one).
@@ -168,6 +183,8 @@ class ClickHouseSink(OwnerInserts):
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._stopped = trio.Event()
+        self._waiting: set[trio.CancelScope] = set()  # inserts flush(within=) may abandon
+        self._waited = 0.0
 
     # -- construction helpers ---------------------------------------------
 
@@ -307,49 +324,93 @@ class ClickHouseSink(OwnerInserts):
 
     async def _insert(self, table: str, buffer: TableBuffer, token: str) -> None:
         counters = self.counters[table]
+        attempt = HeldAttempt(buffer.holds)
+        scope = trio.CancelScope()  # cancelled when flush(within=) stops waiting
+        self._waiting.add(scope)
         try:
-            async with self._limiters[table]:
-                failures = 0
-                while True:
-                    try:
-                        # Not abandoned: the block holds the producers' buffers.
-                        await trio.to_thread.run_sync(
-                            self._calls.call, self._insert_blocking, table, buffer, token
-                        )
-                    except Exception as exc:
-                        failures += 1
-                        counters.errors += 1
-                        if self._failed_blocks is not None:
-                            await self._hand_over(table, buffer, token, exc)
-                            return
-                        if failures < self.retry.attempts and self.transport.is_transient(exc):
-                            counters.retries += 1
-                            await trio.sleep(self.retry.backoff(failures))
-                            continue
-                        self._latch.latch(
-                            exc,
-                            destination=f"clickhouse table {table!r}",
-                            where=(
-                                f"insert of {buffer.rows} rows into {self.transport.description} "
-                                f"after {failures} attempt(s)"
-                            ),
-                        )
-                        return
-                    counters.inserts += 1
-                    counters.records += buffer.rows
-                    counters.bytes += buffer.bytes
-                    if self._inserted is not None:
-                        self._inserted(buffer.rows, len(buffer.items))
-                    return
+            with scope:
+                failed = await self._attempts(table, buffer, token, attempt)
+            if scope.cancelled_caught:
+                failed = (self._abandoned_error(table, buffer), 0)
+            if failed is None:
+                return
+            exc, failures = failed
+            if self._failed_blocks is not None:
+                await self._hand_over(table, buffer, token, exc)
+            elif isinstance(exc, InsertAbandoned):
+                counters.abandoned_rows += buffer.rows
+                self._latch.latch(exc, destination=f"clickhouse table {table!r}", where="close")
+            else:
+                self._latch.latch(
+                    exc,
+                    destination=f"clickhouse table {table!r}",
+                    where=(
+                        f"insert of {buffer.rows} rows into {self.transport.description} "
+                        f"after {failures} attempt(s)"
+                    ),
+                )
         finally:
+            self._waiting.discard(scope)
             counters.in_flight_rows -= buffer.rows
             self._pending_bytes -= buffer.bytes
-            for hold in buffer.holds:
-                hold.release()
+            attempt.finish()  # the buffers go back now, or when an abandoned attempt returns
             self._in_flight -= 1
             self._space.unpark_all()
             if self._in_flight == 0:
                 self._idle.unpark_all()
+
+    async def _attempts(
+        self, table: str, buffer: TableBuffer, token: str, attempt: HeldAttempt
+    ) -> tuple[Exception, int] | None:
+        """Insert the block, retrying transient failures within ``retry`` (an
+        owner takes the first failure instead); None once it is written, else
+        the last error and the attempts made."""
+        counters = self.counters[table]
+        async with self._limiters[table]:
+            failures = 0
+            while True:
+                try:
+                    # Abandoned only when flush(within=) stops waiting: the
+                    # attempt then gives the producers' buffers back itself.
+                    await trio.to_thread.run_sync(
+                        self._calls.call,
+                        attempt.run,
+                        self._insert_blocking,
+                        table,
+                        buffer,
+                        token,
+                        abandon_on_cancel=True,
+                    )
+                except Exception as exc:
+                    failures += 1
+                    counters.errors += 1
+                    if (
+                        self._failed_blocks is None
+                        and failures < self.retry.attempts
+                        and self.transport.is_transient(exc)
+                    ):
+                        counters.retries += 1
+                        await trio.sleep(self.retry.backoff(failures))
+                        continue
+                    return exc, failures
+                counters.inserts += 1
+                counters.records += buffer.rows
+                counters.bytes += buffer.bytes
+                if self._inserted is not None:
+                    self._inserted(buffer.rows, len(buffer.items))
+                return None
+
+    def _abandoned_error(self, table: str, buffer: TableBuffer) -> InsertAbandoned:
+        kept = (
+            "handed to the spool, to be repeated under the same deduplication token"
+            if self._failed_blocks is not None
+            else "not known to be written"
+        )
+        return InsertAbandoned(
+            f"no answer within {self._waited:g} s (close_timeout): stopped waiting for the "
+            f"insert of {buffer.rows} rows into table {table!r} at "
+            f"{self.transport.description}; {kept}"
+        )
 
     def _insert_blocking(self, table: str, buffer: TableBuffer, token: str) -> None:
         """Runs in a worker thread: build the Arrow table and insert it
@@ -362,25 +423,40 @@ class ClickHouseSink(OwnerInserts):
         )
         self.transport.insert(table, data, dedup_token=f"{token}-{table}")
 
-    async def flush(self) -> None:
-        """Insert everything buffered; return once every insert is done, or raise."""
+    async def flush(self, *, within: float | None = None) -> None:
+        """Insert everything buffered; return once every insert is done, or raise.
+
+        ``within`` (seconds) bounds the wait: inserts still running (or
+        retrying) then are abandoned, their threads left to end within the
+        transport's timeouts; an owner takes their blocks (see
+        :meth:`hand_over_failures`), else their rows are counted as
+        ``abandoned_rows`` and :class:`InsertAbandoned` is latched and raised."""
         self._latch.raise_if_failed()
         if self._nursery is None:
             raise RuntimeError("ClickHouseSink is not running: start its run() task first")
         for table in list(self._buffers):
             self._seal(table)
+        if within is not None:
+            with trio.move_on_after(within):
+                while self._in_flight:
+                    await self._idle.park()
+            if self._in_flight:
+                self._waited = within
+                for scope in list(self._waiting):
+                    scope.cancel()
         while self._in_flight:
             await self._idle.park()
         self._latch.raise_if_failed()
 
     async def close(self) -> None:
-        """Flush, stop the background task, release the transport; idempotent."""
+        """Flush, waiting at most ``close_timeout`` seconds (see :meth:`flush`),
+        stop the background task, release the transport; idempotent."""
         if self._closing:
             await self._stopped.wait()
             return
         try:
             if self._nursery is not None:
-                await self.flush()
+                await self.flush(within=self.close_timeout)
         finally:
             self._closing = True
             self._stopped.set()
@@ -389,8 +465,9 @@ class ClickHouseSink(OwnerInserts):
                 for hold in buffer.holds:
                     hold.release()
             self._buffers = {n: TableBuffer() for n in self.tables}
-            # Closed now, or by the last call an owner abandoned (insert_now,
-            # check_tables) once it returns.
+            # Closed now, or by the last call abandoned (an insert close
+            # stopped waiting for, an owner's insert_now or check_tables)
+            # once it returns.
             await trio.to_thread.run_sync(self._calls.close)
 
     # -- tables checked when the server is first reached -------------------

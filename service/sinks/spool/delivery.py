@@ -97,6 +97,16 @@ class HandsOverFailures(Protocol):
     def max_backlog_bytes(self) -> int: ...
 
 
+@runtime_checkable
+class FlushesWithin(Protocol):
+    """An inner sink whose flush can stop waiting for its inserts in flight
+    after ``within`` seconds, handing their blocks over (the ClickHouse sink)."""
+
+    close_timeout: float
+
+    async def flush(self, *, within: float | None = None) -> None: ...
+
+
 def _default_transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, TimeoutError))
 

@@ -51,6 +51,7 @@ from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, Spoo
 from taproute.service.sinks.spool.delivery import (
     ChecksTablesLater,
     Delivery,
+    FlushesWithin,
     HandsOverFailures,
     InsertsWithToken,
 )
@@ -239,7 +240,13 @@ class SpoolingSink:
         if self.mode != "outage":
             return
         passed = self._in_inner if self._batched is None else 0
-        await self.inner.flush()
+        if self._batched is not None and isinstance(self.inner, FlushesWithin):
+            # Inserts in flight are handed to the spool (same token) rather
+            # than waited for past close_timeout; at once while unreachable.
+            healthy = self._tracker.health.healthy
+            await self.inner.flush(within=self.inner.close_timeout if healthy else 0.0)
+        else:
+            await self.inner.flush()
         if self._batched is None:  # another sink: its flush is its delivery
             self._in_inner -= passed
             self.counters.delivered_records += passed
