@@ -122,6 +122,17 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
         status, body = request(f"{url}/dead-letters/{first}/skip", "POST", token=TOKEN)
         assert status == 200 and body["state"] == "skipped"
 
+        # A mistyped option is refused and changes nothing: '?rout=' rerouted
+        # to the old route, for good (a letter is rerouted once).
+        typo = f"{url}/dead-letters/{second}/reroute?rout=other"
+        status, body = request(typo, "POST", token=TOKEN)
+        assert (status, body["error"]) == (
+            400,
+            f"unknown query parameter 'rout' for /dead-letters/{second}/reroute (it takes: route)",
+        )
+        status, body = request(f"{url}/dead-letters?stat=all")
+        assert status == 400 and body["error"].startswith("unknown query parameter 'stat'")
+
         SCRIPT.broken = False  # fixed: reroute goes through routing again
         status, body = request(f"{url}/dead-letters/{second}/reroute", "POST", token=TOKEN)
         assert status == 200 and body["state"] == "rerouted"

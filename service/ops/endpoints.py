@@ -41,6 +41,19 @@ def json_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+def unknown_parameters(request: Request, known: tuple[str, ...]) -> JSONResponse | None:
+    """A 400 naming the query parameters ``request`` has beyond ``known``, or
+    None: a mistyped filter or option is refused, never silently ignored."""
+    unknown = sorted(set(request.query_params) - set(known))
+    if not unknown:
+        return None
+    names = ", ".join(repr(name) for name in unknown)
+    takes = ", ".join(known)
+    return json_error(
+        400, f"unknown query parameter {names} for {request.url.path} (it takes: {takes})"
+    )
+
+
 class RouteNotTaken(ValueError):
     """A ``route=`` where the endpoint takes none."""
 
@@ -145,6 +158,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
 
     async def list_letters(request: Request) -> JSONResponse:
         query = request.query_params
+        unknown = unknown_parameters(request, ("code", "older_than", "route", "state"))
+        if unknown is not None:
+            return unknown
         try:
             older_than = float(query["older_than"]) if "older_than" in query else None
         except ValueError:
@@ -192,6 +208,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             ident = letter_id(request)
             if isinstance(ident, JSONResponse):
                 return ident
+            unknown = unknown_parameters(request, ("route",))
+            if unknown is not None:  # a mistyped ?route= must not reroute to the old route
+                return unknown
             route = request.query_params.get("route")
             try:
                 letter = await trio.to_thread.run_sync(action, ident, route)
