@@ -213,3 +213,28 @@ def test_server_unreachable_survives_pickling():
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is ServerUnreachable and str(again) == str(error)
     assert (again.target, again.reason, again.where) == (error.target, error.reason, error.where)
+
+
+def test_taproute_run_says_what_an_unreachable_destination_holds(tmp_path, capsys):
+    """'608 rows sent' with the server down all along read as delivered: the
+    summary line now says the destination is unhealthy and what its spool holds
+    (found by the user-side probe of `taproute run`)."""
+    from taproute.service.host.cli.main import main
+
+    with socket.socket() as refusing:
+        refusing.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        port = refusing.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/default"
+        path = write_config(tmp_path, url, "outage")
+        path.write_text(
+            path.read_text()
+            + '\n[http]\nport = 0\n\n[[producer.hooks]]\nname = "layers.0"\nlayout = "vec"\n'
+            "batch = 16\n"
+        )
+        assert main(["run", "--config", str(path), "--rate", "2000", "--duration", "0.3"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("destination ch: ")
+    assert f"; unhealthy: unreachable: ClickHouse server at {url}: Connection refused" in line
+    assert line.endswith(
+        " bytes held in its spool, delivered once it is reachable (this run or the next start)"
+    )

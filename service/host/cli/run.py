@@ -53,9 +53,18 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
     for name, destination in counters.destinations.items():
         feeding = [r for r in counters.routes.values() if r.destination == name]
         sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
+        held = ""  # sent to a spooling destination is not delivered: say what is not
+        if destination.healthy is False:
+            held += f"; unhealthy: {destination.unhealthy_reason}"
+        if destination.spool_bytes:
+            held += (
+                f"; {destination.spool_bytes:,} bytes held in its spool, "
+                "delivered once it is reachable (this run or the next start)"
+            )
         print(
             f"destination {name}: {destination.records:,} rows sent"
             + (f" (from routes {sources})" if sources else "")
+            + held
         )
     return 0 if counters.failure is None else 1
 
