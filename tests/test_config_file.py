@@ -552,3 +552,30 @@ def test_call_timeout_is_the_deadline_the_running_routes_apply(tmp_path, chdb_tr
         assert {d.code for d in store.list(route="norms")} == {"handler_timeout"}
     finally:
         store.close()
+
+
+def test_two_destinations_on_one_spool_directory_are_refused_when_loaded(tmp_path):
+    """`taproute check` passed such a file and `run` then failed with 'spool sp
+    is in use by another sink or process' (found by the user-side probe)."""
+    destinations = "".join(
+        f'\n[destinations.{name}]\npath = "data"\nraw = ["vec"]\nraw_table = "{name}_{{layout}}"\n'
+        f'spool_dir = "{spool}"\n'
+        for name, spool in (("one", "sp"), ("two", "./sp/"), ("off", "sp"))
+    )
+    routes = "".join(
+        f'\n[[routes]]\nname = "{name}"\noutputs = ["layers.*"]\ndestination = "{name}"\n'
+        for name in ("one", "two", "off")
+    )
+    text = LAYOUTS_TOML + routes + destinations + '\n[routing]\nunmatched = "drop"\n'
+    path = write(
+        tmp_path,
+        text.replace(
+            'spool_dir = "sp"\n\n[routing]', 'spool = "off"\nspool_dir = "sp"\n\n[routing]'
+        ),
+    )
+    with pytest.raises(ConfigFileError) as refused:
+        load_config(path)
+    assert refused.value.problems == [
+        f"destinations.two.spool_dir: {tmp_path / 'sp'} is also the spool of destinations.one "
+        "(a spool has one writer: give each destination its own)"
+    ]

@@ -53,6 +53,7 @@ returns a :class:`BuiltService`.
 from __future__ import annotations
 
 import importlib
+import os
 import sqlite3
 import tomllib
 from collections.abc import Callable, Iterator
@@ -330,8 +331,18 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
             yield f"layouts[{i}]: layout {layout.name!r} has no numpy dtype: {exc}"
     if len(set(names)) != len(names):
         yield f"layouts: duplicate layout names in {names}"
+    spools: dict[Path, str] = {}  # a spool directory has one writer: one destination
     for name, dest in config.destinations.items():
         yield from destination_problems(name, dest, set(names))
+        if dest.spool != "off":
+            directory = Path(os.path.abspath(dest.spool_directory(config.source.parent, name)))
+            if directory in spools:
+                yield (
+                    f"destinations.{name}.spool_dir: {directory} is also the spool of "
+                    f"destinations.{spools[directory]} (a spool has one writer: give each "
+                    "destination its own)"
+                )
+            spools.setdefault(directory, name)
         if dest.spool_when_full == "dead_letter" and config.dead_letter_location() is None:
             yield (
                 f"destinations.{name}.spool_when_full: 'dead_letter' needs a dead-letter "
