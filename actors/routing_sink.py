@@ -66,6 +66,7 @@ from taproute.routing.refusals import Decline, RefusalLog
 from taproute.routing.root_ledger import RootLedger
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.schema import RecordSchema
+from taproute.routing.sink import BoundsClose
 
 
 def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
@@ -379,6 +380,12 @@ class RoutingSink(SinkFlushing):
                     await self._in_flight.wait_idle()
                     if self._latch.failure is None:
                         for actor in self._destinations.values():
+                            if actor.owned and isinstance(actor.sink, BoundsClose):
+                                # Its close() below flushes within its own
+                                # bound (a ClickHouse sink's close_timeout); a
+                                # plain flush here would wait out a silent
+                                # server (300 s).
+                                continue
                             with suppress(RoutingFailure):  # latched; raised below
                                 await actor.flush()
             finally:

@@ -105,6 +105,17 @@ class BoundsBlocking(Protocol):
 
 
 @runtime_checkable
+class BoundsClose(Protocol):
+    """A sink whose ``close()`` flushes within a bound of its own
+    (``close_timeout`` seconds for what it waits on), saying what it stopped
+    waiting for.  Whoever closes it need not flush it first: a plain
+    ``flush()`` would wait without that bound (a silent server)."""
+
+    @property
+    def close_timeout(self) -> float: ...
+
+
+@runtime_checkable
 class DescribesRecords(Protocol):
     """A sink that knows the layouts and (when it has one) the hook registry."""
 
@@ -209,6 +220,7 @@ class WaitsForDelivery(Protocol):
 
 __all__ = [
     "BoundsBlocking",
+    "BoundsClose",
     "WaitsForDelivery",
     "SpoolStatus",
     "Spools",

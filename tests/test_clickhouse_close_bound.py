@@ -146,3 +146,35 @@ def test_a_config_file_sets_close_timeout_and_refuses_a_negative_one(tmp_path):
     with pytest.raises(ConfigFileError) as refused:
         load_config(path)
     assert "destinations.ch.close_timeout: expected seconds >= 0, found -1" in str(refused.value)
+
+
+async def test_closing_a_routing_sink_is_bounded_by_its_owned_destinations_close_timeout(
+    facade, silent
+):
+    """A destination the routing sink created (a factory) is flushed by its
+    own close(), within its close_timeout: the routing sink's close does not
+    first wait out the silent server with a plain flush."""
+    from taproute.actors import open_routing_sink
+    from taproute.routing import Route, RoutingConfig
+
+    config = RoutingConfig([Route("raw", "*", "ch")])
+    made: list[ClickHouseSink] = []
+
+    def destination() -> ClickHouseSink:
+        made.append(  # the routing sink gives it its hooks
+            ClickHouseSink.server(
+                SCHEMA, silent.url, raw=["vec"], create_tables=True, close_timeout=1.0
+            )
+        )
+        return made[-1]
+
+    started = 0.0
+    with trio.fail_after(GUARD_S), pytest.raises(RoutingFailure, match="close_timeout"):
+        async with open_routing_sink(config, SCHEMA, {"ch": destination}, unmatched="drop") as sink:
+            sink.bind_hook("q", layout="vec")
+            batch = vec_batch(0, 8)
+            await sink.submit(batch)
+            batch.lease.release()
+            started = time.monotonic()
+    assert time.monotonic() - started < BOUND_S
+    assert made[0].table_counters()["raw_vec"].abandoned_rows == 8
