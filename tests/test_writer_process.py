@@ -517,15 +517,11 @@ def test_a_done_handled_before_the_send_returned_counts(tmp_path, monkeypatch):
         runtime.close()
 
 
-async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_path):
-    """With ``max_buffered_bytes`` below ``max_bytes`` and no early seal, the
-    buffer reaches the room limit with no block at the writer: a submit
-    waiting for room seals it, instead of waiting for the linger (an hour)."""
+def _sink_of_step_batches(tmp_path, batching):
+    """A writer sink with ``batching`` and hook ``h.0`` bound, and a maker of
+    that hook's batches: 4 records of ``acts`` per step, every value the step."""
     from taproute.routing import HookRegistry, RecordBatch
-    from taproute.service.sinks.clickhouse import Batching
 
-    nbytes = 4 * WIDTH * 4
-    batching = Batching(max_bytes=100 * nbytes, max_buffered_bytes=2 * nbytes, linger=3600)
     sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
     hooks = HookRegistry()
     hook = hooks.bind("h.0", layout="acts")
@@ -542,6 +538,18 @@ async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_
         )
         return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
 
+    return sink, batch
+
+
+async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_path):
+    """With ``max_buffered_bytes`` below ``max_bytes`` and no early seal, the
+    buffer reaches the room limit with no block at the writer: a submit
+    waiting for room seals it, instead of waiting for the linger (an hour)."""
+    from taproute.service.sinks.clickhouse import Batching
+
+    nbytes = 4 * WIDTH * 4
+    batching = Batching(max_bytes=100 * nbytes, max_buffered_bytes=2 * nbytes, linger=3600)
+    sink, batch = _sink_of_step_batches(tmp_path, batching)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         with trio.fail_after(60):  # the linger would take an hour
@@ -556,27 +564,11 @@ async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_
 async def test_a_block_is_sealed_early_while_none_is_at_the_writer(tmp_path):
     """With no block at the writer, a buffer becomes one at ``early_bytes``;
     while one is there, the buffer fills towards ``max_bytes``."""
-    from taproute.routing import HookRegistry, RecordBatch
     from taproute.service.sinks.clickhouse import Batching
 
     nbytes = 4 * WIDTH * 4
     batching = Batching(early_bytes=3 * nbytes, max_bytes=100 * nbytes, linger=3600)
-    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
-    hooks = HookRegistry()
-    hook = hooks.bind("h.0", layout="acts")
-    sink.use_hooks(hooks)
-
-    def batch(step: int) -> RecordBatch:
-        descriptors = make_descriptors(
-            hook,
-            np.full(4, WIDTH * 4),
-            offsets=np.arange(4) * WIDTH * 4,
-            layout_ids=SCHEMA.layout_id("acts"),
-            keys=np.arange(4),
-            steps=step,
-        )
-        return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
-
+    sink, batch = _sink_of_step_batches(tmp_path, batching)
     counters = sink.counters
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
