@@ -237,3 +237,14 @@ unmatched = "drop"
         assert [(d.id, d.state) for d in reopened.list(state=None)] == [(1, "dead"), (2, "dead")]
     finally:
         reopened.close()
+
+
+def test_an_unknown_dead_letter_id_is_one_line_exit_1_and_the_store_is_untouched(capsys, tmp_path):
+    """An id the store does not hold is a refused control (exit 1, as a
+    running service's 404 over --url is), named with the store."""
+    store = letters_store(tmp_path / "dead.sqlite")
+    before = store.read_bytes()
+    for action in ("show", "skip"):
+        line = one_line_error(capsys, ["dead-letters", action, "424242", "--store", str(store)], 1)
+        assert f"no dead letter with id 424242 in {store}" in line
+    assert store.read_bytes() == before
