@@ -48,9 +48,7 @@ cnp.import_array()
 
 include "_descriptor.pxi"
 
-cdef uint64_t _MIX = 0x9E3779B97F4A7C15ULL
-
-
+#: 2**64 / the golden ratio: the home slot's multiplier and splitmix64's increment.
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef uint64_t _MIX1 = 0xBF58476D1CE4E5B9ULL
 cdef uint64_t _MIX2 = 0x94D049BB133111EBULL
@@ -71,7 +69,7 @@ cdef Py_ssize_t _slots_for(Py_ssize_t roots):
 
 
 cdef inline Py_ssize_t _home(int64_t root, uint64_t mask) noexcept nogil:
-    return <Py_ssize_t>((((<uint64_t>root) * _MIX) >> 32) & mask)
+    return <Py_ssize_t>((((<uint64_t>root) * _GOLDEN) >> 32) & mask)
 
 
 cdef struct Entry:
