@@ -216,9 +216,7 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
                 letter = await trio.to_thread.run_sync(action, ident, route)
             except DeadLetterNotFound as exc:
                 return json_error(404, str(exc))
-            except IngressFull as exc:
-                return json_error(503, str(exc))
-            except SinkClosed as exc:  # the service is closing: try again on the next one
+            except (IngressFull, SinkClosed) as exc:  # full, or closing: try again later
                 return json_error(503, str(exc))
             except RerouteRefused as exc:  # already rerouted / skipped / no route takes it
                 return json_error(409, str(exc))
