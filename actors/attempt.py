@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from taproute.actors.fairness import yield_if_due
 from taproute.routing.batch import RecordBatch, Retained
 from taproute.routing.errors import OutputLayoutMismatch
 from taproute.routing.failures import Failed, FailureCode, ProcessorFailed, classify
@@ -302,9 +303,10 @@ async def call_processor(
     try:
         if runs_inline(planned, place):
             result, elapsed = timed_call(fn, records, *args)
-            # A schedule point per call, as a thread hop would be; shielded so a
-            # cancellation cannot lose a result already computed.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            # A schedule point, as a thread hop would be (shielded: a cancellation
+            # cannot lose a result already computed), unless the task has just
+            # passed one (the record worker, woken for this batch: fairness.py).
+            await yield_if_due()
         else:
             async with limiter:
                 held = HeldWhileRunning(batch, abandoned)

@@ -27,6 +27,7 @@ import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
 from taproute.actors.destination import is_sink
+from taproute.actors.fairness import scheduled_now
 from taproute.routing.batch import RecordBatch
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
@@ -247,6 +248,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             else:
                 with trio.move_on_after(ingress.wake_delay or math.inf):
                     await self._wakeup.wait()
+            scheduled_now()  # a processor call made in this task need not yield again
             woken = self._wakeup.is_set()
             if woken:
                 self._wakeup = trio.Event()
