@@ -10,8 +10,10 @@
   per minute), admitting a batch of derived records in one C loop.
 - :class:`StateRegion`, :func:`scatter_add`: the K x N state array of a
   stateful route and its GIL-free batch update.
-- :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: a
-  capture hook's descriptors and packed payload, one call each;
+- :func:`capture_records`: a capture hook's packed payload (into a pooled
+  buffer or a fresh one) and its stamped descriptors in one call;
+  :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: the
+  two parts, one call each;
   :func:`plan_records`: a capture's record plan and descriptor templates.
 - :func:`router_stats`, :func:`path_codes`, :func:`two_nearest` (and
   :func:`two_nearest_f32`): the signal
@@ -19,7 +21,13 @@
   two nearest neighbours off a Gram matrix).
 """
 
-from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
+from taproute.native._capture import (
+    capture_records,
+    gather_address,
+    gather_ranges,
+    plan_records,
+    stamped_copy,
+)
 from taproute.native._lease import BufferLease, LeaseError, PartsLease
 from taproute.native._matcher import UNMATCHED, RouteTable
 from taproute.native._partition import owner_of, partition_keys
@@ -64,6 +72,7 @@ __all__ = [
     "RouteTable",
     "StateRegion",
     "back_to_back",
+    "capture_records",
     "check_descriptors",
     "check_field",
     "check_int64",

@@ -37,3 +37,15 @@ def plan_records(
     npt.NDArray[np.void],
     npt.NDArray[np.void],
 ]: ...
+def capture_records(
+    address: int,
+    size: int,
+    offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    total: int,
+    into: npt.NDArray[np.uint8] | None,
+    template: npt.NDArray[np.void],
+    output_id: int,
+    keys: npt.NDArray[np.int64],
+    step: int,
+) -> tuple[npt.NDArray[np.void], npt.NDArray[np.uint8]]: ...

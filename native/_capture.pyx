@@ -1,19 +1,22 @@
 # cython: language_level=3
-"""The tail of a capture hook in two native calls: its payload and its descriptors.
+"""The tail of a capture hook in one native call: its payload and its descriptors.
 
 A capture hook plans once per output shape and mask which bytes of the
 output each record holds and their descriptor templates (:func:`plan_records`,
-a plan shared by capture contexts alike in both); every call then needs those bytes packed into a fresh buffer
-(:func:`gather_ranges`) and a fresh descriptor array from the plan's
-template with its own output_id, capture time, and its context's keys and
-step (:func:`stamped_copy`).  Each is one call here instead of several
-Python operations on the model's thread.
+a plan shared by capture contexts alike in both); every call then needs those
+bytes packed into a buffer (a pooled one, or a fresh one) and a fresh
+descriptor array from the plan's template with its own output_id, capture
+time, and its context's keys and step: :func:`capture_records` does both in
+one call, instead of several Python operations (and torch views) on the
+model's thread.  :func:`gather_ranges`, :func:`gather_address` and
+:func:`stamped_copy` are its parts, for callers that need only one.
 """
 
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.string cimport memcpy, memset
+from posix.time cimport CLOCK_REALTIME, clock_gettime, timespec
 
 include "_descriptor.pxi"
 
@@ -188,17 +191,15 @@ def gather_ranges(
     )
 
 
-cdef cnp.ndarray _gather(
-    const unsigned char* src,
+cdef int _check_ranges(
     int64_t size,
     const int64_t* offs,
     const int64_t* lens,
     Py_ssize_t n,
     int64_t total,
-):
-    """The ranges checked, then copied back to back into a new read-only
-    ``uint8`` array of ``total`` bytes: what both gathers do once they have
-    their source and ranges as pointers."""
+) except -1:
+    """ValueError unless every range lies inside ``size`` bytes and the
+    lengths add up to ``total``."""
     cdef Py_ssize_t i
     cdef int64_t sum = 0, off, length
     for i in range(n):
@@ -211,15 +212,126 @@ cdef cnp.ndarray _gather(
         sum += length
     if sum != total:
         raise ValueError(f"the ranges cover {sum} bytes, not {total}")
-    cdef cnp.ndarray out = _empty(total, _UINT8)
-    cdef unsigned char* dst = <unsigned char*> cnp.PyArray_DATA(out)
+    return 0
+
+
+cdef inline void _copy_ranges(
+    unsigned char* dst,
+    const unsigned char* src,
+    const int64_t* offs,
+    const int64_t* lens,
+    Py_ssize_t n,
+):
+    cdef Py_ssize_t i
     cdef int64_t at = 0
     for i in range(n):
         if lens[i]:
             memcpy(dst + at, src + offs[i], lens[i])
         at += lens[i]
+
+
+cdef cnp.ndarray _gather(
+    const unsigned char* src,
+    int64_t size,
+    const int64_t* offs,
+    const int64_t* lens,
+    Py_ssize_t n,
+    int64_t total,
+):
+    """The ranges checked, then copied back to back into a new read-only
+    ``uint8`` array of ``total`` bytes: what both gathers do once they have
+    their source and ranges as pointers."""
+    _check_ranges(size, offs, lens, n, total)
+    cdef cnp.ndarray out = _empty(total, _UINT8)
+    _copy_ranges(<unsigned char*> cnp.PyArray_DATA(out), src, offs, lens, n)
     cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
     return out
+
+
+cdef inline bint _descriptor_vector(cnp.ndarray a):
+    return (
+        cnp.PyArray_NDIM(a) == 1
+        and cnp.PyArray_IS_C_CONTIGUOUS(a)
+        and (<object> cnp.PyArray_DESCR(a) is _DTYPE or a.dtype == _DTYPE)
+    )
+
+
+def capture_records(
+    size_t address,
+    int64_t size,
+    cnp.ndarray offsets,
+    cnp.ndarray lengths,
+    int64_t total,
+    cnp.ndarray into,
+    cnp.ndarray template,
+    uint32_t output_id,
+    cnp.ndarray keys,
+    int64_t step,
+):
+    """A capture hook's records in one call: ``(descriptors, payload)``.
+
+    The payload is the ``size`` bytes at ``address`` (the ``data_ptr()`` of a
+    contiguous CPU tensor the caller keeps alive for the call) gathered
+    ``offsets[i] : offsets[i] + lengths[i]`` back to back, ``total`` bytes in
+    all: into the first ``total`` bytes of ``into`` (a writable 1-D
+    C-contiguous ``uint8`` array, e.g. a pooled buffer; the payload is a
+    read-only view of it) or, when ``into`` is None, into a new read-only
+    array.  The descriptors are a new read-only copy of ``template``
+    (``DESCRIPTOR_DTYPE``, offsets back to back) with every record's
+    ``output_id``, ``timestamp_ns`` (now, ``CLOCK_REALTIME`` as
+    ``time.time_ns()``), ``key`` (``keys[i]``, int64) and ``step`` set.
+
+    Everything is checked before a byte is copied (ValueError): the
+    arrays' types and lengths, every range inside the source, the lengths
+    adding up to ``total``, ``into`` large enough.  Keeps the GIL, as the
+    other gathers do.
+    """
+    if not _int64_vector(offsets) or not _int64_vector(lengths):
+        raise ValueError("offsets and lengths must be 1-D C-contiguous int64 arrays")
+    cdef Py_ssize_t i, n = cnp.PyArray_DIM(offsets, 0)
+    if cnp.PyArray_DIM(lengths, 0) != n:
+        raise ValueError(f"{n} offsets but {cnp.PyArray_DIM(lengths, 0)} lengths")
+    if not _descriptor_vector(template) or cnp.PyArray_DIM(template, 0) != n:
+        raise ValueError(f"the template must be {n} descriptors (1-D, C-contiguous)")
+    if not _int64_vector(keys) or cnp.PyArray_DIM(keys, 0) != n:
+        raise ValueError(f"capture_records needs {n} keys as a 1-D C-contiguous int64 array")
+    if address == 0 and size:
+        raise ValueError("null address")
+    cdef const int64_t* offs = <const int64_t*> cnp.PyArray_DATA(offsets)
+    cdef const int64_t* lens = <const int64_t*> cnp.PyArray_DATA(lengths)
+    _check_ranges(size, offs, lens, n, total)
+    cdef cnp.ndarray payload
+    if into is None:
+        payload = _empty(total, _UINT8)
+    else:
+        if (
+            cnp.PyArray_NDIM(into) != 1
+            or cnp.PyArray_TYPE(into) != cnp.NPY_UINT8
+            or not cnp.PyArray_IS_C_CONTIGUOUS(into)
+            or not cnp.PyArray_ISWRITEABLE(into)
+        ):
+            raise ValueError("into must be a writable 1-D C-contiguous uint8 array")
+        if cnp.PyArray_DIM(into, 0) < total:
+            raise ValueError(f"into holds {cnp.PyArray_DIM(into, 0)} bytes, not {total}")
+        payload = into[:total]
+    _copy_ranges(
+        <unsigned char*> cnp.PyArray_DATA(payload), <const unsigned char*> address, offs, lens, n
+    )
+    cnp.PyArray_CLEARFLAGS(payload, cnp.NPY_ARRAY_WRITEABLE)
+    cdef timespec now
+    clock_gettime(CLOCK_REALTIME, &now)
+    cdef int64_t timestamp_ns = <int64_t> now.tv_sec * 1000000000 + now.tv_nsec
+    cdef cnp.ndarray out = _empty(n, _DTYPE)
+    cdef Descriptor* d = <Descriptor*> cnp.PyArray_DATA(out)
+    cdef const int64_t* k = <const int64_t*> cnp.PyArray_DATA(keys)
+    memcpy(d, cnp.PyArray_DATA(template), n * sizeof(Descriptor))
+    for i in range(n):
+        d[i].output_id = output_id
+        d[i].timestamp_ns = timestamp_ns
+        d[i].key = k[i]
+        d[i].step = step
+    cnp.PyArray_CLEARFLAGS(out, cnp.NPY_ARRAY_WRITEABLE)
+    return out, payload
 
 
 def gather_address(

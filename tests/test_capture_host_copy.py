@@ -1,6 +1,6 @@
-"""From a captured output to host bytes: the packed CPU copy, the pooled path
-device outputs take (run here on CPU with ``cpu_outputs=True``), and the
-native calls under them.
+"""From a captured output to host bytes: the packed CPU copy, into a fresh
+array or a pooled buffer (``cpu_outputs=True``, as the writer process's
+shared pool does), and the native calls under them.
 
 Hooks offer their batches without the intake's check (``offer_captured``):
 every batch they build must pass that check anyway, whatever the output's
@@ -9,6 +9,8 @@ shape, padding, dtype or path, and hold exactly the real positions' values.
 
 from __future__ import annotations
 
+import time
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,11 +18,18 @@ import torch
 from torch import nn
 
 from taproute.native import make_descriptors
-from taproute.native._capture import gather_address, gather_ranges, plan_records, stamped_copy
+from taproute.native._capture import (
+    capture_records,
+    gather_address,
+    gather_ranges,
+    plan_records,
+    stamped_copy,
+)
 from taproute.routing import Layout, RecordSchema
 from taproute.routing.validation import check_batch
 from taproute.service import CaptureSink, create_record_runtime
 from taproute.service.capture import HostBufferPool, bind_module, capture_context
+from taproute.service.sinks.writer import SharedBufferPool
 
 F32 = Layout("f32", [("values", "Array(Float32)")])
 BF16 = Layout("bf16", [("values", "Array(BFloat16)")])
@@ -112,12 +121,12 @@ def test_every_captured_batch_passes_the_intake_check_and_holds_the_real_positio
             hook_name=lambda _: "emit",
         )
         assert covered == batch.nbytes == sum(e.numel() * e.element_size() for e in expected)
-        if not pooled:  # the CPU path copies the real positions only, back to back
-            assert len(batch.payload) == covered
-            assert (
-                batch.descriptors["offset"].tolist()
-                == np.concatenate([[0], np.cumsum(batch.descriptors["length"])[:-1]]).tolist()
-            )
+        # Either way a CPU output's real positions only are copied, back to back.
+        assert len(batch.payload) == covered
+        assert (
+            batch.descriptors["offset"].tolist()
+            == np.concatenate([[0], np.cumsum(batch.descriptors["length"])[:-1]]).tolist()
+        )
         assert not batch.payload.flags.writeable and not batch.descriptors.flags.writeable
         for row, want in enumerate(expected):
             got = batch.payload_of(row).view(numpy_dtype)
@@ -131,6 +140,30 @@ def test_every_captured_batch_passes_the_intake_check_and_holds_the_real_positio
         assert pool.outstanding == 2  # the capture sink still holds both buffers
         sink.clear()
         assert pool.outstanding == 0
+
+
+def test_cpu_outputs_land_in_the_shared_pools_segments_and_go_back_on_release():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 5)
+    mask = _mask(4, 6, "right")
+    pool = SharedBufferPool(segment_bytes=1 << 16)
+    try:
+        sink, _ = _capture(x, mask=mask, pool=pool)  # type: ignore[arg-type]
+        expected = _expected(x, mask, token_axis=True)
+        for batch in sink.record_batches:
+            assert pool.locate(batch.payload) is not None  # the writer reads it in place
+            for row, want in enumerate(expected):
+                assert batch.payload_of(row).tobytes() == want.numpy().tobytes()
+        assert pool.outstanding == 2
+        sink.clear()
+        assert pool.outstanding == 0
+        pool.close()  # a hook still bound to a closed pool gathers into fresh arrays
+        sink, _ = _capture(x, mask=mask, pool=pool)  # type: ignore[arg-type]
+        for batch in sink.record_batches:
+            for row, want in enumerate(expected):
+                assert batch.payload_of(row).tobytes() == want.numpy().tobytes()
+    finally:
+        pool.close()
 
 
 def test_a_non_contiguous_output_is_captured_in_c_order():
@@ -189,6 +222,53 @@ def test_gather_address_packs_a_tensors_ranges_and_refuses_what_does_not_fit():
         gather_address(address, size, np.array([0], dtype=np.int32), np.array([2]), 2)
     with pytest.raises(ValueError, match="null address"):
         gather_address(0, size, np.array([0]), np.array([2]), 2)
+
+
+def test_capture_records_gathers_and_stamps_in_one_call():
+    tensor = torch.arange(100, dtype=torch.uint8)
+    address, size = tensor.data_ptr(), tensor.nbytes
+    offsets, lengths = np.array([10, 50, 0]), np.array([3, 2, 0])
+    template = make_descriptors(0, [0, 3, 5], layout_ids=1)  # packed: offsets 0, 3, 5
+    keys = np.array([7, -8, 2**62], dtype=np.int64)
+    before = time.time_ns()
+    descriptors, payload = capture_records(
+        address, size, offsets, lengths, 5, None, template, 42, keys, 6
+    )
+    after = time.time_ns()
+    assert payload.tolist() == [10, 11, 12, 50, 51] and not payload.flags.writeable
+    assert not descriptors.flags.writeable
+    assert (descriptors["output_id"] == 42).all() and (descriptors["step"] == 6).all()
+    assert descriptors["key"].tolist() == keys.tolist()
+    assert before <= descriptors["timestamp_ns"][0] <= after
+    assert (descriptors["timestamp_ns"] == descriptors["timestamp_ns"][0]).all()
+    for field in ("layout_id", "seq", "offset", "length"):
+        assert descriptors[field].tolist() == template[field].tolist()
+    assert (template["output_id"] == 0).all()  # the template is untouched
+    into = np.full(8, 255, dtype=np.uint8)
+    _, payload = capture_records(address, size, offsets, lengths, 5, into, template, 1, keys, 0)
+    assert payload.tolist() == [10, 11, 12, 50, 51] and not payload.flags.writeable
+    assert payload.base is into and into.tolist()[5:] == [255] * 3  # a view; nothing past it
+    into[:] = 0
+    for bad, match in [
+        ((address, size, np.array([99, 0, 0]), lengths, 5, None), "outside the 100-byte"),
+        ((address, size, offsets, lengths, 6, None), "cover 5 bytes, not 6"),
+        ((address, size, offsets, lengths[:2], 5, None), "3 offsets but 2 lengths"),
+        ((0, size, offsets, lengths, 5, None), "null address"),
+        ((address, size, offsets, lengths, 5, np.zeros(4, np.uint8)), "holds 4 bytes, not 5"),
+        ((address, size, offsets, lengths, 5, np.zeros(8, np.int16)), "writable 1-D"),
+        ((address, size, offsets, lengths, 5, payload), "writable 1-D"),  # read-only
+    ]:
+        with pytest.raises(ValueError, match=match):
+            capture_records(*bad, template, 1, keys, 0)
+    assert into.tolist() == [0] * 8  # refused before a byte was copied
+    with pytest.raises(ValueError, match="template must be 3 descriptors"):
+        capture_records(address, size, offsets, lengths, 5, None, template[:2], 1, keys, 0)
+    with pytest.raises(ValueError, match="needs 3 keys"):
+        capture_records(address, size, offsets, lengths, 5, None, template, 1, keys[:2], 0)
+    with pytest.raises(ValueError, match="needs 3 keys"):
+        capture_records(
+            address, size, offsets, lengths, 5, None, template, 1, keys.astype(np.int32), 0
+        )
 
 
 def test_stamped_copy_sets_output_id_and_time_and_keeps_the_rest():

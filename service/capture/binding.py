@@ -20,13 +20,12 @@ hook.  ``on_error="raise"`` raises instead (tests, strict users).
 from __future__ import annotations
 
 import fnmatch
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from taproute.native import BufferLease, stamped_copy
+from taproute.native import BufferLease
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
@@ -183,32 +182,14 @@ def bind_module(
             cached = _context_plan(shape, token_axis, plan_key, context)
         if token_axis and not context.runs:
             tensor, owned = real_positions(tensor, context), True
-        token_shape, offsets, lengths, covered, packed, in_source = cached
-        if not shape_noted or shape_noted[0] != token_shape:
-            _note_shape(token_shape)
-        payload, release, is_packed = to_host(
-            tensor,
-            pool,
-            owned=owned,
-            as_numpy=as_numpy,
-            offsets=offsets,
-            lengths=lengths,
-            covered=covered,
+        if not shape_noted or shape_noted[0] != cached[0]:
+            _note_shape(cached[0])
+        descriptors, payload, release = to_host(
+            tensor, pool, owned, as_numpy, cached, output_id, context.key_array, context.step
         )
         # Descriptors made here from the plan are right by construction: the
         # batch is offered as it is, without the intake's check.
-        batch = RecordBatch(
-            stamped_copy(
-                packed if is_packed else in_source,
-                output_id,
-                time.time_ns(),
-                context.key_array,
-                context.step,
-            ),
-            payload,
-            BufferLease(release),
-            covered,
-        )
+        batch = RecordBatch(descriptors, payload, BufferLease(release), cached[3])
         try:
             queued = runtime.offer_captured(batch)
         except BaseException:

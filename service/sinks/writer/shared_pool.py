@@ -95,9 +95,10 @@ def _size_class(nbytes: int) -> int:
 class SharedBufferPool:
     """Reusable host buffers in shared-memory segments (see the module docstring).
 
-    ``take`` returns a uint8 torch tensor (for capture hooks:
-    ``bind_modules(..., pool=sink.buffer_pool)``), ``take_array`` a numpy
-    array; both go back with ``give_back``.  Never pinned: page-locking
+    ``take`` returns a uint8 torch tensor (for capture hooks' device outputs:
+    ``bind_modules(..., pool=sink.buffer_pool)``), ``take_array`` and
+    ``take_host`` a numpy array (``take_host``, for capture hooks' CPU
+    outputs, None once closed); all go back with ``give_back``.  Never pinned: page-locking
     shared memory for CUDA copies is not done yet (a device-to-host copy into
     it is synchronous, still correct).
     """
@@ -134,6 +135,20 @@ class SharedBufferPool:
         with self._lock:
             if self._closed:
                 raise SharedPoolClosed("SharedBufferPool is closed")
+            self.outstanding += 1
+            free = self._free[size]
+            if free:
+                return free.pop()
+            self.allocated += 1
+            return self._carve(size)
+
+    def take_host(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """:meth:`take_array` for a capture hook: None once the pool is closed
+        (the hook then gathers into a fresh, private array instead)."""
+        size = _size_class(nbytes)
+        with self._lock:
+            if self._closed:
+                return None
             self.outstanding += 1
             free = self._free[size]
             if free:
