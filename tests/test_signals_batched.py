@@ -373,10 +373,26 @@ def qk_batch(rng: np.random.Generator, config: qk.QKConfig) -> list[np.ndarray]:
     return arrays
 
 
+def long_keys_batch(rng: np.random.Generator, config: qk.QKConfig) -> list[np.ndarray]:
+    """Records longer than d whose keys span fewer than d dimensions in some
+    head: exactly (12 tokens: a zero key coordinate, Kᵀ K singular) or up to
+    1e-4 (13 tokens: Kᵀ K ill-conditioned), each beside a full-rank record of
+    the same length."""
+    d, hidden = config.hidden // config.heads, config.hidden
+    arrays = [rng.normal(size=(t, 2 * hidden)).astype(np.float32) for t in (12, 12, 13, 13)]
+    arrays[1][:, hidden + d - 1] = 0.0  # head 0's last key coordinate
+    basis = rng.normal(size=(2, d))
+    for h in (0, 2):
+        keys = rng.normal(size=(13, 2)) @ basis + 1e-4 * rng.normal(size=(13, d))
+        arrays[3][:, hidden + h * d : hidden + (h + 1) * d] = keys
+    return arrays
+
+
 @pytest.mark.parametrize("which", list(QK_CONFIGS))
-def test_qk_spectra_equal_per_record_reference(which):
+@pytest.mark.parametrize("batch", [qk_batch, long_keys_batch])
+def test_qk_spectra_equal_per_record_reference(which, batch):
     config = QK_CONFIGS[which]
-    arrays = qk_batch(np.random.default_rng(16), config)
+    arrays = batch(np.random.default_rng(16), config)
     rows = REGISTRY.get(config.spectra).fn(records_of(arrays, QK, hooks=HOOKS))
     assert len(rows) == len(arrays) * config.heads
     for r, a in enumerate(arrays):

@@ -112,7 +112,12 @@ def qk_stats(
     how the spectrum is computed.
     """
     n, t, hidden = q.shape
-    per = max(1, _CHUNK_ELEMENTS // max(1, heads * t * t))
+    d = hidden // heads
+    # The full logits are needed by the T x T Gram matrix (T <= d) and by a
+    # bidirectional softmax; otherwise each causal row block computes only
+    # the keys it sees, and a chunk holds at most one block of logits.
+    full = t <= d or not causal
+    per = max(1, _CHUNK_ELEMENTS // max(1, heads * t * (t if full else min(t, _ROW_BLOCK))))
     if n > per:
         parts = [
             qk_stats(q[i : i + per], k[i : i + per], heads=heads, top_k=top_k, causal=causal)
@@ -121,12 +126,13 @@ def qk_stats(
         return QKStats(
             *(np.concatenate([getattr(p, f.name) for p in parts]) for f in attrs.fields(QKStats))
         )
-    d = hidden // heads
     qh, kh = _split_heads(q, heads), _split_heads(k, heads)
     scale = 1.0 / math.sqrt(d)
-    scores = qh @ kh.transpose(0, 1, 3, 2)
-    scores *= scale  # [n, H, T, T]
-    sv = singular_values(qh, kh, scores, scale)
+    scores = None
+    if full:
+        scores = qh @ kh.transpose(0, 1, 3, 2)
+        scores *= scale  # [n, H, T, T]
+    sv = singular_values(qh, kh, scale, scores)
     total = sv.sum(-1)
     p = sv / np.where(total > 0, total, 1.0)[..., None]
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
@@ -137,7 +143,7 @@ def qk_stats(
     m = min(top_k, sv.shape[-1])
     singular[..., :m] = sv[..., :m]
 
-    entropy = softmax_entropy(scores, causal)  # [n, H, T]
+    entropy = softmax_entropy(qh, kh, scale, causal, scores)  # [n, H, T]
     rows = entropy[..., 1:] if causal and t > 1 else entropy
     return QKStats(
         singular=singular,
@@ -153,56 +159,117 @@ def qk_stats(
 def singular_values(
     qh: npt.NDArray[np.float64],
     kh: npt.NDArray[np.float64],
-    scores: npt.NDArray[np.float64],
     scale: float,
+    scores: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.float64]:
-    """Singular values (descending, ``[..., min(T, d)]``) of ``scores = scale * qh khᵀ``.
+    """Singular values (descending, ``[..., min(T, d)]``) of ``scores = scale * qh khᵀ``
+    (``scores`` may be given, else it is computed where it is needed).
 
-    T > d: the SVD of the d x d matrix R_Q R_Kᵀ of the two QR factors (the same
-    values, a smaller problem).  T <= d: the square roots of the eigenvalues of
-    the T x T Gram matrix A Aᵀ (one stacked ``eigvalsh``, about half the cost
-    of a stacked SVD at these sizes).  Squaring costs precision only in values
-    far below the spectral norm: each value is within 1e-7 x s1 of LAPACK's
-    SVD (a float32 column's own resolution of s1), and eigenvalues that are
-    rounding noise (below T * eps * s1²) count as exact zeros.
+    Both shapes come down to one stacked ``eigvalsh`` of the smaller side:
+    T <= d, the T x T Gram matrix A Aᵀ; T > d, a d x d matrix with the same
+    nonzero eigenvalues (see :func:`_key_side_gram`), built from d x d Gram
+    matrices in a few stacked BLAS and LAPACK calls, where an SVD of A, or
+    QR of both sides and a d x d SVD, cost several times as much.  Squaring
+    costs precision only in values far below the spectral norm: each value
+    is within 1e-7 x s1 of LAPACK's SVD (a float32 column's own resolution
+    of s1), and eigenvalues that are rounding noise (below max(T, d) * eps *
+    s1²) count as exact zeros.
     """
-    t, d = scores.shape[-1], qh.shape[-1]
+    t, d = qh.shape[-2], qh.shape[-1]
     if t > d:
-        rq: npt.NDArray[np.float64] = np.linalg.qr(qh, mode="r")  # type: ignore[assignment]
-        rk: npt.NDArray[np.float64] = np.linalg.qr(kh, mode="r")  # type: ignore[assignment]
-        small = rq @ rk.transpose(0, 1, 3, 2)
-        return np.asarray(np.linalg.svd(small, compute_uv=False), dtype=np.float64) * scale
-    gram = scores @ scores.transpose(0, 1, 3, 2)
+        gram = _key_side_gram(qh, kh)
+    else:
+        if scores is None:
+            scores = qh @ kh.transpose(0, 1, 3, 2)
+            scores *= scale
+        gram = scores @ scores.transpose(0, 1, 3, 2)
     eigen = np.linalg.eigvalsh(gram)[..., ::-1]  # descending
-    noise = t * np.finfo(np.float64).eps * eigen[..., :1]
+    if t > d:
+        eigen = eigen * (scale * scale)
+    noise = max(t, d) * np.finfo(np.float64).eps * eigen[..., :1]
     result: npt.NDArray[np.float64] = np.sqrt(np.where(eigen > noise, eigen, 0.0))
     return result
 
 
-def softmax_entropy(scores: npt.NDArray[np.float64], causal: bool) -> npt.NDArray[np.float64]:
-    """Entropy (nats) of the softmax of each row of ``scores`` (causal: keys <= query).
+def _key_side_gram(
+    qh: npt.NDArray[np.float64], kh: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """A d x d symmetric matrix whose eigenvalues are those of (Q Kᵀ)(Q Kᵀ)ᵀ,
+    nonzero ones included, per head (``[..., T, d]`` inputs, T > d).
+
+    With Kᵀ K = L Lᵀ (Cholesky), Lᵀ (Qᵀ Q) L is similar to (Qᵀ Q)(Kᵀ K),
+    whose eigenvalues are those of Q Kᵀ K Qᵀ: two d x d Gram matrices, one
+    d x d Cholesky and two d x d products.  Where some head's keys span
+    fewer than d dimensions (Kᵀ K singular, Cholesky refuses the chunk),
+    BᵀB with B = Q R_Kᵀ and K = Q_K R_K (one QR of the keys) serves instead.
+    """
+    kt = kh.transpose(0, 1, 3, 2)
+    try:
+        low = np.linalg.cholesky(kt @ kh)
+    except np.linalg.LinAlgError:
+        rk: npt.NDArray[np.float64] = np.linalg.qr(kh, mode="r")  # type: ignore[assignment]
+        b = qh @ rk.transpose(0, 1, 3, 2)
+        return b.transpose(0, 1, 3, 2) @ b
+    gq = qh.transpose(0, 1, 3, 2) @ qh
+    return low.transpose(0, 1, 3, 2) @ gq @ low
+
+
+def softmax_entropy(
+    qh: npt.NDArray[np.float64],
+    kh: npt.NDArray[np.float64],
+    scale: float,
+    causal: bool,
+    scores: npt.NDArray[np.float64] | None = None,
+) -> npt.NDArray[np.float64]:
+    """Entropy (nats) of the softmax of each row of ``scale * qh khᵀ`` (causal:
+    keys <= query); ``scores``, if given, are those logits already computed,
+    and are consumed (overwritten) here.
 
     Causal rows go in blocks of :data:`_ROW_BLOCK` query positions, each over
-    the keys it can see, so a long sequence skips most of the masked half.
+    the keys it can see, so a long sequence skips most of the masked half
+    (of the exponentials and, when ``scores`` is not given, of the products).
     """
-    t = scores.shape[-1]
+    t = qh.shape[-2]
     if not causal:
-        return _row_entropy(scores, None)
-    out = np.empty(scores.shape[:-1])
+        return _row_entropy(_logits(qh, kh, scale, scores, 0, t, t), None)
+    out = np.empty(qh.shape[:-1])
     for start in range(0, t, _ROW_BLOCK):
         stop = min(t, start + _ROW_BLOCK)
         future = np.arange(stop)[None, :] > np.arange(start, stop)[:, None]
-        out[..., start:stop] = _row_entropy(scores[..., start:stop, :stop], future)
+        out[..., start:stop] = _row_entropy(
+            _logits(qh, kh, scale, scores, start, stop, stop), future
+        )
     return out
+
+
+def _logits(
+    qh: npt.NDArray[np.float64],
+    kh: npt.NDArray[np.float64],
+    scale: float,
+    scores: npt.NDArray[np.float64] | None,
+    start: int,
+    stop: int,
+    keys: int,
+) -> npt.NDArray[np.float64]:
+    """The logits of query rows ``start:stop`` over the first ``keys`` keys, as a
+    scratch array: a view into ``scores`` if given (its rows are overwritten),
+    else a fresh product."""
+    if scores is not None:
+        return scores[..., start:stop, :keys]
+    block = qh[..., start:stop, :] @ kh[..., :keys, :].transpose(0, 1, 3, 2)
+    block *= scale
+    return block
 
 
 def _row_entropy(
     scores: npt.NDArray[np.float64], future: npt.NDArray[np.bool_] | None
 ) -> npt.NDArray[np.float64]:
-    """Entropy of the softmax of each row of ``scores``, ``future`` cells masked
-    out: H = log z - Σ e·c / z with c = s - max and e = exp(c), in place on one
-    scratch array (few passes over the logits)."""
-    centred = scores.copy() if future is None else np.where(future, -np.inf, scores)
+    """Entropy of the softmax of each row of ``scores`` (a scratch array, it is
+    overwritten), ``future`` cells masked out: H = log z - Σ e·c / z with
+    c = s - max and e = exp(c) (few passes over the logits)."""
+    centred = scores
+    if future is not None:
+        np.copyto(centred, -np.inf, where=future)
     centred -= centred.max(-1, keepdims=True)
     exp = np.exp(centred)
     z = exp.sum(-1)
