@@ -252,6 +252,16 @@ def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return result, elapsed
 
 
+def prepared_call(
+    prepare: Callable[[], object] | None, fn: Callable[..., Any], *args: Any
+) -> tuple[Any, float]:
+    """``prepare()`` (untimed), then :func:`timed_call` of ``fn(*args)``: both in
+    the calling thread, so one thread hop carries them."""
+    if prepare is not None:
+        prepare()
+    return timed_call(fn, *args)
+
+
 def charged(wall: float, before: Any, after: Any) -> float:
     """The seconds a call is charged, from the thread's ``getrusage`` before
     and after it: its wall time if the thread waited during it (a voluntary
@@ -282,6 +292,7 @@ async def call_processor(
     hook_name: Callable[[int], str] | None = None,
     abandoned: Callable[[int], None] | None = None,
     placement: Placement | None = None,
+    prepare: Callable[[], object] | None = None,
 ) -> Outcome:
     """Run ``planned``'s processor on ``batch`` under the route's deadline.
 
@@ -290,7 +301,10 @@ async def call_processor(
     The batch's buffer stays held until the processor returns, even when
     the call was given up at its deadline (``abandoned`` counts those).
     With a ``placement``, a processor that has been quick runs on the loop
-    instead (see :class:`Placement`).
+    instead (see :class:`Placement`).  ``prepare`` runs just before the
+    processor, where it runs (in its worker thread, or on the loop), and is
+    not timed; if it raises, the processor is not called and the call fails
+    like a processor that raised.
     """
     if planned.processor is None:
         return Outcome(code=FailureCode.HANDLER_MISSING, error=LookupError("no processor"))
@@ -302,7 +316,7 @@ async def call_processor(
     elapsed = math.inf  # until the call returned
     try:
         if runs_inline(planned, place):
-            result, elapsed = timed_call(fn, records, *args)
+            result, elapsed = prepared_call(prepare, fn, records, *args)
             # A schedule point, as a thread hop would be (shielded: a cancellation
             # cannot lose a result already computed), unless the task has just
             # passed one (the record worker, woken for this batch: fairness.py).
@@ -314,7 +328,8 @@ async def call_processor(
                     with trio.move_on_after(deadline) as scope:
                         result, elapsed = await trio.to_thread.run_sync(
                             held.run,
-                            timed_call,
+                            prepared_call,
+                            prepare,
                             fn,
                             records,
                             *args,

@@ -20,6 +20,7 @@ from taproute.actors.keys import KeyControl, distinct_keys
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.parking import restored_attempt
 from taproute.native import partition_keys
+from taproute.native.state import SavedSlots
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import KeyOutOfRange
 from taproute.routing.failures import FailureCode
@@ -29,6 +30,35 @@ from taproute.routing.parking import Restored
 @attrs.frozen
 class _RetryKey:
     key: int
+
+
+class _Rollback:
+    """The save of the slots one processor call may touch (its keys'), made
+    by calling it where the call runs, and put back by :meth:`undo`."""
+
+    __slots__ = ("_keys", "_route", "saved")
+
+    def __init__(self, route: StatefulRoute, keys: Keys) -> None:
+        self._route = route
+        self._keys = keys
+        self.saved: SavedSlots | None = None
+
+    def __call__(self) -> None:
+        route = self._route
+        touched = distinct_keys(self._keys, route.key_range)
+        owner = route._owner_of(int(touched[0])) if len(touched) else 0
+        self.saved = route.state.save(touched, owner)
+
+    def undo(self) -> None:
+        """Put the saved slots back (the call failed).  Without a save (the
+        call was abandoned before its save was done, or the save raised) there
+        is nothing to put back, and the buffer that save may still be writing
+        is never reused."""
+        if self.saved is not None:
+            self._route.state.restore(self.saved)
+        else:
+            route = self._route
+            route.state.drop_spare(route._owner_of(int(self._keys[0])) if len(self._keys) else 0)
 
 
 class StatefulRoute(KeyedRoute):
@@ -240,20 +270,21 @@ class StatefulRoute(KeyedRoute):
     async def _call(self, attempt: Attempt) -> Outcome:
         """One processor call; a failed call leaves no trace in the state.
 
-        The slots of the batch's keys are saved before the call and put back
-        if it fails, so a retry or the record-by-record re-run applies each
-        record once.  (A call abandoned at its deadline may still write after
-        that: its thread cannot be stopped.)
+        The slots of the batch's keys are saved just before the call, in the
+        thread that makes it (one hop carries both, and the copy reads slots
+        that thread's core wrote last), and put back if it fails, so a retry
+        or the record-by-record re-run applies each record once.  (A call
+        abandoned at its deadline may still write after that: its thread
+        cannot be stopped.)
         """
         keys = attempt.keys
         assert keys is not None
-        touched = distinct_keys(keys, self.key_range)
-        saved = self.state.save(touched, self._owner_of(int(touched[0])) if len(touched) else 0)
-        outcome = await self._call_processor(attempt.batch, keys, self.state)
+        rollback = _Rollback(self, keys)
+        outcome = await self._call_processor(attempt.batch, keys, self.state, prepare=rollback)
         if outcome.code is None:
             self.state.valid[keys] = True
         else:
-            self.state.restore(saved)
+            rollback.undo()
         return outcome
 
     def _units(self, attempt: Attempt) -> list[Attempt]:

@@ -181,11 +181,14 @@ class RouteActor(RouteScreening):
         """Run the processor once on ``attempt`` (kinds add their arguments)."""
         return await self._call_processor(attempt.batch)
 
-    async def _call_processor(self, batch: RecordBatch, *args: Any) -> Outcome:
+    async def _call_processor(
+        self, batch: RecordBatch, *args: Any, prepare: Callable[[], object] | None = None
+    ) -> Outcome:
         return await call_processor(
             self.planned,
             batch,
             *args,
+            prepare=prepare,
             limiter=self.limiter,
             threads=self._threads,
             hook_name=self._hook_name,

@@ -78,6 +78,11 @@ class StateRegion:
         np.take(self.slots, keys, axis=0, out=spare[:rows])
         return SavedSlots(keys, -1, spare[:rows])
 
+    def drop_spare(self, owner: int) -> None:
+        """Let go of ``owner``'s save buffer: its next :meth:`save` copies into a
+        new one (a save abandoned midway may still be writing the old one)."""
+        self._spare.pop(owner, None)
+
     def restore(self, saved: SavedSlots) -> None:
         """Put back the slots :meth:`save` copied: only those of its keys
         (another owner may be writing other slots of a span meanwhile)."""
