@@ -4,12 +4,14 @@ counting, stateful isolation, leases on every exit path, predicates."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import trio
 import trio.testing
 
 from taproute.actors import open_routing_sink
+from taproute.native import StateRegion
 from taproute.routing import (
     FailureCode,
     FailurePolicy,
@@ -252,6 +254,22 @@ async def test_stateful_isolation_applies_each_good_record_once():
     assert rows[rows["key"] == 3]["norm"].tolist() == [1.0, 2.0, 3.0]
     assert [int(f.records.descriptors["key"][0]) for f in failures] == [5]
     assert counters.processed == 3 and counters.failed == 1
+
+
+async def test_the_rollback_save_is_made_in_the_processors_worker_thread(monkeypatch):
+    """One thread hop carries the save and the call: the loop thread saves nothing
+    (and the isolation above still finds each good record applied once)."""
+    saved_in: list[int] = []
+    save = StateRegion.save
+
+    def recorded(self, keys, owner):
+        saved_in.append(threading.get_ident())
+        return save(self, keys, owner)
+
+    monkeypatch.setattr(StateRegion, "save", recorded)
+    await test_stateful_isolation_applies_each_good_record_once()
+    assert len(saved_in) == 4  # the batch, then key 3's records one by one
+    assert threading.get_ident() not in saved_in
 
 
 # -- #10.4: every accepted batch is released once, on every exit path ------------------------

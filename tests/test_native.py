@@ -161,6 +161,16 @@ def test_state_save_copies_a_dense_span_whole_and_gathers_sparse_keys():
     assert np.shares_memory(region.save(dense[:5], 0).copy, saved.copy)
 
 
+def test_state_save_after_drop_spare_copies_into_a_new_buffer():
+    """A save abandoned midway may still be writing its buffer: once dropped,
+    the owner's next save does not reuse it."""
+    region = StateRegion(100, (2,), "f8", 2)
+    keys = np.arange(10, 20)
+    first = region.save(keys, 0).copy
+    region.drop_spare(0)
+    assert not np.shares_memory(region.save(keys, 0).copy, first)
+
+
 def test_lease_fires_once_after_last_holder():
     calls = []
     lease = BufferLease(lambda: calls.append("released"))
