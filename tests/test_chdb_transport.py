@@ -9,6 +9,7 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from taproute.routing import Layout, RecordSchema
 from taproute.service import ClickHouseSink
@@ -148,3 +149,115 @@ def test_server_tables_get_only_the_deduplication_window():
     sql = spec.create_sql(ServerTransport.table_settings)
     assert sql.endswith("SETTINGS non_replicated_deduplication_window = 10000")
     assert spec.create_sql() == sql
+
+
+def _every_type_table(transport: ChdbTransport) -> str:
+    name = "t" + uuid.uuid4().hex[:10]
+    transport.execute(
+        f"CREATE TABLE `{name}` (hook LowCardinality(String), id UInt32, at DateTime64(9), "
+        "half BFloat16, halves Array(BFloat16), ok Bool, tag FixedString(3), note String, "
+        "wide Float64, shape Array(UInt32)) ENGINE = MergeTree ORDER BY (hook, id) "
+        "SETTINGS non_replicated_deduplication_window = 1000"
+    )
+    return name
+
+
+def _every_type_block(first: int, names: list[str]) -> pa.Table:
+    """Four rows of every column kind the sink writes; ``hook`` encoded with
+    the dictionary ``names`` (the sink's hook names when it converted them)."""
+    ids = np.arange(first, first + 4, dtype=np.uint32)
+    halves = np.array([1.5, -2.25, 3.0e38, 2.0**-130, 7.0, 0.0, -0.0, 1.0], dtype=np.float32)
+    return pa.table(
+        {
+            "hook": pa.DictionaryArray.from_arrays(
+                pa.array(np.array([0, 1, 0, len(names) - 1], dtype=np.int32)),
+                pa.array(names, pa.string()),
+            ),
+            "id": pa.array(ids),
+            "at": pa.array(ids.astype(np.int64) * 1_000_000_007).cast(pa.timestamp("ns")),
+            "half": pa.array(halves[:4]),
+            "halves": pa.ListArray.from_arrays(
+                pa.array(np.array([0, 2, 2, 5, 8], dtype=np.int32)), pa.array(halves)
+            ),
+            "ok": pa.array([True, False, True, True]),
+            "tag": pa.array([b"abc", b"de\x00", b"\xff\x00z", b"xyz"], pa.binary(3)),
+            "note": pa.array(["", "é ü", "x" * 300, "tab\there"], pa.string()),
+            "wide": pa.array(np.array([1e300, -1e-300, 0.1, np.pi])),
+            "shape": pa.ListArray.from_arrays(
+                pa.array(np.array([0, 2, 2, 3, 4], dtype=np.int32)),
+                pa.array(np.array([4, 384, 7, 2**32 - 1], dtype=np.uint32)),
+            ),
+        }
+    )
+
+
+@pytest.fixture
+def through_file(chdb_transport):
+    """A transport handing blocks over as in-memory Arrow files (Linux)."""
+    transport = ChdbTransport(chdb_transport.path, scratch_inserts=True)
+    yield transport
+    transport.close()
+
+
+def test_both_ways_into_chdb_write_the_same_values(chdb_transport, through_file):
+    """Blocks handed over as an in-memory Arrow file and through ``Python()``
+    (the default) land as the same rows, value for value: BFloat16 (given as
+    Float32) exactly, nanoseconds, bytes, text, the hook names of a block
+    whose batches were converted under two versions of them."""
+    assert through_file.scratch_inserts and not chdb_transport.scratch_inserts
+    tables = {}
+    for name, transport in (("file", through_file), ("python", chdb_transport)):
+        table = _every_type_table(transport)
+        block = pa.concat_tables(
+            [
+                _every_type_block(0, ["a.h0", "a.h1"]),
+                _every_type_block(4, ["a.h0", "a.h1", "a.h2"]),
+            ]
+        )
+        transport.insert(table, block, dedup_token=uuid.uuid4().hex)
+        tables[name] = table
+    read = {
+        name: chdb_transport.query(
+            f"SELECT hook, id, toUnixTimestamp64Nano(at) AS at, "
+            f"reinterpretAsUInt16(half) AS half_bits, "
+            f"arrayMap(x -> reinterpretAsUInt16(x), halves) AS halves_bits, ok, "
+            f"hex(tag) AS tag, note, wide, shape FROM `{table}` ORDER BY id"
+        ).to_pydict()
+        for name, table in tables.items()
+    }
+    assert read["file"] == read["python"]
+    got = read["file"]
+    assert got["hook"] == ["a.h0", "a.h1", "a.h0", "a.h1", "a.h0", "a.h1", "a.h0", "a.h2"]
+    assert got["at"][3] == 3 * 1_000_000_007
+    assert got["tag"][:3] == ["616263", "646500", "FF007A"]
+    assert got["note"][2] == "x" * 300
+    assert got["shape"][:4] == [[4, 384], [], [7], [2**32 - 1]]
+    # 1.5 and -2.25 are bfloat16 values: their bits are Float32's upper half.
+    expected = np.array([1.5, -2.25], dtype=np.float32).view(np.uint32) >> 16
+    assert got["half_bits"][:2] == expected.tolist()
+    assert got["halves_bits"][0] == expected.tolist()
+
+
+def test_an_insert_leaves_its_in_memory_file_empty_and_a_refused_block_writes_nothing(
+    through_file,
+):
+    """Between inserts the transport holds no copy of a block; a block chDB
+    refuses raises chDB's error naming the column, and the next block goes
+    through the same connection and file."""
+    chdb_transport = through_file
+    table = _table(chdb_transport)
+    chdb_transport.insert(table, _block(1, 1), dedup_token=uuid.uuid4().hex)
+    bad = _block(1, 2).set_column(2, "v", pa.array([["not a float"]] * 20, pa.list_(pa.string())))
+    try:
+        chdb_transport.insert(table, bad, dedup_token=uuid.uuid4().hex)
+    except Exception as exc:
+        assert "`v`" in str(exc)
+    else:
+        raise AssertionError("a block of text went into Array(Float32)")
+    chdb_transport.insert(table, _block(1, 3), dedup_token=uuid.uuid4().hex)
+    lanes = chdb_transport._opened
+    assert lanes and all(lane.scratch is not None and lane.scratch.size == 0 for lane in lanes)
+    count = chdb_transport.query(
+        f"SELECT block, count() AS n FROM `{table}` GROUP BY block ORDER BY block"
+    ).to_pydict()
+    assert count == {"block": [1, 3], "n": [20, 20]}

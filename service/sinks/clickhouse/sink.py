@@ -192,10 +192,15 @@ class ClickHouseSink(OwnerInserts):
     def embedded(
         cls, schema: RecordSchema, path: str | Path = "taproute-data", **kwargs: Any
     ) -> ClickHouseSink:
-        """A sink on chDB persisted to ``path`` (tables created by default)."""
+        """A sink on chDB persisted to ``path`` (tables created by default).
+
+        ``scratch_inserts=True`` hands blocks to chDB as in-memory Arrow files
+        read without the GIL, instead of through ``Python()``
+        (:class:`ChdbTransport`); the other keywords are the sink's."""
         expect_schema(schema, "ClickHouseSink.embedded(schema, path, ...)")
         kwargs.setdefault("create_tables", True)
-        return cls._owning(ChdbTransport(path), schema, kwargs)
+        transport = ChdbTransport(path, scratch_inserts=kwargs.pop("scratch_inserts", None))
+        return cls._owning(transport, schema, kwargs)
 
     @classmethod
     def server(cls, schema: RecordSchema, client_or_url: Any, **kwargs: Any) -> ClickHouseSink:

@@ -17,10 +17,16 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+import attrs
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
 from taproute.service.sinks.clickhouse.reach import NotReached, probe
+from taproute.service.sinks.clickhouse.scratch import (
+    SCRATCH_READ_SETTINGS,
+    ArrowScratch,
+    scratch_files_work,
+)
 from taproute.service.sinks.clickhouse.transient import classify, error_code, http_status
 
 #: Seconds a server has to answer before it counts as unreachable (TCP
@@ -195,22 +201,46 @@ class ChdbTransport:
     queries on separate connections in parallel), one per insert in flight,
     kept for the next insert: two blocks of a flush are written at once, not
     one after the other.
+
+    An insert hands chDB its Arrow table through ``Python()`` (no copy
+    before chDB's own), which holds the GIL for part of the read: about 1-2
+    ms of a 10 MB insert, time a model's Python thread in this process may
+    wait.  ``scratch_inserts=True`` hands it over as an Arrow IPC stream in
+    an in-memory file instead (:mod:`.scratch`, Linux only), which chDB
+    reads without the GIL, at the price of one more copy of each block
+    (about 6 ms of CPU per 10 MB, outside the GIL).  Measured on a loaded
+    2-core machine it halved the model thread's GIL waits but not its
+    forward time (README, "Performance"), so it is not the default.
+    ``scratch_inserts=None`` (the default) and False mean ``Python()``.
     """
 
     table_settings: ClassVar[Mapping[str, int]] = CHDB_TABLE_SETTINGS
 
-    def __init__(self, path: str | Path = "taproute-data") -> None:
+    def __init__(
+        self, path: str | Path = "taproute-data", *, scratch_inserts: bool | None = None
+    ) -> None:
         self.path = Path(path).resolve()
         self.path.mkdir(parents=True, exist_ok=True)
         self.description = f"chDB at {self.path}"
         self._session = _SharedSession.acquire(self.path)
         self._lock = _SharedSession.query_lock
         self._closed = False
-        self._idle: list[Any] = []  # insert connections not in use now
-        self._opened: list[Any] = []  # every insert connection, closed with the transport
+        self._idle: list[_InsertLane] = []  # insert connections not in use now
+        self._opened: list[_InsertLane] = []  # every one, closed with the transport
         self._connections_lock = threading.Lock()
+        if scratch_inserts:
+            with self._lock:
+                works = scratch_files_work(self._session)
+            if not works:
+                _SharedSession.release()
+                raise ConfigError(
+                    f"scratch_inserts=True, but chDB in this process cannot read an in-memory "
+                    f"file (memfd_create and /proc/self/fd, Linux only) for {self.description}"
+                )
+        #: Whether inserts go through an in-memory Arrow IPC file (else ``Python()``).
+        self.scratch_inserts = bool(scratch_inserts)
 
-    def _connection(self) -> Any:
+    def _connection(self) -> _InsertLane:
         """An insert connection nobody uses now (a new one if all are busy)."""
         with self._connections_lock:
             if self._closed:
@@ -219,13 +249,15 @@ class ChdbTransport:
                 return self._idle.pop()
             from chdb import session
 
-            connection = session.Session(str(self.path))
-            self._opened.append(connection)
-            return connection
+            lane = _InsertLane(
+                session.Session(str(self.path)), ArrowScratch() if self.scratch_inserts else None
+            )
+            self._opened.append(lane)
+            return lane
 
-    def _give_back(self, connection: Any) -> None:
+    def _give_back(self, lane: _InsertLane) -> None:
         with self._connections_lock:
-            self._idle.append(connection)
+            self._idle.append(lane)
 
     def describe(self, table: str) -> list[tuple[str, str]] | None:
         try:
@@ -243,19 +275,33 @@ class ChdbTransport:
 
     def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
         columns = ", ".join(f"`{name}`" for name in data.column_names)
-        # chDB's Python() table function reads the Arrow table named here from
-        # this frame's locals: no serialisation, no per-row work.
-        arrow_input = data  # noqa: F841 - referenced by name in the SQL below
-        sql = (
-            f"INSERT INTO `{table}` ({columns}) "
+        settings = (
             f"SETTINGS insert_deduplicate = 1, insert_deduplication_token = '{dedup_token}', "
-            f"{CHDB_INSERT_SETTINGS} SELECT {columns} FROM Python(arrow_input)"
+            f"{CHDB_INSERT_SETTINGS}"
         )
-        connection = self._connection()
+        lane = self._connection()
         try:
-            connection.query(sql)
+            scratch = lane.scratch
+            if scratch is None:
+                # chDB's Python() table function reads the Arrow table named
+                # here from this frame's locals: no serialisation, no per-row
+                # work, but part of the read holds the GIL.
+                arrow_input = data  # noqa: F841 - referenced by name in the SQL below
+                lane.connection.query(
+                    f"INSERT INTO `{table}` ({columns}) {settings} "
+                    f"SELECT {columns} FROM Python(arrow_input)"
+                )
+                return
+            scratch.write(data)
+            try:
+                lane.connection.query(
+                    f"INSERT INTO `{table}` ({columns}) {settings}, {SCRATCH_READ_SETTINGS} "
+                    f"SELECT {columns} FROM {scratch.source()}"
+                )
+            finally:
+                scratch.clear()
         finally:
-            self._give_back(connection)
+            self._give_back(lane)
 
     def query(self, sql: str) -> pa.Table:
         with self._lock:
@@ -277,10 +323,26 @@ class ChdbTransport:
             self._closed = True
             opened, self._opened, self._idle = self._opened, [], []
         try:
-            for connection in opened:
-                connection.close()
+            for lane in opened:
+                lane.close()
         finally:
             _SharedSession.release()
+
+
+@attrs.frozen
+class _InsertLane:
+    """An insert connection, and the in-memory file its inserts are read
+    from (None: inserts through ``Python()``)."""
+
+    connection: Any
+    scratch: ArrowScratch | None
+
+    def close(self) -> None:
+        try:
+            self.connection.close()
+        finally:
+            if self.scratch is not None:
+                self.scratch.close()
 
 
 class ServerTransport:
