@@ -4,6 +4,7 @@ probe, not part of the suite).
 
     python bench/chdb_insert_probe.py inserts   # CPU per insert, settings interleaved
     python bench/chdb_insert_probe.py merges    # merge CPU over a stream of inserts
+    python bench/chdb_insert_probe.py gil       # GIL held per insert, Python() vs file
 
 ``inserts``: a 1-row block (the fixed cost of an insert) and a 10.6 MB block
 (216 rows of 8-16k floats, what the sink seals at its 10 MiB default) inserted
@@ -12,16 +13,27 @@ stopped, each variant (insert or table settings) interleaved round by round;
 process CPU per insert (``time.process_time``: every thread, chDB's own).
 ``merges``: 60 inserts of 10.6 MB into one table per table setting, in turn,
 then the CPU of chDB's ``MergeMutate`` threads until no merge runs, and the
-parts left.  The output is printed; keep it under ``bench/profiles/``.
+parts left.  ``gil``: a pure-Python loop on the main thread while another
+thread inserts 10.6 MB blocks (27 batches concatenated, as the sink's blocks
+are) through ``ChdbTransport``, paced at one block per ``INTERVAL``, with its
+Arrow table handed over through ``Python()`` (``scratch_inserts=False``) or
+as an Arrow IPC stream in an in-memory file (``scratch_inserts=True``), beside
+a GIL-free control (hashlib over 16 MB) and nothing (idle), windows
+interleaved; per window the loop thread's time blocked (neither running nor
+runnable, from its ``schedstat``: it does no I/O, so that is waiting for the
+GIL) per insert, and its share of the window.  The output is printed; keep
+it under ``bench/profiles/``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 from chdb import session
+
+from taproute.service.sinks.clickhouse import ChdbTransport
 
 COLUMNS = (
     "hook LowCardinality(String), output_id UInt32, key Int64, step Int64, seq Int64, "
@@ -163,14 +177,109 @@ def merges(sess: session.Session, inserts_per_table: int = 60) -> None:
         )
 
 
+#: Seconds between the starts of two inserts in ``gil`` (10.6 MB blocks: about
+#: 100 MB/s, the rate of the GPT-2 capture of ``inference_cost.py``).
+INTERVAL = 0.1
+#: Seconds of one measured window in ``gil``.
+WINDOW = 2.0
+
+
+def blocked_clock() -> tuple[float, float, float]:
+    """This thread's (wall, on-CPU, run-queue wait) seconds so far."""
+    tid = threading.get_native_id()
+    on, wait, _ = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+    return time.perf_counter(), int(on) / 1e9, int(wait) / 1e9
+
+
+def gil(data_dir: str, rounds: int = 10) -> None:
+    data = pa.concat_tables([block(8, seed) for seed in range(27)])
+    transports = {
+        "Python()": ChdbTransport(data_dir, scratch_inserts=False),
+        "file (memfd)": ChdbTransport(data_dir, scratch_inserts=True),
+    }
+    table = "t" + uuid.uuid4().hex[:8]
+    transports["Python()"].execute(
+        CREATE.format(name=table, columns=COLUMNS.format(codec=""), settings="")
+    )
+    transports["Python()"].execute(f"SYSTEM STOP MERGES `{table}`")
+    blob = np.random.default_rng(0).bytes(16 << 20)
+
+    def control() -> None:
+        hashlib.sha256(blob).digest()  # releases the GIL over large buffers
+
+    work: dict[str, Callable[[], None] | None] = {
+        name: (lambda t=t: t.insert(table, data, dedup_token=uuid.uuid4().hex))
+        for name, t in transports.items()
+    }
+    work |= {"control (hashlib)": control, "idle": None}
+
+    def window(body: Callable[[], None] | None) -> tuple[float, float, int]:
+        stop, calls = threading.Event(), [0]
+
+        def pace() -> None:
+            due = time.perf_counter()
+            while not stop.is_set():
+                assert body is not None
+                body()
+                calls[0] += 1
+                due += INTERVAL
+                stop.wait(max(0.0, due - time.perf_counter()))
+
+        thread = threading.Thread(target=pace) if body is not None else None
+        if thread is not None:
+            thread.start()
+        wall, on, wait = blocked_clock()
+        n, end = 0, wall + WINDOW
+        while True:  # the pure-Python loop
+            n += 1
+            if n % 256 == 0 and time.perf_counter() > end:
+                break
+        wall_after, on_after, wait_after = blocked_clock()
+        stop.set()
+        if thread is not None:
+            thread.join()
+        elapsed = wall_after - wall
+        blocked = elapsed - (on_after - on) - (wait_after - wait)
+        return blocked, blocked / elapsed, calls[0]
+
+    for body in work.values():  # warm up
+        if body is not None:
+            body()
+    seen: dict[str, list[tuple[float, float, int]]] = {name: [] for name in work}
+    for _ in range(rounds):
+        order = list(work)
+        random.shuffle(order)
+        for name in order:
+            seen[name].append(window(work[name]))
+    print(
+        f"{data.nbytes / 1e6:.1f} MB blocks ({data.num_rows} rows, "
+        f"{data.column('values').num_chunks} chunks), one every {INTERVAL} s, "
+        f"{rounds} windows of {WINDOW} s each, interleaved"
+    )
+    for name, windows in seen.items():
+        per = [b * 1e3 / max(1, calls) for b, _, calls in windows]
+        share = [s for _, s, _ in windows]
+        print(
+            f"{name:18s} loop blocked per insert: median {statistics.median(per):5.2f} ms "
+            f"[{min(per):5.2f} .. {max(per):5.2f}]; share of the window: median "
+            f"{statistics.median(share):6.2%}; inserts per window "
+            f"{statistics.median(c for _, _, c in windows):.0f}"
+        )
+    for transport in transports.values():
+        transport.close()
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "inserts"
     with tempfile.TemporaryDirectory() as data_dir:
-        sess = session.Session(f"{data_dir}/probe")
         print(f"{what}: load average {os.getloadavg()[0]:.1f} at start")
-        (inserts if what == "inserts" else merges)(sess)
+        if what == "gil":
+            gil(f"{data_dir}/probe", int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+        else:
+            sess = session.Session(f"{data_dir}/probe")
+            (inserts if what == "inserts" else merges)(sess)
+            sess.close()
         print(f"load average {os.getloadavg()[0]:.1f} at end")
-        sess.close()
 
 
 if __name__ == "__main__":

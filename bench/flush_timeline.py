@@ -16,6 +16,12 @@ transport's ``insert``)::
 
     python bench/flush_timeline.py --rounds 9 > bench/profiles/flush_timeline_<commit>.txt
 
+``--kinds`` picks the variants; ``early_file`` / ``late_file`` are ``early`` /
+``late`` with blocks handed to chDB as in-memory Arrow files
+(``ChdbTransport(scratch_inserts=True)``, read without the GIL) instead of
+through ``Python()``: the model thread's "blocked" time (its GIL waits) is
+the figure that says what that changes.
+
 Read ratios of one run: the machine is shared.
 """
 
@@ -37,6 +43,7 @@ from inference_cost import SCHEMA, fix_malloc, naive_hooks, probe_gpt2
 
 from taproute.service import Batching, ClickHouseSink, create_record_runtime
 from taproute.service.capture import bind_modules, capture_context
+from taproute.service.sinks.clickhouse import ChdbTransport
 from taproute.service.sinks.writer import WriterProcessSink
 
 #: The early seal measured against the default (off).
@@ -103,6 +110,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument(
+        "--kinds",
+        type=lambda text: text.split(","),
+        default=["none", "naive", "early", "late", "p_early", "p_late"],
+        help="comma-separated, of: none, naive, early, late, early_file, late_file (inserts "
+        "from an in-memory Arrow file, ChdbTransport(scratch_inserts=True), instead of "
+        "Python()), p_early, p_late",
+    )
     args = parser.parse_args()
     malloc = fix_malloc("fixed")
     model, patterns, forward, ids, mask = probe_gpt2()
@@ -111,12 +126,20 @@ def main() -> None:
     timings: dict[str, list[Round]] = {}
     with tempfile.TemporaryDirectory(prefix="taproute-flush-timeline-") as data_dir:
         runtimes: dict[str, tuple[Any, TimedTransport | None]] = {}
-        for name, batching in (
-            ("early", Batching(early_bytes=EARLY)),
-            ("late", Batching()),
+        for name, batching, scratch in (
+            ("early", Batching(early_bytes=EARLY), None),
+            ("late", Batching(), None),
+            ("early_file", Batching(early_bytes=EARLY), True),
+            ("late_file", Batching(), True),
         ):
-            sink = ClickHouseSink.embedded(
-                SCHEMA, data_dir, raw=["acts"], raw_table=f"raw_{{layout}}_{name}"
+            if name not in args.kinds:
+                continue
+            sink = ClickHouseSink(
+                ChdbTransport(data_dir, scratch_inserts=scratch),
+                SCHEMA,
+                raw=["acts"],
+                raw_table=f"raw_{{layout}}_{name}",
+                create_tables=True,
             )
             sink.batching = batching
             timed = TimedTransport(sink.transport)
@@ -127,6 +150,8 @@ def main() -> None:
             ("p_early", Batching(early_bytes=EARLY)),
             ("p_late", Batching()),
         ):
+            if name not in args.kinds:
+                continue
             writer = WriterProcessSink.embedded(
                 SCHEMA, f"{data_dir}/{name}", raw=["acts"], batching=batching
             )
@@ -196,7 +221,7 @@ def main() -> None:
                 inserts,
             )
 
-        kinds = ["none", "naive", "early", "late", "p_early", "p_late"]
+        kinds = args.kinds
         for round_ in range(args.rounds + 1):
             order = kinds if round_ % 2 else kinds[::-1]
             for kind in order:
@@ -233,7 +258,7 @@ def main() -> None:
             f"CPU/round {ms(kind, 'cpu'):4.0f}; inserts/round "
             f"{quantile([len(r.inserts) for r in rows[kind]], 0.5):.0f}"
         )
-    for kind in ("early", "late"):
+    for kind in [k for k in ("early", "late", "early_file", "late_file") if k in kinds]:
         print(f"\n{kind}: inserts per round, ms relative to the end of the forward passes")
         for r in timings[kind]:
             tail, inserts = r.flush_wait, r.inserts

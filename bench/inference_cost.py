@@ -232,7 +232,9 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     process_flush_times: list[float] = []
     naive_persisted_times: list[float] = []
     kept: list[Any] = []
-    naive_transport = ChdbTransport(f"{data_dir}/{name}")  # chDB: one directory per process
+    # chDB: one directory per process.  The peer inserts through Python(), as a
+    # chDB user would (and as it did before taproute's sink had another way).
+    naive_transport = ChdbTransport(f"{data_dir}/{name}", scratch_inserts=False)
     settings = "".join(f", {k} = {v}" for k, v in naive_transport.table_settings.items())
     naive_transport.execute(NAIVE_TABLE + settings)  # the settings taproute's tables get
     persist = naive_persist(model, patterns, mask, naive_transport)
