@@ -266,15 +266,20 @@ def _row_entropy(
 ) -> npt.NDArray[np.float64]:
     """Entropy of the softmax of each row of ``scores`` (a scratch array, it is
     overwritten), ``future`` cells masked out: H = log z - Σ e·c / z with
-    c = s - max and e = exp(c) (few passes over the logits)."""
+    c = s - max over the visible cells and e = exp(c) (few passes over the
+    logits).  Masked cells hold c = 0 when exponentiated and e = 0 after:
+    ``np.exp`` leaves its vector path for infinities."""
     centred = scores
-    if future is not None:
+    if future is None:
+        centred -= centred.max(-1, keepdims=True)
+        exp = np.exp(centred)
+    else:
         np.copyto(centred, -np.inf, where=future)
-    centred -= centred.max(-1, keepdims=True)
-    exp = np.exp(centred)
+        centred -= centred.max(-1, keepdims=True)
+        np.copyto(centred, 0.0, where=future)
+        exp = np.exp(centred)
+        exp *= ~future
     z = exp.sum(-1)
-    if future is not None:
-        np.copyto(centred, 0.0, where=future)  # e = 0 there; c = -inf would give NaN
     result: npt.NDArray[np.float64] = np.log(z) - np.vecdot(exp, centred) / z
     return result
 
