@@ -13,7 +13,8 @@
 - :func:`capture_records`: a capture hook's packed payload (into a pooled
   buffer or a fresh one) and its stamped descriptors in one call;
   :func:`stamped_copy`, :func:`gather_ranges` / :func:`gather_address`: the
-  two parts, one call each;
+  two parts, one call each; :func:`untrack_acyclic`, :class:`GiveBack`: a
+  hook's batch and its release kept out of the cyclic garbage collector;
   :func:`plan_records`: a capture's record plan and descriptor templates.
 - :func:`router_stats`, :func:`path_codes`, :func:`two_nearest` (and
   :func:`two_nearest_f32`): the signal
@@ -22,11 +23,13 @@
 """
 
 from taproute.native._capture import (
+    GiveBack,
     capture_records,
     gather_address,
     gather_ranges,
     plan_records,
     stamped_copy,
+    untrack_acyclic,
 )
 from taproute.native._lease import BufferLease, LeaseError, PartsLease
 from taproute.native._matcher import UNMATCHED, RouteTable
@@ -65,6 +68,7 @@ __all__ = [
     "UNMATCHED",
     "BufferLease",
     "DescriptorFieldError",
+    "GiveBack",
     "LeaseError",
     "PartsLease",
     "RootTable",
@@ -87,5 +91,6 @@ __all__ = [
     "scatter_add",
     "stamped_copy",
     "two_nearest",
+    "untrack_acyclic",
     "two_nearest_f32",
 ]

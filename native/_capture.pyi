@@ -1,3 +1,5 @@
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -49,3 +51,8 @@ def capture_records(
     keys: npt.NDArray[np.int64],
     step: int,
 ) -> tuple[npt.NDArray[np.void], npt.NDArray[np.uint8]]: ...
+def untrack_acyclic(*objects: object) -> None: ...
+
+class GiveBack:
+    def __init__(self, pool: Any, buffer: Any) -> None: ...
+    def __call__(self) -> object: ...

@@ -12,6 +12,7 @@ model's thread.  :func:`gather_ranges`, :func:`gather_address` and
 :func:`stamped_copy` are its parts, for callers that need only one.
 """
 
+cimport cython
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint16_t, uint32_t
@@ -21,6 +22,10 @@ from posix.time cimport CLOCK_REALTIME, clock_gettime, timespec
 include "_descriptor.pxi"
 
 cnp.import_array()
+
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+    bint PyObject_GC_IsTracked(object op)
 
 from taproute.native.descriptor import DESCRIPTOR_DTYPE
 
@@ -367,3 +372,46 @@ def gather_address(
         n,
         total,
     )
+
+
+def untrack_acyclic(*objects):
+    """Take ``objects`` out of the cyclic garbage collector's view; returns None.
+
+    For objects that cannot be part of a reference cycle, as CPython itself
+    untracks tuples and dicts that hold only atomic values: they are still
+    freed by reference counting.  A capture hook's batch, its lease and its
+    release callback are such objects (numpy arrays, ints, the pool's
+    ``give_back`` bound to a buffer: nothing refers back to them).  Queued
+    for up to a wake-up, they outlive two young collections and, tracked,
+    were promoted to the oldest generation, three objects per hook call:
+    enough to set off a full collection, which stops every thread for the
+    whole heap (a model server's: hundreds of milliseconds), every few
+    thousand calls.  Objects the collector does not track are skipped.
+    """
+    cdef object obj
+    for obj in objects:
+        if PyObject_GC_IsTracked(obj):
+            PyObject_GC_UnTrack(<void*> obj)
+
+
+@cython.no_gc
+cdef class GiveBack:
+    """``pool.give_back(buffer)`` when called: a pooled capture buffer's
+    release callback.
+
+    Not tracked by the cyclic garbage collector (one object per hook call,
+    alive while its batch is; a pool never refers to its releases, so it
+    cannot be part of a cycle), where a ``functools.partial`` and its
+    argument tuple would be two tracked objects per call (see
+    :func:`untrack_acyclic`).
+    """
+
+    cdef object _pool
+    cdef object _buffer
+
+    def __cinit__(self, pool, buffer):
+        self._pool = pool
+        self._buffer = buffer
+
+    def __call__(self):
+        return self._pool.give_back(self._buffer)

@@ -9,7 +9,9 @@ shape, padding, dtype or path, and hold exactly the real positions' values.
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -19,11 +21,13 @@ from torch import nn
 
 from taproute.native import make_descriptors
 from taproute.native._capture import (
+    GiveBack,
     capture_records,
     gather_address,
     gather_ranges,
     plan_records,
     stamped_copy,
+    untrack_acyclic,
 )
 from taproute.routing import Layout, RecordSchema
 from taproute.routing.validation import check_batch
@@ -164,6 +168,44 @@ def test_cpu_outputs_land_in_the_shared_pools_segments_and_go_back_on_release():
                 assert batch.payload_of(row).tobytes() == want.numpy().tobytes()
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled"])
+def test_a_hooks_batch_is_kept_out_of_the_cyclic_gc_and_still_freed_and_released(pooled):
+    """Queued batches outlive young collections; tracked, each hook call
+    promoted its batch, lease and release to the oldest generation and set
+    off full collections.  Untracked, they are still freed by refcount and
+    a pooled buffer still goes back once."""
+    pool = HostBufferPool(pin=False, cpu_outputs=True) if pooled else None
+    sink, _ = _capture(torch.randn(4, 6, 5), mask=_mask(4, 6, "right"), pool=pool)
+    batch = sink.record_batches[0]
+    assert not gc.is_tracked(batch) and not gc.is_tracked(batch.lease)
+    freed = weakref.finalize(batch.payload.base if pooled else batch.payload, lambda: None)
+    if pooled:
+        assert pool is not None and pool.outstanding == 2
+    del batch
+    sink.clear()
+    if pooled:
+        assert pool is not None and pool.outstanding == 0  # released once each
+        assert freed.alive  # the buffer is the pool's again, not freed
+    else:
+        assert not freed.alive  # freed by refcount, without a collection
+
+
+def test_give_back_returns_its_buffer_to_its_pool_and_is_not_gc_tracked():
+    pool = HostBufferPool(pin=False)
+    buffer = pool.take_host(100)
+    release = GiveBack(pool, buffer)
+    assert not gc.is_tracked(release) and pool.outstanding == 1
+    release()
+    assert pool.outstanding == 0 and pool.take_host(100) is buffer
+
+
+def test_untrack_acyclic_untracks_containers_and_skips_the_rest():
+    items = [[1], {"a": 1}, 3, None, np.zeros(2)]
+    untrack_acyclic(*items)
+    assert not any(gc.is_tracked(item) for item in items)
+    assert items[0] == [1] and items[1] == {"a": 1}  # untouched otherwise
 
 
 def test_a_non_contiguous_output_is_captured_in_c_order():

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from taproute.native import BufferLease
+from taproute.native import BufferLease, untrack_acyclic
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
@@ -189,7 +189,12 @@ def bind_module(
         )
         # Descriptors made here from the plan are right by construction: the
         # batch is offered as it is, without the intake's check.
-        batch = RecordBatch(descriptors, payload, BufferLease(release), cached[3])
+        lease = BufferLease(release)
+        batch = RecordBatch(descriptors, payload, lease, cached[3])
+        # Arrays, an int, a lease whose callback gives a buffer back to its
+        # pool: no cycle, so kept out of the cyclic GC, which would promote
+        # every queued batch to its oldest generation (see untrack_acyclic).
+        untrack_acyclic(batch, lease, release)
         try:
             queued = runtime.offer_captured(batch)
         except BaseException:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from taproute.native import capture_records, stamped_copy
+from taproute.native import GiveBack, capture_records, stamped_copy
 from taproute.routing.batch import Descriptors, Payload
 
 if TYPE_CHECKING:
@@ -102,7 +101,7 @@ def to_host(
             except BaseException:
                 pool.give_back(into)
                 raise
-            return descriptors, payload, partial(pool.give_back, into)
+            return descriptors, payload, GiveBack(pool, into)
     elif owned and covered == source.nbytes:
         # Records covering every byte of an array only we hold: it is the
         # packed payload already (plans list records in order, back to back).
