@@ -349,11 +349,17 @@ async def call_processor(
         return Outcome(code=code, error=exc, traceback=tb)
     finally:
         place.took(elapsed)
+    return judged(planned, result)
+
+
+def judged(planned: PlannedRoute, result: Any) -> Outcome:
+    """What a processor's return value comes to: rows checked against the
+    output layout, nothing to emit, or a failure (``Failed``, a mismatch)."""
     if isinstance(result, Failed):
         return Outcome(code=FailureCode.HANDLER_FAILED, error=ProcessorFailed(result.reason))
     if result is None:
         return Outcome()
-    assert planned.output_layout is not None
+    assert planned.output_layout is not None and planned.processor is not None
     try:
         rows = check_rows(
             result, planned.output_layout, route=planned.name, processor=planned.processor.name

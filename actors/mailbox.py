@@ -8,6 +8,7 @@ and in bytes, because one message is a whole batch.  A full mailbox makes
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import trio
@@ -36,6 +37,9 @@ class Mailbox(Generic[T]):
         self._closed = False
         self._send, self._receive = trio.open_memory_channel[tuple[T, int, int]](math.inf)
         self._space = trio.lowlevel.ParkingLot()
+        #: A message taken from the channel by :meth:`receive_ready` and left
+        #: first in line (still counted as waiting).
+        self._front: tuple[T, int, int] | None = None
 
     def _fits(self, records: int, nbytes: int) -> bool:
         if self.records == 0:
@@ -69,10 +73,13 @@ class Mailbox(Generic[T]):
         :func:`trio.lowlevel.checkpoint` now and then in a loop that may never
         find the mailbox empty.
         """
-        try:
-            item = self._receive.receive_nowait()
-        except trio.WouldBlock:
-            item = await self._receive.receive()
+        if self._front is not None:
+            item, self._front = self._front, None
+        else:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                item = await self._receive.receive()
         message, records, nbytes = item
         self.messages -= 1
         self.records -= records
@@ -80,6 +87,30 @@ class Mailbox(Generic[T]):
         if self._space:
             self._space.unpark_all()
         return message
+
+    def receive_ready(self, wanted: Callable[[T], bool]) -> tuple[T, int, int] | None:
+        """The next message, if one is queued and ``wanted`` (else None, and it
+        stays first in line), with its records and bytes, which stay counted
+        as waiting (room for more is not made) until :meth:`done_with` them:
+        an actor that takes several messages at once holds no more than the
+        mailbox would."""
+        if self._front is None:
+            try:
+                self._front = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return None
+        if not wanted(self._front[0]):
+            return None
+        item, self._front = self._front, None
+        self.messages -= 1
+        return item
+
+    def done_with(self, records: int, nbytes: int) -> None:
+        """A message :meth:`receive_ready` returned is handled: its room is free."""
+        self.records -= records
+        self.bytes -= nbytes
+        if self._space:
+            self._space.unpark_all()
 
     @property
     def idle(self) -> bool:
@@ -96,6 +127,12 @@ class Mailbox(Generic[T]):
         """Every message still queued, in order, without waiting (to settle them
         when the actors that would have handled them are gone)."""
         taken: list[T] = []
+        if self._front is not None:
+            (message, records, nbytes), self._front = self._front, None
+            self.messages -= 1
+            self.records -= records
+            self.bytes -= nbytes
+            taken.append(message)
         while True:
             try:
                 message, records, nbytes = self._receive.receive_nowait()

@@ -14,10 +14,11 @@ import attrs
 import numpy as np
 import trio
 
-from taproute.actors.attempt import Attempt, Keys, Outcome
+from taproute.actors.attempt import Attempt, Keys, Outcome, runs_inline
 from taproute.actors.keyed_state import Held, KeyedRoute
 from taproute.actors.keys import KeyControl, distinct_keys
 from taproute.actors.mailbox import Mailbox
+from taproute.actors.one_hop import MAX_CALLS, Call, call_processor_in_one_hop
 from taproute.actors.parking import restored_attempt
 from taproute.native import partition_keys
 from taproute.native.state import SavedSlots
@@ -30,6 +31,16 @@ from taproute.routing.parking import Restored
 @attrs.frozen
 class _RetryKey:
     key: int
+
+
+def _keys_of(attempt: Attempt) -> Keys:
+    assert attempt.keys is not None
+    return attempt.keys
+
+
+def _is_new_batch(message: Any) -> bool:
+    """A new batch's message (``(batch, keys)``), not a restored attempt or a control."""
+    return isinstance(message, tuple)
 
 
 class _Rollback:
@@ -170,6 +181,10 @@ class StatefulRoute(KeyedRoute):
             else:
                 batch, keys = message
                 attempt = Attempt(batch, keys)
+                more = self._queued_with(held, mailbox)
+                if more:
+                    await self._admit_together(held, attempt, more, mailbox)
+                    continue
             try:
                 await self._admit(held, attempt)
             except Exception as exc:
@@ -219,6 +234,74 @@ class StatefulRoute(KeyedRoute):
                     if isinstance(attempt, Attempt):
                         self.parked.release(attempt)
             held.clear()
+
+    def _queued_with(self, held: Held, mailbox: Mailbox[Any]) -> list[tuple[Any, int, int]]:
+        """New batches queued behind the one just received, to be processed
+        with it in one thread hop (:mod:`one_hop`): none while a key of this
+        owner is held, or where the processor runs on the loop or must run in
+        a ``trio.to_thread`` thread."""
+        spec = self.planned.processor
+        if held or spec is None or spec.needs_thread or runs_inline(self.planned, self.placement):
+            return []
+        more: list[tuple[Any, int, int]] = []
+        while len(more) < MAX_CALLS - 1:
+            item = mailbox.receive_ready(_is_new_batch)
+            if item is None:
+                break
+            more.append(item)
+        return more
+
+    async def _admit_together(
+        self,
+        held: Held,
+        first: Attempt,
+        more: list[tuple[Any, int, int]],
+        mailbox: Mailbox[Any],
+    ) -> None:
+        """:meth:`_admit` of several new batches, in order, their calls made
+        in one thread hop until one fails; those after it are admitted again
+        one by one (behind its key, if it was held)."""
+        attempts = [first] + [Attempt(*message) for message, _, _ in more]
+        try:
+            screened = []
+            for attempt in attempts:  # no key is held: screening is all _admit does first
+                kept = await self._screen(attempt)
+                if kept is not None:
+                    screened.append(kept)
+            made = 0
+            if len(screened) > 1:
+                rollbacks = [_Rollback(self, _keys_of(attempt)) for attempt in screened]
+                outcomes = await call_processor_in_one_hop(
+                    self.planned,
+                    [
+                        Call(attempt.batch, (attempt.keys, self.state), rollback)
+                        for attempt, rollback in zip(screened, rollbacks, strict=True)
+                    ],
+                    limiter=self.limiter,
+                    threads=self._threads,
+                    hook_name=self._hook_name,
+                    abandoned=self._abandoned_call,
+                    placement=self.placement,
+                )
+                for attempt, rollback, outcome in zip(screened, rollbacks, outcomes, strict=False):
+                    made += 1
+                    if outcome.code is None:
+                        self.state.valid[attempt.keys] = True
+                    else:
+                        rollback.undo()
+                    await self._handle(attempt, outcome)
+            for attempt in screened[made:]:
+                if held:
+                    await self._admit(held, attempt)  # screened again: its key may wait
+                else:
+                    await self._process(attempt)
+        except Exception as exc:
+            self._latch.latch(exc, route=self.name, where="stateful owner")
+        finally:
+            self._settle(first.batch)
+            for message, records, nbytes in more:
+                self._settle(message[0])
+                mailbox.done_with(records, nbytes)
 
     async def _admit(self, held: Held, attempt: Attempt) -> None:
         """Screen out records of cancelled and ended keys; queue records of held
