@@ -7,6 +7,7 @@ succeeds or is given up; other keys flow.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any
 
@@ -43,32 +44,60 @@ def _is_new_batch(message: Any) -> bool:
     return isinstance(message, tuple)
 
 
+class CallAbandoned(Exception):
+    """A stateful call's thread got on after the call was given up: it does
+    not call the processor."""
+
+
 class _Rollback:
     """The save of the slots one processor call may touch (its keys'), made
-    by calling it where the call runs, and put back by :meth:`undo`."""
+    by calling it where the call runs, and put back by :meth:`undo`.
 
-    __slots__ = ("_keys", "_route", "saved")
+    A call given up (its deadline passed) before its thread finished the
+    save never runs its processor: the save raises :class:`CallAbandoned`
+    when the thread gets there, so records already given up (dead-lettered)
+    are not applied to the state too.  A save given up midway leaves its
+    buffer to the thread still writing it: the owner's next save copies into
+    a new one."""
+
+    __slots__ = ("_begun", "_keys", "_lock", "_route", "_undone", "saved")
 
     def __init__(self, route: StatefulRoute, keys: Keys) -> None:
         self._route = route
         self._keys = keys
+        self._lock = threading.Lock()
+        self._begun = False
+        self._undone = False
         self.saved: SavedSlots | None = None
 
     def __call__(self) -> None:
+        with self._lock:
+            self._abandoned_check()
+            self._begun = True
         route = self._route
         touched = distinct_keys(self._keys, route.key_range)
         owner = route._owner_of(int(touched[0])) if len(touched) else 0
-        self.saved = route.state.save(touched, owner)
+        saved = route.state.save(touched, owner)
+        with self._lock:
+            self._abandoned_check()
+            self.saved = saved
+
+    def _abandoned_check(self) -> None:
+        if self._undone:
+            raise CallAbandoned(f"route {self._route.name!r}: call given up before it ran")
 
     def undo(self) -> None:
-        """Put the saved slots back (the call failed).  Without a save (the
-        call was abandoned before its save was done, or the save raised) there
-        is nothing to put back, and the buffer that save may still be writing
-        is never reused."""
-        if self.saved is not None:
-            self._route.state.restore(self.saved)
-        else:
-            route = self._route
+        """Put the saved slots back (the call failed).  Without a save there
+        is nothing to put back (the call was given up before its save was
+        done, or the save raised), and the buffer a save given up midway may
+        still be writing is never reused."""
+        with self._lock:
+            self._undone = True
+            saved, begun = self.saved, self._begun
+        route = self._route
+        if saved is not None:
+            route.state.restore(saved)
+        elif begun:
             route.state.drop_spare(route._owner_of(int(self._keys[0])) if len(self._keys) else 0)
 
 

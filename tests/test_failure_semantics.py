@@ -410,3 +410,54 @@ async def test_a_slow_or_raising_predicate_fails_its_route_not_the_router():
     assert counters["slow"].failed == 3 and counters["raising"].failed == 3
     assert counters["slow"].failures_by_code == {"handler_timeout": 3}
     assert counters["plain"].processed == 3 and len(out.batches) == 1
+
+
+async def test_a_stateful_call_abandoned_before_its_save_never_touches_the_state(monkeypatch):
+    """The rollback save runs in the call's worker thread: a call given up at its
+    deadline before that thread saved anything must not save (into the buffer the
+    owner's next call saves into) nor apply its records later, when the thread
+    gets to run: the timed-out record is dead-lettered, so applying it too would
+    count it twice on a reroute."""
+    go = threading.Event()
+    save = StateRegion.save
+    first = [True]
+
+    def slow_first_save(self, keys, owner):
+        if first[0]:
+            first[0] = False
+            go.wait(30)  # the thread is descheduled here until the call was given up
+        return save(self, keys, owner)
+
+    monkeypatch.setattr(StateRegion, "save", slow_first_save)
+    hooks, q = hooks_with_q()
+    out = CaptureSink()
+    given_up: list[RecordFailure] = []
+    released = trio.Event()
+    route = Route(
+        "sums",
+        Q,
+        "out",
+        mode="stateful",
+        processor="fail.running_sum",
+        failure_policy=FailurePolicy(deadline=0.2, max_failures=1, failure_window=0),
+    )
+    with trio.fail_after(60):
+        async with open_routing_sink(
+            RoutingConfig([route]),
+            SCHEMA,
+            {"out": out},
+            unmatched="drop",
+            hooks=hooks,
+            on_failure=given_up.append,
+        ) as sink:
+            abandoned = vec_batch(q, 1, keys=[3], release=released.set)
+            await sink.submit(abandoned)
+            abandoned.lease.release()
+            await sink.flush()
+            assert [f.code for f in given_up] == [FailureCode.HANDLER_TIMEOUT]
+            go.set()  # the abandoned thread runs on...
+            await released.wait()  # ...and is done with the batch
+            await sink.submit(vec_batch(q, 2, keys=[3, 3]))
+            await sink.flush()
+    # Key 3's state holds the two delivered records only.
+    assert out.rows("sums")["norm"].tolist() == [1.0, 2.0]
