@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from taproute import native
+from taproute.routing import InvalidInput
 from taproute.routing.processors import REGISTRY
 from taproute.service.signals import experts, pathways, qk, twonn
 from taproute.service.signals.common import tail_layout
@@ -408,3 +409,21 @@ def test_qk_spectra_equal_per_record_reference(which, batch):
             if ref["spectral_norm"] > 0:
                 for field in ("stable_rank", "effective_rank"):
                     assert row[field] == pytest.approx(ref[field], rel=1e-4, abs=1e-5), field
+
+
+@pytest.mark.parametrize("which", list(QK_CONFIGS))
+@pytest.mark.parametrize("tokens", [3, 20], ids=["T<d", "T>d"])
+@pytest.mark.parametrize(("side", "value"), [("q", np.nan), ("k", np.inf), ("k", -np.inf)])
+def test_qk_spectra_refuse_non_finite_values_naming_the_record(which, tokens, side, value):
+    """A NaN or infinity has no spectrum: LAPACK refused it (a ValueError, taken
+    for a bug in the processor) without saying where.  Now it is bad input
+    (``handler_invalid``) naming the record, so the route re-runs the batch
+    record by record and gives up that record only."""
+    config = QK_CONFIGS[which]
+    rng = np.random.default_rng(5)
+    arrays = [rng.normal(size=(tokens, 2 * config.hidden)).astype(np.float32) for _ in range(3)]
+    arrays[1][tokens // 2, 0 if side == "q" else config.hidden + 1] = value
+    fn = REGISTRY.get(config.spectra).fn
+    with pytest.raises(InvalidInput, match=r"NaN or infinity .* of record 1 \(hook .*key 1, step"):
+        fn(records_of(arrays, QK, hooks=HOOKS))
+    assert len(fn(records_of(arrays[::2], QK, hooks=HOOKS))) == 2 * config.heads

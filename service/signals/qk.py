@@ -33,7 +33,14 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import StateRegion
-from taproute.routing import Layout, Records, SlotSpec, stateful_processor, stateless_processor
+from taproute.routing import (
+    InvalidInput,
+    Layout,
+    Records,
+    SlotSpec,
+    stateful_processor,
+    stateless_processor,
+)
 from taproute.routing.processors import REGISTRY, ProcessorRegistry
 from taproute.service.signals.common import (
     DEFAULT_KEY_RANGE,
@@ -339,11 +346,44 @@ def record_stats(records: Records, config: QKConfig) -> tuple[QKStats, npt.NDArr
     where = f"processor {config.spectra!r}"
     for index, values in token_groups(records, 2 * config.hidden, where=where):
         q, k = values[..., : config.hidden], values[..., config.hidden :]
-        stats = qk_stats(q, k, heads=heads, top_k=config.top_k, causal=config.causal)
+        try:
+            stats = qk_stats(q, k, heads=heads, top_k=config.top_k, causal=config.causal)
+        except np.linalg.LinAlgError:
+            _refuse_non_finite(records, index, values, where)
+            raise
+        if not (np.isfinite(stats.spectral_norm).all() and np.isfinite(stats.entropy_mean).all()):
+            _refuse_non_finite(records, index, values, where)
         for f in attrs.fields(QKStats):
             getattr(out, f.name)[index] = getattr(stats, f.name)
         tokens[index] = values.shape[1]
     return out, tokens
+
+
+def _refuse_non_finite(
+    records: Records, index: npt.NDArray[np.intp], values: npt.NDArray[np.generic], where: str
+) -> None:
+    """:class:`InvalidInput` naming the records of ``index`` (``values[n, tokens,
+    width]``) that hold a NaN or an infinity, if any: their spectra are not
+    defined (LAPACK refuses them, or they would be NaN), and the rest of the
+    batch is fine (the route re-runs it record by record)."""
+    bad = index[~np.isfinite(values).all(axis=(1, 2))]
+    if not len(bad):
+        return
+    desc = records.descriptors
+
+    def name(i: int) -> str:
+        try:
+            hook = f"hook {records.hook_name(i)!r}, "
+        except LookupError:  # records without hook names (a replay's)
+            hook = ""
+        return f"record {i} ({hook}key {int(desc['key'][i])}, step {int(desc['step'][i])})"
+
+    named = ", ".join(name(int(i)) for i in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise InvalidInput(
+        f"{where}: NaN or infinity in the queries or keys of {named}{more}: "
+        f"their spectra are not defined"
+    )
 
 
 def register(config: QKConfig, *, registry: ProcessorRegistry = REGISTRY) -> Registered:
