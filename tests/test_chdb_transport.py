@@ -10,8 +10,9 @@ import uuid
 import numpy as np
 import pyarrow as pa
 import pytest
+import trio
 
-from taproute.routing import Layout, RecordSchema
+from taproute.routing import Layout, RecordSchema, RowBatch
 from taproute.service import ClickHouseSink
 from taproute.service.sinks.clickhouse import ChdbTransport, ServerTransport
 from taproute.service.sinks.clickhouse.tables import raw_table_spec
@@ -261,3 +262,31 @@ def test_an_insert_leaves_its_in_memory_file_empty_and_a_refused_block_writes_no
         f"SELECT block, count() AS n FROM `{table}` GROUP BY block ORDER BY block"
     ).to_pydict()
     assert count == {"block": [1, 3], "n": [20, 20]}
+
+
+@pytest.mark.parametrize("scratch_inserts", [False, True], ids=["python", "file"])
+def test_fixed_string_values_ending_in_nul_bytes_land_exactly(chdb_transport, scratch_inserts):
+    """A FixedString(n) value is n bytes, trailing NULs included (b"ab" is
+    "ab\\0\\0").  numpy's tolist() strips them, so the Arrow conversion refused
+    the whole block (a value 2 bytes long for binary(4)) and the sink latched
+    a failure: now the column is built from the bytes."""
+    name = "fixed_" + uuid.uuid4().hex[:8]
+    layout = Layout(name, [("id", "UInt8"), ("tag", "FixedString(4)")])
+    schema = RecordSchema([layout])
+    rows = np.zeros(4, layout.dtype)
+    rows["id"] = np.arange(4)
+    rows["tag"] = [b"abcd", b"ab", b"", b"\xff\x00z"]
+    sink = ClickHouseSink.embedded(
+        schema, chdb_transport.path, rows=[name], scratch_inserts=scratch_inserts
+    )
+
+    async def write() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            await sink.submit(RowBatch(route="r", layout_name=name, rows=rows))
+            await sink.flush()
+            await sink.close()
+
+    trio.run(write)
+    got = chdb_transport.query(f"SELECT hex(tag) AS tag FROM `{name}` ORDER BY id").to_pydict()
+    assert got["tag"] == ["61626364", "61620000", "00000000", "FF007A00"]

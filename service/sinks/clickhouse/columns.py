@@ -94,7 +94,11 @@ def _scalar_array(values: npt.NDArray[np.generic], column: Column) -> pa.Array:
     if values.dtype.kind == "M":
         return _arrow(values)
     if values.dtype.kind == "S":
-        return pa.array(values.tolist(), type=pa.binary(values.dtype.itemsize))
+        # From the bytes, not tolist(): numpy strips an S value's trailing NULs,
+        # which a FixedString(n) value may hold (arrow then refuses the block).
+        width = values.dtype.itemsize
+        data = pa.py_buffer(np.ascontiguousarray(values).view(np.uint8))
+        return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, data])
     if values.dtype.kind == "O":
         return pa.array(values.tolist(), type=pa.string())
     return _arrow(values)
