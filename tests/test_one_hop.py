@@ -236,3 +236,57 @@ async def test_batches_taken_together_keep_their_room_in_the_mailbox_until_done(
     assert await mailbox.receive() == "control"  # still first in line
     assert await mailbox.receive() == ("c", None)
     assert mailbox.take_all() == [] and mailbox.records == 0
+
+
+async def test_a_call_given_up_in_its_save_never_runs_in_the_hop(knobs, mock_clock, monkeypatch):
+    """The hop's running call passes its deadline while its thread is still
+    saving the slots (descheduled, a slow copy): it is given up, and when the
+    thread gets on it neither runs the processor (the timed-out record would
+    be applied as well as given up) nor makes a further call."""
+    from taproute.native import StateRegion
+
+    saves = [0]
+    in_save, go = threading.Event(), threading.Event()
+    save = StateRegion.save
+
+    def third_save_waits(self, keys, owner):
+        saves[0] += 1
+        if saves[0] == 3:  # batch 0, then the hop's batch 1, then batch 2
+            in_save.set()
+            go.wait(10)
+        return save(self, keys, owner)
+
+    monkeypatch.setattr(StateRegion, "save", third_save_waits)
+    hooks = HookRegistry()
+    q = hooks.bind(Q, layout="vec")
+    out = CaptureSink()
+    failures: list[RecordFailure] = []
+    policy = FailurePolicy(deadline=5.0, max_failures=1, failure_window=0)
+    route = Route("counts", Q, "out", mode="stateful", processor="hop.count", failure_policy=policy)
+    async with open_routing_sink(
+        RoutingConfig([route]),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=failures.append,
+    ) as sink:
+        await sink.submit(batch(q, [1], 0))  # its call waits for the gate
+        await trio.testing.wait_all_tasks_blocked()
+        released = trio.Event()
+        await sink.submit(batch(q, [2], 10))
+        second = vec_batch(q, 1, keys=[2], seq_start=20, release=released.set)
+        await sink.submit(second)
+        second.lease.release()
+        await trio.testing.wait_all_tasks_blocked()
+        KNOBS.gate.set()  # batches 1 and 2 go in one hop
+        await trio.to_thread.run_sync(in_save.wait, 10)
+        mock_clock.jump(5.1)  # past batch 2's deadline, in its save
+        await trio.testing.wait_all_tasks_blocked()
+        assert [f.code for f in failures] == [FailureCode.HANDLER_TIMEOUT]
+        go.set()
+        await released.wait()  # the hop's thread returned
+        await sink.submit(batch(q, [2], 30))
+        await sink.flush()
+    assert knobs == [2]
+    assert counts_by_key(out)[2] == [(10, 1.0), (30, 2.0)]
