@@ -35,6 +35,9 @@ class SinkFlushing(SinkOperations):
         async with self._lock:
             if wait:
                 await self._wait_unparked()
+            # A route a reload retired drains (its parked records retried) before
+            # it hands over: with retries paused first, that wait never ended.
+            await self._in_flight.wait_idle()
             with self._parker.retries.pause():  # the report is one consistent moment
                 await self._drain_and_flush(wait=wait)
                 snapshot = self.snapshot()

@@ -439,3 +439,38 @@ async def test_a_reload_keeps_the_limits_of_roots_in_flight_pinned(mock_clock):
     assert snap.causal.pinned_roots == 2 and snap.generation == 2
     assert snap.causal.limits == CausalLimits(per_root_per_minute=50)
     fanout.clear()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+async def test_a_flush_after_reloading_a_stateful_route_with_a_record_due_for_retry_returns(
+    workers,
+):
+    """A record parked with its retry already due when a reload retires its
+    route: the next flush paused retries, then waited for the retired route to
+    hand over, which it does only once it drained, its due retry included, so
+    the flush never returned.  It now waits for such handovers first."""
+    SCRIPT.failures_left.update({1: 1})
+    hooks = HookRegistry()
+    q = hooks.bind("layers.0.q", layout="vec")
+    out = CaptureSink()
+    route = Route(
+        "keyed",
+        "layers.0.q",
+        "out",
+        mode="stateful",
+        processor="fail.keyed_log",
+        workers=workers,
+        failure_policy=FailurePolicy(deadline=0, initial_backoff=0),
+    )
+    with trio.fail_after(30):
+        async with open_routing_sink(
+            RoutingConfig([route]), SCHEMA, {"out": out}, unmatched="drop", hooks=hooks
+        ) as sink:
+            await sink.submit(vec_batch(q, 1, keys=[1]))
+            await sink.submit(vec_batch(q, 2, keys=[1, 2], seq_start=1))  # key 1's waits
+            await sink.flush()
+            await sink.reload(RoutingConfig([route]))
+            report = await sink.flush()
+            assert report.routes["keyed"].delivered == 3
+    assert [entry for entry in SCRIPT.log if entry[0] == 1] == [(1, 0), (1, 1)]  # in order
+    assert sorted(SCRIPT.log) == [(1, 0), (1, 1), (2, 2)]
