@@ -341,3 +341,40 @@ async def test_a_frame_with_its_own_token_is_inserted_alone(tmp_path):
     after = await spool.read_group(1 << 20)
     assert (after.first, after.seq, after.token) == (3, 3, spool.token(3))
     await spool.aclose()
+
+
+async def test_an_append_waits_while_a_groups_intent_is_being_written(tmp_path, monkeypatch):
+    # The intent fsyncs the active segment in a worker thread; an append that
+    # rolled or retired that segment meanwhile closed the descriptor under it
+    # (EBADF in the spool bench).  Writes wait for the intent instead.
+    import threading
+
+    spool = Spool.open(SpoolConfig(directory=tmp_path, segment_bytes=1))  # every append rolls
+    await spool.append(vec_batch(1, 2))
+    started, release = threading.Event(), threading.Event()
+    real = spool._log.intend
+    order: list[str] = []
+
+    def slow_intend(first: int, last: int) -> None:
+        order.append("intend started")
+        started.set()
+        release.wait(10)
+        real(first, last)
+        order.append("intend done")
+
+    monkeypatch.setattr(spool._log, "intend", slow_intend)
+
+    async def write() -> None:
+        await spool.append(vec_batch(1, 2, seq_start=2))
+        order.append("appended")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spool.read_group, 1 << 20)
+        await trio.to_thread.run_sync(started.wait, 10)
+        nursery.start_soon(write)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["intend started"]  # the append is waiting, not rolling
+        release.set()
+    assert order == ["intend started", "intend done", "appended"]
+    assert spool.snapshot().frames == 2
+    await spool.aclose()

@@ -130,7 +130,9 @@ class Spool:
         self._dead_letter = dead_letter
         self._clock = clock
         self._changed = trio.Event()  # set on every append and ack
-        self._lock = trio.Lock()  # one writer at a time
+        # One writer at a time; also held while a group's intent is written,
+        # since that fsyncs the segment an append may roll or retire.
+        self._lock = trio.Lock()
         self._last_sync = clock()
         self._unsynced = False  # nothing appended or acknowledged since the last sync
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
@@ -424,7 +426,10 @@ class Spool:
         single = token or self.token(first)
         token = single if taken == 1 else f"spool-{log.spool_id}-{first}-{last}"
         if intent is None:  # durable with its frames before the insert (a thread trip)
-            await trio.to_thread.run_sync(log.intend, first, last)
+            # Under the writers' lock: ``intend`` fsyncs the active segment,
+            # which an append rolling (or retiring) it would close meanwhile.
+            async with self._lock:
+                await trio.to_thread.run_sync(log.intend, first, last)
         return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
 
     async def ack(self, seq: int) -> None:
