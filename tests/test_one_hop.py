@@ -4,8 +4,12 @@ which leaves no trace in the state; each call keeps its own deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
+from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -101,6 +105,35 @@ def batch(q: int, keys: list[int], seq_start: int):
     return vec_batch(q, len(keys), keys=keys, seq_start=seq_start)
 
 
+@attrs.frozen
+class Opened:
+    """A routing sink with one stateful "counts" route over ``hop.count``."""
+
+    sink: Any
+    q: int  # the bound hook's output id
+    out: CaptureSink
+    failures: list[RecordFailure]
+    route: Route
+
+
+@contextlib.asynccontextmanager
+async def counting_sink(policy: FailurePolicy) -> AsyncIterator[Opened]:
+    hooks = HookRegistry()
+    q = hooks.bind(Q, layout="vec")
+    out = CaptureSink()
+    failures: list[RecordFailure] = []
+    route = Route("counts", Q, "out", mode="stateful", processor="hop.count", failure_policy=policy)
+    async with open_routing_sink(
+        RoutingConfig([route]),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=failures.append,
+    ) as sink:
+        yield Opened(sink, q, out, failures, route)
+
+
 def counts_by_key(out: CaptureSink) -> dict[int, list[tuple[int, float]]]:
     rows = out.rows("counts")
     return {
@@ -115,27 +148,9 @@ def counts_by_key(out: CaptureSink) -> dict[int, list[tuple[int, float]]]:
 
 
 async def test_queued_batches_share_a_hop_that_stops_at_the_first_failure(knobs):
-    hooks = HookRegistry()
-    q = hooks.bind(Q, layout="vec")
-    out = CaptureSink()
-    failures: list[RecordFailure] = []
     KNOBS.bad_seqs = {21}  # batch 2's second record
-    route = Route(
-        "counts",
-        Q,
-        "out",
-        mode="stateful",
-        processor="hop.count",
-        failure_policy=FailurePolicy(deadline=0),
-    )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with counting_sink(FailurePolicy(deadline=0)) as opened:
+        sink, q, out, failures = opened.sink, opened.q, opened.out, opened.failures
         await sink.submit(batch(q, [1], 0))  # its call waits for the gate
         await trio.testing.wait_all_tasks_blocked()
         for i, keys in enumerate([[1, 2], [2, 2], [1, 2], [2]], start=1):
@@ -158,22 +173,10 @@ async def test_queued_batches_share_a_hop_that_stops_at_the_first_failure(knobs)
 
 
 async def test_a_call_in_a_hop_has_the_whole_deadline_from_its_own_start(knobs, mock_clock):
-    hooks = HookRegistry()
-    q = hooks.bind(Q, layout="vec")
-    out = CaptureSink()
     KNOBS.slow_seq = 10  # batch 1's call takes 3 s
     KNOBS.hang_seq = 20  # batch 2's call hangs (once)
-    route = Route(
-        "counts",
-        Q,
-        "out",
-        mode="stateful",
-        processor="hop.count",
-        failure_policy=FailurePolicy(deadline=5.0),
-    )
-    async with open_routing_sink(
-        RoutingConfig([route]), SCHEMA, {"out": out}, unmatched="drop", hooks=hooks
-    ) as sink:
+    async with counting_sink(FailurePolicy(deadline=5.0)) as opened:
+        sink, q, out, route = opened.sink, opened.q, opened.out, opened.route
         await sink.submit(batch(q, [1], 0))
         await trio.testing.wait_all_tasks_blocked()
         for i, keys in enumerate([[2], [1], [1, 2]], start=1):
@@ -257,20 +260,9 @@ async def test_a_call_given_up_in_its_save_never_runs_in_the_hop(knobs, mock_clo
         return save(self, keys, owner)
 
     monkeypatch.setattr(StateRegion, "save", third_save_waits)
-    hooks = HookRegistry()
-    q = hooks.bind(Q, layout="vec")
-    out = CaptureSink()
-    failures: list[RecordFailure] = []
     policy = FailurePolicy(deadline=5.0, max_failures=1, failure_window=0)
-    route = Route("counts", Q, "out", mode="stateful", processor="hop.count", failure_policy=policy)
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with counting_sink(policy) as opened:
+        sink, q, out, failures = opened.sink, opened.q, opened.out, opened.failures
         await sink.submit(batch(q, [1], 0))  # its call waits for the gate
         await trio.testing.wait_all_tasks_blocked()
         released = trio.Event()
