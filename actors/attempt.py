@@ -169,9 +169,19 @@ INLINE_BELOW_S = 0.0005
 #: has earned trust (below); a call between the two bounds is forgiven once,
 #: since a busy machine preempts quick calls too.
 INLINE_WALL_S = 0.002
-#: How many quick calls in a row move a route's processor onto the loop.
+#: How many quick calls in a row move a route's processor onto the loop (at
+#: first: see :data:`INLINE_AFTER_MAX`).
 INLINE_AFTER = 8
-#: After this many quick calls in a row, one call of any length short of a
+#: Each time a processor is sent back to worker threads from the loop, the
+#: quick calls it needs to come back double, up to this many; they halve
+#: again after every :data:`INLINE_TRUSTED` quick calls in a row on the loop.
+#: A thread call that waited briefly is charged its CPU time (see
+#: :data:`THREAD_WAIT_S`), so a processor that does wait a little (I/O, a
+#: lock) is caught on the loop instead, where a wait counts in full: the
+#: doubling makes that rarer each time.
+INLINE_AFTER_MAX = 512
+#: After this many quick calls in a row (the last INLINE_TRUSTED -
+#: INLINE_AFTER of them on the loop), one call of any length short of a
 #: failure is forgiven too: a loaded machine deschedules the loop thread for
 #: several milliseconds in the middle of a quick call, and each such wrong
 #: verdict cost the next INLINE_AFTER calls a thread hop each.  The trust is
@@ -179,6 +189,17 @@ INLINE_AFTER = 8
 #: really waits or has grown leaves at its next slow call, and at most one
 #: call in INLINE_TRUSTED - INLINE_AFTER runs long on the loop.
 INLINE_TRUSTED = 64
+#: A call in a worker thread whose wall time stays under this is charged its
+#: CPU time even when its thread waited (a voluntary context switch).  A
+#: worker thread waits for the GIL whenever the loop or a producer holds it
+#: (up to the interpreter's switch interval, 5 ms, per wait), which looks
+#: like any other wait; judged by wall time, a quick processor sent back to
+#: threads under load could not come back while the load lasted, each
+#: thread call slower than the loop call it replaced (the latency bench's
+#: stateless route at 80% of capacity: backlogs of 20 to 100 ms).  A call
+#: that waits longer stays in threads; one that waits less is judged on the
+#: loop if it gets there.
+THREAD_WAIT_S = 0.01
 
 
 class Placement:
@@ -200,36 +221,45 @@ class Placement:
     processor).
     """
 
-    __slots__ = ("quick", "slow")
+    __slots__ = ("after", "clean", "quick", "slow")
 
     def __init__(self) -> None:
-        #: Consecutive quick calls, up to INLINE_TRUSTED.
+        #: Consecutive quick calls (counted up to ``after``).
         self.quick = 0
         #: Consecutive calls that were not quick.
         self.slow = 0
+        #: Quick calls in a row that move the processor onto the loop.
+        self.after = INLINE_AFTER
+        #: Consecutive quick calls on the loop since the last slow one (or
+        #: the last forgiven one: forgiving spends the trust they earned).
+        self.clean = 0
 
     @property
     def inline(self) -> bool:
         """True when the next call may run on the loop."""
-        return self.quick >= INLINE_AFTER
+        return self.quick >= self.after
 
     def took(self, seconds: float) -> None:
         """Note how long a call ran (``math.inf``: it raised or was abandoned)."""
+        was_inline = self.inline
         if seconds < INLINE_BELOW_S:
-            self.quick = min(self.quick + 1, INLINE_TRUSTED)
+            self.quick = min(self.quick + 1, self.after)
             self.slow = 0
+            if was_inline:
+                self.clean += 1
+                if self.clean % INLINE_TRUSTED == 0 and self.after > INLINE_AFTER:
+                    self.after //= 2  # it has behaved on the loop: forgive half
+                    self.quick = self.after
             return
         self.slow += 1
         long = seconds >= INLINE_WALL_S
-        if (
-            not self.inline
-            or self.slow >= 2
-            or seconds == math.inf
-            or (long and self.quick < INLINE_TRUSTED)
-        ):
-            self.quick = 0
+        trusted = self.clean >= INLINE_TRUSTED - INLINE_AFTER
+        if not was_inline or self.slow >= 2 or seconds == math.inf or (long and not trusted):
+            self.quick = self.clean = 0
+            if was_inline:  # sent back from the loop: it takes longer to return
+                self.after = min(2 * self.after, INLINE_AFTER_MAX)
         elif long:
-            self.quick = INLINE_AFTER  # forgiven once: the trust is spent
+            self.clean = 0  # forgiven once: the trust is spent
 
 
 def runs_inline(planned: PlannedRoute, placement: Placement) -> bool:
@@ -239,42 +269,61 @@ def runs_inline(planned: PlannedRoute, placement: Placement) -> bool:
     return placement.inline and processor is not None and not processor.needs_thread
 
 
-def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+def timed_call(fn: Callable[..., Any], *args: Any, in_thread: bool = False) -> tuple[Any, float]:
     """``fn(*args)``, and the seconds it took (in its thread) as
     :class:`Placement` judges a call: its wall time, unless it ran past
-    :data:`INLINE_BELOW_S` without waiting for anything (see :func:`charged`)."""
+    :data:`INLINE_BELOW_S` without waiting for anything, or (``in_thread``:
+    a worker thread) waited less than :data:`THREAD_WAIT_S` in all (see
+    :func:`charged`)."""
     usage = _thread_usage() if _THREAD_USAGE is not None else None
     started = time.perf_counter()
     result = fn(*args)
     elapsed = time.perf_counter() - started
     if usage is not None and elapsed >= INLINE_BELOW_S:
-        elapsed = charged(elapsed, usage, _thread_usage())
+        elapsed = charged(elapsed, usage, _thread_usage(), in_thread=in_thread)
     return result, elapsed
 
 
+def timed_call_in_thread(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """:func:`timed_call` for a call made in a worker thread."""
+    return timed_call(fn, *args, in_thread=True)
+
+
 def prepared_call(
-    prepare: Callable[[], object] | None, fn: Callable[..., Any], *args: Any
+    prepare: Callable[[], object] | None,
+    fn: Callable[..., Any],
+    *args: Any,
+    in_thread: bool = False,
 ) -> tuple[Any, float]:
     """``prepare()`` (untimed), then :func:`timed_call` of ``fn(*args)``: both in
     the calling thread, so one thread hop carries them."""
     if prepare is not None:
         prepare()
-    return timed_call(fn, *args)
+    return timed_call(fn, *args, in_thread=in_thread)
 
 
-def charged(wall: float, before: Any, after: Any) -> float:
+def prepared_call_in_thread(
+    prepare: Callable[[], object] | None, fn: Callable[..., Any], *args: Any
+) -> tuple[Any, float]:
+    """:func:`prepared_call` for a call made in a worker thread."""
+    return prepared_call(prepare, fn, *args, in_thread=True)
+
+
+def charged(wall: float, before: Any, after: Any, *, in_thread: bool = False) -> float:
     """The seconds a call is charged, from the thread's ``getrusage`` before
     and after it: its wall time if the thread waited during it (a voluntary
-    context switch: I/O, a lock, a sleep, the GIL), else its CPU time.
+    context switch: I/O, a lock, a sleep, the GIL), else its CPU time; in a
+    worker thread (``in_thread``), its CPU time also when it waited but
+    returned within :data:`THREAD_WAIT_S` (its waits may have been the GIL's).
 
     A thread that only lost its core meanwhile (preempted: involuntary
     switches only) would have run the call in its CPU time; on a loaded
     2-core machine such calls measured 0.5 to 37 ms of wall time for 0.05 to
     0.3 ms of CPU, each sending a quick processor back to worker threads for
     :data:`INLINE_AFTER` calls (bench/profiles/latency80_stateless_*)."""
-    if after.ru_nvcsw > before.ru_nvcsw:
-        return wall
     cpu: float = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if after.ru_nvcsw > before.ru_nvcsw and not (in_thread and wall < THREAD_WAIT_S):
+        return wall
     return min(wall, cpu)
 
 
@@ -328,7 +377,7 @@ async def call_processor(
                     with trio.move_on_after(deadline) as scope:
                         result, elapsed = await trio.to_thread.run_sync(
                             held.run,
-                            prepared_call,
+                            prepared_call_in_thread,
                             prepare,
                             fn,
                             records,

@@ -16,7 +16,7 @@ import traceback
 import numpy as np
 import trio
 
-from taproute.actors.attempt import Attempt, HeldWhileRunning, Placement, timed_call
+from taproute.actors.attempt import Attempt, HeldWhileRunning, Placement, timed_call_in_thread
 from taproute.actors.counters import RouteCounters
 from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import FailureCode, FailurePolicy, classify
@@ -72,7 +72,7 @@ class RouteScreening:
                 with trio.move_on_after(deadline) as scope:
                     verdict, elapsed = await trio.to_thread.run_sync(
                         held.run,
-                        timed_call,
+                        timed_call_in_thread,
                         evaluate_predicate,
                         self.planned,
                         batch.descriptors,

@@ -4,6 +4,7 @@ batches come paced (one at a time) rather than in a burst (issue #13).
     python bench/_latency_profile.py steps --rates max,200000,max,200000
     python bench/_latency_profile.py wake
     python bench/_latency_profile.py verdicts --rate 150000
+    python bench/_latency_profile.py judging --rate 400000 --rounds 8
     py-spy record --threads --nonblocking -r 500 -f raw -o prof.txt -- \\
         python bench/_latency_profile.py paced --rate 200000 --seconds 2 --reps 4
     python bench/_pyspy_summary.py prof.txt
@@ -18,8 +19,13 @@ the record worker's poll timeout; a socket of its own), against a thread
 blocked in ``queue.Queue.get``.  ``verdicts``: each processor call of one
 paced run, its wall and CPU time and its thread's context switches, what
 :class:`~taproute.actors.attempt.Placement` was charged, and how many
-calls ran in worker threads.  ``paced``: the paced runs alone, for a
-profiler.
+calls ran in worker threads.  ``judging``: paced runs at one rate,
+alternating how worker-thread calls are judged: by wall time whenever the
+thread waited, with no doubling (before 2026-12), against the CPU time
+of a call that waited under ``THREAD_WAIT_S`` and the doubling back-off;
+p99 and max from the intended send time (every run starts a runtime,
+whose first calls go to threads), and how many calls ran in threads.
+``paced``: the paced runs alone, for a profiler.
 """
 
 from __future__ import annotations
@@ -238,10 +244,12 @@ def verdicts(rate: float, seconds: float) -> None:
     log: list[tuple[bool, float, float, float, int, int]] = []
     charged_call = attempt.timed_call
 
-    def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    def timed_call(
+        fn: Callable[..., Any], *args: Any, in_thread: bool = False
+    ) -> tuple[Any, float]:
         before = resource.getrusage(resource.RUSAGE_THREAD)
         started = time.perf_counter()
-        result, charged = charged_call(fn, *args)
+        result, charged = charged_call(fn, *args, in_thread=in_thread)
         wall = time.perf_counter() - started
         after = resource.getrusage(resource.RUSAGE_THREAD)
         cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
@@ -275,6 +283,62 @@ def verdicts(rate: float, seconds: float) -> None:
         )
 
 
+def judging(rate: float, rounds: int, seconds: float) -> None:
+    import numpy as np
+
+    import taproute.actors.attempt as attempt
+
+    current = attempt.charged
+
+    def wall_when_waited(wall: float, before: Any, after: Any, *, in_thread: bool = False) -> Any:
+        return current(wall, before, after, in_thread=False)
+
+    def use(name: str) -> None:
+        old = name == "wall when waited"
+        attempt.charged = wall_when_waited if old else current  # type: ignore[assignment]
+        attempt.INLINE_AFTER_MAX = attempt.INLINE_AFTER if old else MAX_AFTER
+
+    MAX_AFTER = attempt.INLINE_AFTER_MAX
+    threads = [0]
+    took = attempt.Placement.took
+
+    def counted(self: attempt.Placement, elapsed: float) -> None:
+        threads[0] += not self.inline
+        took(self, elapsed)
+
+    attempt.Placement.took = counted  # type: ignore[method-assign]
+    names = ["wall when waited", "cpu under THREAD_WAIT_S, doubling"]
+    found: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
+    latency.run("stateless", 500, None, "/tmp")  # warm-up
+    batches = int(rate * seconds / latency.PER_BATCH)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            use(name)
+            threads[0] = 0
+            got = latency.run("stateless", batches, rate, "/tmp")
+            hist = got["intended"]
+            found[name].append(
+                (
+                    hist.get_value_at_percentile(99) / 1e3,
+                    hist.get_max_value() / 1e3,
+                    threads[0],
+                )
+            )
+    use(names[1])
+    print(
+        f"stateless route paced at {rate:,.0f} records/s, {seconds} s a run, {rounds} runs "
+        f"each, alternated; load {os.getloadavg()[0]:.2f}"
+    )
+    for name in names:
+        p99 = [p for p, _, _ in found[name]]
+        print(
+            f"  {name:36s} p99 ms median {np.median(p99):.2f}, runs "
+            + " ".join(f"{p:.2f}" for p in sorted(p99))
+            + f"; max ms median {np.median([m for _, m, _ in found[name]]):.2f}"
+            + f"; calls in threads per run median {np.median([t for _, _, t in found[name]]):.0f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -285,6 +349,10 @@ def main() -> None:
     v = sub.add_parser("verdicts")
     v.add_argument("--rate", type=float, default=150_000)
     v.add_argument("--seconds", type=float, default=2.0)
+    j = sub.add_parser("judging")
+    j.add_argument("--rate", type=float, default=400_000)
+    j.add_argument("--rounds", type=int, default=8)
+    j.add_argument("--seconds", type=float, default=2.5)
     p = sub.add_parser("paced")
     p.add_argument("--rate", type=float, default=200_000)
     p.add_argument("--seconds", type=float, default=2.0)
@@ -296,6 +364,8 @@ def main() -> None:
         wake(args.rounds)
     elif args.what == "verdicts":
         verdicts(args.rate, args.seconds)
+    elif args.what == "judging":
+        judging(args.rate, args.rounds, args.seconds)
     else:
         paced(args.rate, args.seconds, args.reps)
 

@@ -57,8 +57,8 @@ def quick_calls(monkeypatch):
     BAD.clear()
     FLAKY.clear()
 
-    def timed(fn, *args):
-        result, _ = timed_call(fn, *args)
+    def timed(fn, *args, **kwargs):
+        result, _ = timed_call(fn, *args, **kwargs)
         return result, 0.0
 
     monkeypatch.setattr("taproute.actors.attempt.timed_call", timed)
