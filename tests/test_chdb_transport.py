@@ -290,3 +290,30 @@ def test_fixed_string_values_ending_in_nul_bytes_land_exactly(chdb_transport, sc
     trio.run(write)
     got = chdb_transport.query(f"SELECT hex(tag) AS tag FROM `{name}` ORDER BY id").to_pydict()
     assert got["tag"] == ["61626364", "61620000", "00000000", "FF007A00"]
+
+
+def test_a_failed_scratch_file_check_says_why_and_is_tried_again(chdb_transport, monkeypatch):
+    """scratch_inserts=True on a process where the in-memory file check failed
+    names the reason; the failure is not remembered (it may have passed: out
+    of file descriptors), so a later transport checks again and works."""
+    from taproute.routing import ConfigError
+    from taproute.service.sinks.clickhouse import scratch
+
+    monkeypatch.setattr(scratch, "_worked", False)
+
+    class Refusing:
+        def query(self, *args: object, **kwargs: object) -> object:
+            raise OSError(24, "Too many open files")
+
+    why = scratch.scratch_files_work(Refusing())
+    assert why is not None and "Too many open files" in why
+    real_check = scratch._check
+    monkeypatch.setattr(scratch, "_check", lambda session: "chDB could not read it back: EMFILE")
+    with pytest.raises(ConfigError, match="scratch_inserts=True.*could not read it back: EMFILE"):
+        ChdbTransport(chdb_transport.path, scratch_inserts=True)
+    monkeypatch.setattr(scratch, "_check", real_check)
+    transport = ChdbTransport(chdb_transport.path, scratch_inserts=True)
+    try:
+        assert transport.scratch_inserts
+    finally:
+        transport.close()

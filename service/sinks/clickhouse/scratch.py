@@ -74,35 +74,42 @@ class ArrowScratch:
 SCRATCH_READ_SETTINGS = "schema_inference_use_cache_for_file = 0"
 
 
-#: Whether :func:`scratch_files_work` found them working (None: not asked yet).
-_works: bool | None = None
+#: Whether :func:`scratch_files_work` found them working once in this process.
+_worked = False
 
 
-def scratch_files_work(session: Any) -> bool:
-    """Whether chDB in this process reads an :class:`ArrowScratch` file back
-    (Linux with ``memfd_create`` and ``/proc``, and a chDB whose ``file()``
-    opens the path): checked with one row through ``session`` (a chDB
-    session) the first time, remembered for the process."""
-    global _works
-    if _works is None:
-        _works = _check(session)
-    return _works
+def scratch_files_work(session: Any) -> str | None:
+    """Why chDB in this process cannot read an :class:`ArrowScratch` file
+    back, or None when it can (Linux with ``memfd_create`` and ``/proc``,
+    and a chDB whose ``file()`` opens the path).  Checked with one row
+    through ``session`` (a chDB session); a success is remembered for the
+    process, a failure is checked again next time (it may have been
+    passing: out of file descriptors, say)."""
+    global _worked
+    if _worked:
+        return None
+    reason = _check(session)
+    _worked = reason is None
+    return reason
 
 
-def _check(session: Any) -> bool:
+def _check(session: Any) -> str | None:
     if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
-        return False
+        return "no memfd_create here (Linux only)"
     try:
         scratch = ArrowScratch()
-    except OSError:
-        return False
+    except OSError as exc:
+        return f"could not make an in-memory file: {exc}"
     try:
         scratch.write(pa.table({"x": pa.array([7], pa.int32())}))
         result = session.query(
             f"SELECT sum(x) FROM {scratch.source()} SETTINGS {SCRATCH_READ_SETTINGS}", "CSV"
         )
-        return bytes(result.bytes()).strip() == b"7"
-    except Exception:
-        return False
+        got = bytes(result.bytes()).strip()
+    except Exception as exc:
+        return f"chDB could not read it back: {type(exc).__name__}: {exc}"
     finally:
         scratch.close()
+    if got != b"7":
+        return f"chDB read it back wrong: {got[:80]!r} for b'7'"
+    return None

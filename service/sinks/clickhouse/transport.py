@@ -230,12 +230,13 @@ class ChdbTransport:
         self._connections_lock = threading.Lock()
         if scratch_inserts:
             with self._lock:
-                works = scratch_files_work(self._session)
-            if not works:
+                why_not = scratch_files_work(self._session)
+            if why_not is not None:
                 _SharedSession.release()
                 raise ConfigError(
                     f"scratch_inserts=True, but chDB in this process cannot read an in-memory "
-                    f"file (memfd_create and /proc/self/fd, Linux only) for {self.description}"
+                    f"file (memfd_create and /proc/self/fd, Linux only) for "
+                    f"{self.description}: {why_not}"
                 )
         #: Whether inserts go through an in-memory Arrow IPC file (else ``Python()``).
         self.scratch_inserts = bool(scratch_inserts)
