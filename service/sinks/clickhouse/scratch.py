@@ -12,8 +12,8 @@ GIL only to start and to return.
 The price is one more copy of the block (the stream), about 6 ms of CPU
 per 10 MB here, outside the GIL; ``ChdbTransport(scratch_inserts=True)``
 chooses it.  Linux only (``memfd_create`` and ``/proc``):
-:func:`scratch_files_work` says whether this process can use them, checked
-once with a real read through chDB.
+:func:`scratch_files_work` says why this process cannot use them (None: it
+can), checked with a real read through chDB until it once succeeds.
 """
 
 from __future__ import annotations
