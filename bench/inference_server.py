@@ -113,6 +113,9 @@ class ServerConfig:
     #: server polls less often than the library's default (20 ms); captured
     #: records reach ClickHouse up to this much later.
     wake_delay_s: float = 0.1
+    #: The writer process's niceness (``WriterProcessSink(nice=)``): its
+    #: inserts give way to the model's threads when cores are short.
+    writer_nice: int = 0
     gpt2: Gpt2Size = Gpt2Size()
     seed: int = 0
 
@@ -343,7 +346,7 @@ class Capture:
                     "writer='process' opens its own chDB directory: give data, not transport"
                 )
             writer = WriterProcessSink.embedded(
-                SCHEMA, config.data or Path("taproute-data"), **tables
+                SCHEMA, config.data or Path("taproute-data"), nice=config.writer_nice, **tables
             )
             destination: Any = lambda: writer  # noqa: E731 (a factory: the routing sink runs and closes it)
             pool, self.query = writer.buffer_pool, writer.query
@@ -537,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--writer", choices=["thread", "process"], default="thread")
     parser.add_argument("--merge-batches", choices=["on", "off"], default="on")
     parser.add_argument("--wake-delay-ms", type=float, default=100.0)
+    parser.add_argument("--writer-nice", type=int, default=0, help="the writer process's niceness")
     parser.add_argument("--batch-window-ms", type=float, default=4.0)
     parser.add_argument("--embed-max-batch", type=int, default=32)
     parser.add_argument("--generate-max-batch", type=int, default=16)
@@ -555,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             writer=args.writer,
             merge_batches=args.merge_batches == "on",
             wake_delay_s=args.wake_delay_ms / 1000,
+            writer_nice=args.writer_nice,
             batch_window_s=args.batch_window_ms / 1000,
             embed_max_batch=args.embed_max_batch,
             generate_max_batch=args.generate_max_batch,

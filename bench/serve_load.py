@@ -19,9 +19,10 @@ chDB in a writer process, the choice the README gives for a serving process
 whose model runs Python on its own thread), the batches of one wake-up
 handed on merged into one (``--merge-batches 0``: each alone, as before
 the merge), taproute's loop polling the hooks' queue every
-``--wake-delay-ms`` (``--compare-merge 1`` and ``--compare-wake-ms N`` add
-a capture-on server with the merge off, or polling every N ms, to every
-phase).  Each capture-on phase ends with
+``--wake-delay-ms``, its writer process at niceness ``--writer-nice``
+(``--compare-merge 1``, ``--compare-wake-ms N`` and ``--compare-nice N``
+add a capture-on server with the merge off, polling every N ms, or its
+writer N steps nicer, to every phase).  Each capture-on phase ends with
 a flush of the on-server (everything captured is in ClickHouse), and its
 throughput is also given to that point.  Per phase: requests/s, tokens/s,
 p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
@@ -65,6 +66,7 @@ class Server:
         writer: str = "thread",
         merge_batches: bool = True,
         wake_delay_ms: float = 100.0,
+        writer_nice: int = 0,
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -86,6 +88,8 @@ class Server:
                 "on" if merge_batches else "off",
                 "--wake-delay-ms",
                 str(wake_delay_ms),
+                "--writer-nice",
+                str(writer_nice),
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -304,6 +308,8 @@ def main() -> None:
         compare_merge=(0, 0),
         wake_delay_ms=(100.0, 100.0),
         compare_wake_ms=(0.0, 0.0),
+        writer_nice=(0, 0),
+        compare_nice=(0, 0),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
@@ -319,6 +325,8 @@ def main() -> None:
             "compare_merge",
             "wake_delay_ms",
             "compare_wake_ms",
+            "writer_nice",
+            "compare_nice",
         )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
@@ -337,11 +345,18 @@ def main() -> None:
     # "on_wake" (--compare-wake-ms N): "on" with the loop polling every N ms.
     if args.compare_wake_ms:
         saturation_modes.append("on_wake")
+    # "on_nice" (--compare-nice N): "on" with the writer process N steps nicer.
+    if args.compare_nice:
+        if args.writer != "process":
+            raise SystemExit("--compare-nice needs --writer process (a writer to renice)")
+        saturation_modes.append("on_nice")
     extra_labels = {
         "on_nomerge": "each captured batch alone (merge off)",
         "on_wake": f"loop polling every {args.compare_wake_ms:g} ms",
+        "on_nice": f"writer process at nice {args.compare_nice}",
     }
-    load_modes = ["off", "on"] + [m for m in ("on_nomerge", "on_wake") if m in saturation_modes]
+    extra_modes = ("on_nomerge", "on_wake", "on_nice")
+    load_modes = ["off", "on"] + [m for m in extra_modes if m in saturation_modes]
     servers = {
         mode: Server(
             mode != "off",
@@ -352,6 +367,7 @@ def main() -> None:
             writer="thread" if mode == "on_thread" else args.writer,
             merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
             wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
+            writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
         )
         for mode in saturation_modes
     }

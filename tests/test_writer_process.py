@@ -24,7 +24,7 @@ import trio.testing
 
 from taproute.native import make_descriptors
 from taproute.routing import Layout, RecordSchema
-from taproute.routing.errors import RoutingFailure
+from taproute.routing.errors import ConfigError, RoutingFailure
 from taproute.service import create_record_runtime
 from taproute.service.capture import CaptureWarning, bind_modules, capture_context
 from taproute.service.sinks.clickhouse import SchemaMismatch
@@ -584,3 +584,47 @@ async def test_a_block_is_sealed_early_while_none_is_at_the_writer(tmp_path):
         assert counters.blocks == 2
         await sink.close()
     assert _totals(sink) == _expected(range(1, 8))
+
+
+def _niceness_of_threads(pid: int) -> list[int]:
+    """Each thread's niceness (field 19 of /proc/<pid>/task/<tid>/stat), but
+    chDB's MemoryWorker's: it raises its own priority (it samples memory
+    counters, and does little else)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            stat = f.read()
+        if stat[stat.index("(") + 1 : stat.rindex(")")] != "MemoryWorker":
+            out.append(int(stat[stat.rindex(")") + 2 :].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+def test_nice_lowers_every_writer_thread_and_survives_a_restart(tmp_path):
+    """nice=N: every thread of the writer (chDB's included) runs N steps nicer
+    than this process, and so does a writer started after a crash; the rows
+    still land exactly."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], nice=7)
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        _submit(runtime, sink, hook, 0)
+        runtime.flush()
+        first = sink.writer_pid
+        assert first is not None
+        threads = _niceness_of_threads(first)
+        assert len(threads) > 1 and set(threads) == {min(own + 7, 19)}
+        os.kill(first, signal.SIGKILL)
+        _submit(runtime, sink, hook, 1)
+        runtime.flush()
+        second = sink.writer_pid
+        assert second is not None and second != first
+        assert set(_niceness_of_threads(second)) == {min(own + 7, 19)}
+        assert sink.query("SELECT count() AS n FROM raw_acts").to_pydict()["n"] == [8]
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "10"])
+def test_a_bad_nice_is_refused_before_any_process_starts(tmp_path, bad):
+    with pytest.raises(ConfigError, match=r"nice must be an int from 0 to 19, got"):
+        WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], nice=bad)
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())

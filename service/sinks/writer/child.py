@@ -16,6 +16,7 @@ segments: never copied into this process before Arrow reads them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -179,6 +180,24 @@ async def _serve(
     await _Writer(sink, config, MessageStream(messages)).serve(segments)
 
 
+def lower_priority(nice: int) -> None:
+    """Add ``nice`` to the niceness of every thread of this process.
+
+    Linux keeps a niceness per thread, and a new thread takes its creator's:
+    set here, before the sink is built, it holds for chDB's threads too.
+    """
+    if nice <= 0:
+        return
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's niceness
+        os.nice(nice)
+        return
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+
 def main(argv: list[str]) -> int:
     messages = socket.socket(fileno=int(argv[1]))
     segments = socket.socket(fileno=int(argv[2]))
@@ -186,6 +205,7 @@ def main(argv: list[str]) -> int:
     if not isinstance(config, WriterConfig):
         return 2
     try:
+        lower_priority(config.nice)  # before chDB starts its threads: they inherit it
         sink = build_sink(config)
     except BaseException as exc:
         send_blocking(messages, StartFailed(portable_error(exc)))

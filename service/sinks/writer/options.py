@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from taproute.routing.errors import ConfigError
 from taproute.routing.schema import RecordSchema, expect_schema
 from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.writer.protocol import WriterConfig
@@ -22,8 +23,12 @@ def writer_config(
         for name in ("create_tables", "raw_table", "rows_table", "require_deduplication")
         if name in kwargs
     }
+    nice = kwargs.pop("nice", 0)
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ConfigError(f"WriterProcessSink nice must be an int from 0 to 19, got {nice!r}")
     return WriterConfig(
         kind=kind,
+        nice=nice,
         where=where,
         schema=schema,
         raw=tuple(table_names(kwargs.pop("raw", ()))),

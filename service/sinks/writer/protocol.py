@@ -51,6 +51,8 @@ class WriterConfig:
     rows_table: str = "{layout}"
     require_deduplication: bool = True
     inserts_in_flight: int = 2
+    #: Added to the writer process's niceness (0 to 19): see ``WriterProcessSink``.
+    nice: int = 0
 
 
 @attrs.frozen

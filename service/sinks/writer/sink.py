@@ -77,6 +77,12 @@ class WriterProcessSink(WriterConversation):
     (``SchemaMismatch``, ``MissingTable``, ``NoDeduplication``) are raised
     here.  ``restarts``: writer deaths in a row (without a persisted block in
     between) that are answered with a restart; one more latches.
+    ``nice`` (``embedded``/``server``, 0 to 19, default 0): added to the
+    writer process's scheduling niceness, every thread of it, restarts
+    included.  Where the model's threads and the writer want more cores
+    than there are, the kernel then runs the model's first, and the writer
+    in what is left (its backlog meanwhile is bounded by the sink's buffer,
+    then by the runtime's blocking budget and its shedding, counted).
 
     Reading the tables: :meth:`query` goes through the writer while it runs
     (chDB lets one process at a time open a directory, and the writer has
