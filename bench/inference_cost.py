@@ -18,6 +18,9 @@ hooks), torch on one thread.  Variants, per forward pass:
 - ``taproute_chdb_process``: the same, with chDB in a writer process
   (``WriterProcessSink``; hooks copy into its shared-memory pool, so only
   descriptors cross), timed the same two ways;
+- ``taproute_chdb_process_nice`` (``--compare-nice N`` only): the writer
+  process at niceness N (``WriterProcessSink(nice=N)``), timed the same two
+  ways;
 - ``naive_chdb``: the until-flush figures' peer, which persists the same
   rows: the naive copy hook, then after the forward passes one insert of
   everything it kept (padding cut off, one row per sequence and hook, with
@@ -228,8 +231,15 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     chdb_runtime = create_record_runtime(record_sink=chdb_sink)
     process_sink = WriterProcessSink.embedded(SCHEMA, f"{data_dir}/{name}-process", raw=["acts"])
     process_runtime = create_record_runtime(record_sink=process_sink)
+    nice_sink = nice_runtime = None
+    if args.compare_nice:
+        nice_sink = WriterProcessSink.embedded(
+            SCHEMA, f"{data_dir}/{name}-nice", raw=["acts"], nice=args.compare_nice
+        )
+        nice_runtime = create_record_runtime(record_sink=nice_sink)
     flush_times: list[float] = []
     process_flush_times: list[float] = []
+    nice_flush_times: list[float] = []
     naive_persisted_times: list[float] = []
     kept: list[Any] = []
     # chDB: one directory per process.  The peer inserts through Python(), as a
@@ -298,6 +308,10 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         ),
         "naive_chdb": naive_chdb,
     }
+    if nice_sink is not None:
+        variants["taproute_chdb_process_nice"] = with_taproute(
+            nice_runtime, nice_flush_times, nice_sink.buffer_pool
+        )
     cpu_times: dict[str, list[float]] = {variant: [] for variant in variants}
 
     def keeping_cpu(variant: str, run: Callable[[], float]) -> Callable[[], float]:
@@ -317,6 +331,9 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
     results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
     results["naive_chdb_persisted"] = summary(naive_persisted_times[-args.repeat :])
+    if nice_runtime is not None:
+        results["taproute_chdb_process_nice_flushed"] = summary(nice_flush_times[-args.repeat :])
+        nice_runtime.close()
     holds = hold_times(
         model, patterns, forward, ids, mask, keys, null_runtime, kept, rounds=args.repeat
     )
@@ -429,6 +446,7 @@ def main() -> None:
         threads=(1, 1),
         models=(["gpt2", "minilm"], ["gpt2"]),
         malloc=("fixed", "fixed"),
+        compare_nice=(0, 0),
     )
     args.malloc = fix_malloc(args.malloc)
     torch.set_num_threads(args.threads)
@@ -459,7 +477,17 @@ def main() -> None:
                     "taproute_chdb_process_flushed",
                     "taproute -> chDB writer process (until flush)",
                 ),
+                (
+                    "taproute_chdb_process_nice",
+                    f"taproute -> chDB writer process at nice {args.compare_nice} (forward)",
+                ),
+                (
+                    "taproute_chdb_process_nice_flushed",
+                    f"taproute -> chDB writer process at nice {args.compare_nice} (until flush)",
+                ),
             ):
+                if variant not in results:
+                    continue
                 comparisons.append(
                     comparison(
                         f"{name}: forward time, {label} vs no hooks",
