@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import settings
 
+from taproute.actors import RoutingSink, open_routing_sink
 from taproute.native import make_descriptors
-from taproute.routing import RecordBatch
+from taproute.routing import HookRegistry, RecordBatch, Route, RoutingConfig
 from tests.clickhouse_backends import BACKENDS
 from tests.processors import SCHEMA
 
@@ -81,3 +86,24 @@ def clickhouse(request):
 
     transport = request.getfixturevalue(f"{request.param}_transport")
     return Backend(request.param, transport)
+
+
+@contextlib.asynccontextmanager
+async def one_route_sink(
+    route: Route,
+    out: Any,
+    *,
+    hooks: HookRegistry,
+    on_failure: Callable[[Any], object] | None = None,
+) -> AsyncIterator[RoutingSink]:
+    """A running routing sink with ``route`` alone, its destination ``out``
+    (named "out"), records no route takes dropped."""
+    async with open_routing_sink(
+        RoutingConfig([route]),
+        SCHEMA,
+        {"out": out},
+        unmatched="drop",
+        hooks=hooks,
+        on_failure=on_failure,
+    ) as sink:
+        yield sink

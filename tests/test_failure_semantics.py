@@ -23,7 +23,7 @@ from taproute.routing import (
 )
 from taproute.routing.failures import classify
 from taproute.service import CaptureSink, DeadLetterStore
-from tests.conftest import vec_batch
+from tests.conftest import one_route_sink, vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA
 
@@ -80,14 +80,7 @@ async def test_a_connection_error_is_retried_with_backoff_and_recovers(mock_cloc
         processor="fail.connection_then_ok",
         failure_policy=NO_DEADLINE,
     )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=failures.append) as sink:
         await sink.submit(vec_batch(q, 3))
         await sink.flush()
         assert sink.counters().routes["r"].parked == 3  # waiting for its backoff
@@ -239,14 +232,7 @@ async def test_stateful_isolation_applies_each_good_record_once():
     route = Route(
         "sums", Q, "out", mode="stateful", processor="fail.running_sum", failure_policy=NO_DEADLINE
     )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=failures.append) as sink:
         await sink.submit(vec_batch(q, 4, keys=[3, 3, 5, 3]))
         await sink.flush()
         counters = sink.counters().routes["sums"]
@@ -442,14 +428,7 @@ async def test_a_stateful_call_abandoned_before_its_save_never_touches_the_state
         failure_policy=FailurePolicy(deadline=0.2, max_failures=1, failure_window=0),
     )
     with trio.fail_after(60):
-        async with open_routing_sink(
-            RoutingConfig([route]),
-            SCHEMA,
-            {"out": out},
-            unmatched="drop",
-            hooks=hooks,
-            on_failure=given_up.append,
-        ) as sink:
+        async with one_route_sink(route, out, hooks=hooks, on_failure=given_up.append) as sink:
             abandoned = vec_batch(q, 1, keys=[3], release=released.set)
             await sink.submit(abandoned)
             abandoned.lease.release()

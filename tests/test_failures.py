@@ -22,7 +22,7 @@ from taproute.routing import (
     UnboundOutputId,
 )
 from taproute.service import CaptureSink, DeadLetterStore, create_record_runtime
-from tests.conftest import vec_batch
+from tests.conftest import one_route_sink, vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA
 from tests.sinks import NullSink
@@ -56,14 +56,7 @@ async def run_route(processor, batch_size=3, policy=None, **kw) -> tuple[list, C
         failure_policy=policy or FailurePolicy(max_failures=1, failure_window=0, deadline=0),
         **kw,
     )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=failures.append) as sink:
         await sink.submit(vec_batch(q, batch_size))
         await sink.flush()
         counters = sink.counters()
@@ -168,14 +161,7 @@ async def test_transient_failures_recover_without_loss(mock_clock):
         processor="fail.transient_then_ok",
         failure_policy=NO_DEADLINE,
     )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=failures.append) as sink:
         await sink.submit(vec_batch(q, 4))
         await sink.flush()  # flush does not wait for parked retries...
         assert sink.counters().routes["r"].parked == 4
@@ -353,14 +339,7 @@ def test_accounting_is_exact_under_random_faults(tmp_path):
             workers=2,
             failure_policy=policy,
         )
-        async with open_routing_sink(
-            RoutingConfig([route]),
-            SCHEMA,
-            {"out": out},
-            unmatched="drop",
-            hooks=hooks,
-            on_failure=store.handle,
-        ) as sink:
+        async with one_route_sink(route, out, hooks=hooks, on_failure=store.handle) as sink:
             for i in range(n_batches):
                 ids = np.where(np.arange(per_batch) % 5 == 4, 1, q).astype(np.uint32)
                 await sink.submit(vec_batch(0, per_batch, seq_start=i * per_batch, output_ids=ids))

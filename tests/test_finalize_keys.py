@@ -11,20 +11,18 @@ import threading
 
 import numpy as np
 
-from taproute.actors import open_routing_sink
 from taproute.routing import (
     FailurePolicy,
     HookRegistry,
     InvalidInput,
     Records,
     Route,
-    RoutingConfig,
     SlotSpec,
     stateful_processor,
 )
 from taproute.service import CaptureSink
-from tests.conftest import vec_batch
-from tests.processors import SCHEMA, SUM
+from tests.conftest import one_route_sink, vec_batch
+from tests.processors import SUM
 
 Q = "model.layers.0.attn.q"
 KEYS = 8
@@ -72,14 +70,7 @@ async def test_finalize_runs_only_for_keys_holding_state():
         processor="test.finalize_counts",
         failure_policy=FailurePolicy(deadline=0),
     )
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=given_up.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=given_up.append) as sink:
         await sink.submit(vec_batch(q, 3, keys=np.array([1, 1, BAD_KEY])))
         await sink.complete(1, 2, BAD_KEY)  # 2 never got a record; 6's was given up
         await sink.flush()

@@ -15,7 +15,6 @@ import pytest
 import trio
 import trio.testing
 
-from taproute.actors import open_routing_sink
 from taproute.actors import owners as owners_module
 from taproute.routing import (
     FailureCode,
@@ -25,13 +24,12 @@ from taproute.routing import (
     RecordFailure,
     Records,
     Route,
-    RoutingConfig,
     SlotSpec,
     stateful_processor,
 )
 from taproute.service import CaptureSink
-from tests.conftest import vec_batch
-from tests.processors import KEY_RANGE, NORM, SCHEMA
+from tests.conftest import one_route_sink, vec_batch
+from tests.processors import KEY_RANGE, NORM
 
 Q = "layers.0.q"
 
@@ -123,14 +121,7 @@ async def counting_sink(policy: FailurePolicy) -> AsyncIterator[Opened]:
     out = CaptureSink()
     failures: list[RecordFailure] = []
     route = Route("counts", Q, "out", mode="stateful", processor="hop.count", failure_policy=policy)
-    async with open_routing_sink(
-        RoutingConfig([route]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(route, out, hooks=hooks, on_failure=failures.append) as sink:
         yield Opened(sink, q, out, failures, route)
 
 

@@ -29,7 +29,7 @@ from taproute.routing import (
 )
 from taproute.routing.records import Records
 from taproute.service import CaptureSink, DeadLetterStore
-from tests.conftest import vec_batch
+from tests.conftest import one_route_sink, vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA, norms
 
@@ -167,14 +167,7 @@ async def test_parked_records_are_retried_at_once_under_the_new_generation(mock_
     out = CaptureSink()
     failures: list[RecordFailure] = []
     SCRIPT.transient_seqs.update({1: 1})
-    async with open_routing_sink(
-        RoutingConfig([by_seq_route()]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=failures.append,
-    ) as sink:
+    async with one_route_sink(by_seq_route(), out, hooks=hooks, on_failure=failures.append) as sink:
         await sink.submit(vec_batch(q, 1, seq_start=1))
         await sink.flush()
         assert sink.snapshot().routes["n"].parked == 1  # waiting 1000 s for its retry
@@ -200,14 +193,7 @@ async def test_a_record_parked_under_a_processor_no_longer_run_fails_handler_mis
     out = CaptureSink()
     SCRIPT.transient_seqs.update({7: 1})
     store = DeadLetterStore(tmp_path / "dead.sqlite", hooks=hooks)
-    async with open_routing_sink(
-        RoutingConfig([by_seq_route()]),
-        SCHEMA,
-        {"out": out},
-        unmatched="drop",
-        hooks=hooks,
-        on_failure=store.handle,
-    ) as sink:
+    async with one_route_sink(by_seq_route(), out, hooks=hooks, on_failure=store.handle) as sink:
         await sink.submit(vec_batch(q, 1, seq_start=7))
         await sink.flush()
         assert sink.snapshot().routes["n"].parked == 1
