@@ -378,3 +378,46 @@ async def test_an_append_waits_while_a_groups_intent_is_being_written(tmp_path, 
     assert order == ["intend started", "intend done", "appended"]
     assert spool.snapshot().frames == 2
     await spool.aclose()
+
+
+async def test_closing_waits_for_a_group_being_read_in_a_thread(tmp_path, monkeypatch):
+    # A spooling sink closes its spool right after stopping the drain, whose
+    # read of a group may still run in its worker thread (a read is not
+    # abandoned: its task waits for it).  Closing under it closed the readers'
+    # descriptors the read was using (EBADF) and released the directory's lock
+    # while the read reopened one.  Closing waits for the read instead.
+    import threading
+
+    spool = Spool.open(SpoolConfig(directory=tmp_path))
+    await spool.append(vec_batch(1, 2))
+    started, release = threading.Event(), threading.Event()
+    real_read, real_close = spool._log.read_many, spool._log.close
+    order: list[str] = []
+
+    def slow_read(entries):
+        real_read(entries)  # the segment's reader is open now
+        order.append("read started")
+        started.set()
+        release.wait(10)
+        bodies = real_read(entries)  # through that reader again
+        order.append("read done")
+        return bodies
+
+    def close() -> None:
+        order.append("close")
+        real_close()
+
+    monkeypatch.setattr(spool._log, "read_many", slow_read)
+    monkeypatch.setattr(spool._log, "close", close)
+    threads = trio.to_thread.current_default_thread_limiter()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spool.read_group, 1 << 20)
+        await trio.to_thread.run_sync(started.wait, 10)
+        nursery.start_soon(spool.aclose)
+        await trio.testing.wait_all_tasks_blocked()
+        # The close is waiting on the loop: it has not gone to a thread of its own.
+        assert order == ["read started"]
+        assert threads.statistics().borrowed_tokens == 1  # the read's alone
+        release.set()
+    assert order == ["read started", "read done", "close"]
+    assert spool._log._readers == {}  # every descriptor closed with the spool

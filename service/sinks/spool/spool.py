@@ -133,6 +133,10 @@ class Spool:
         # One writer at a time; also held while a group's intent is written,
         # since that fsyncs the segment an append may roll or retire.
         self._lock = trio.Lock()
+        # Held while frames are read in a worker thread (the drain reads, not
+        # the writers): closing waits for it, as the read uses the readers'
+        # descriptors that closing closes.
+        self._reading = trio.Lock()
         self._last_sync = clock()
         self._unsynced = False  # nothing appended or acknowledged since the last sync
         self._records: dict[int, tuple[int, int]] = {}  # seq -> (records, batches)
@@ -376,7 +380,8 @@ class Spool:
 
     async def read(self, entry: Entry) -> Spooled:
         """The batches of ``entry``, decoded from disk."""
-        body = await trio.to_thread.run_sync(self._log.read, entry)
+        async with self._reading:
+            body = await trio.to_thread.run_sync(self._log.read, entry)
         batches, token = decode(body)
         records = sum(len(b) for b in batches)
         self._records.setdefault(entry.seq, (records, len(batches)))
@@ -407,7 +412,8 @@ class Spool:
             size += entry.size
         if not entries:
             raise LookupError("read_group() of an empty spool")
-        bodies = await trio.to_thread.run_sync(log.read_many, entries)
+        async with self._reading:
+            bodies = await trio.to_thread.run_sync(log.read_many, entries)
         batches: list[Batch] = []
         token: str | None = None
         taken = 0
@@ -469,8 +475,8 @@ class Spool:
         )
 
     async def aclose(self) -> None:
-        """Sync and close the files."""
-        async with self._lock:
+        """Sync and close the files (once a read in a worker thread is done)."""
+        async with self._lock, self._reading:
             await trio.to_thread.run_sync(self._log.close)
 
 
