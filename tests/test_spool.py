@@ -421,3 +421,51 @@ async def test_closing_waits_for_a_group_being_read_in_a_thread(tmp_path, monkey
         release.set()
     assert order == ["read started", "read done", "close"]
     assert spool._log._readers == {}  # every descriptor closed with the spool
+
+
+async def test_a_group_is_chosen_once_an_append_in_a_thread_is_done(tmp_path, monkeypatch):
+    # An append that rolls the segment (or writes a large frame) runs in a
+    # worker thread and adds its entry to the log's deque there; read_group
+    # iterated that deque on the loop meanwhile ("deque mutated during
+    # iteration" when the thread got the GIL mid-scan).  The group is chosen
+    # under the writers' lock instead, so it waits for the append.
+    import threading
+
+    spool = Spool.open(SpoolConfig(directory=tmp_path, segment_bytes=1))  # every append rolls
+    await spool.append(vec_batch(1, 2))
+    started, release = threading.Event(), threading.Event()
+    real_append, real_read = spool._log.append, spool._log.read_many
+    order: list[str] = []
+
+    def slow_append(buffers, written_ns):
+        order.append("append started")
+        started.set()
+        release.wait(10)
+        entry = real_append(buffers, written_ns)
+        order.append("append done")
+        return entry
+
+    def read_many(entries):
+        order.append("read")
+        return real_read(entries)
+
+    monkeypatch.setattr(spool._log, "append", slow_append)
+    monkeypatch.setattr(spool._log, "read_many", read_many)
+    threads = trio.to_thread.current_default_thread_limiter()
+    groups = []
+
+    async def read_group() -> None:
+        groups.append(await spool.read_group(1 << 20))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spool.append, vec_batch(1, 2, seq_start=2))
+        await trio.to_thread.run_sync(started.wait, 10)
+        nursery.start_soon(read_group)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["append started"]
+        assert threads.statistics().borrowed_tokens == 1  # the append's alone
+        release.set()
+    assert order == ["append started", "append done", "read"]
+    (group,) = groups
+    assert (group.first, group.seq) == (1, 2)  # the frame appended meanwhile is in it
+    await spool.aclose()

@@ -401,15 +401,18 @@ class Spool:
         log = self._log
         entries: list[Entry] = []
         size = 0
-        intent = log.intent
-        for entry in log.entries:
-            if intent is not None:
-                if entry.seq > intent[1]:
+        # Under the writers' lock: an append in a worker thread adds to
+        # ``log.entries``, which must not change while it is iterated here.
+        async with self._lock:
+            intent = log.intent
+            for entry in log.entries:
+                if intent is not None:
+                    if entry.seq > intent[1]:
+                        break
+                elif entries and (size + entry.size > max_bytes or len(entries) >= _GROUP_FRAMES):
                     break
-            elif entries and (size + entry.size > max_bytes or len(entries) >= _GROUP_FRAMES):
-                break
-            entries.append(entry)
-            size += entry.size
+                entries.append(entry)
+                size += entry.size
         if not entries:
             raise LookupError("read_group() of an empty spool")
         async with self._reading:
