@@ -172,6 +172,9 @@ def test_a_full_blocking_spool_holds_a_capture_no_longer_than_max_block(tmp_path
     spool = spooling.snapshot().spool
     assert spool.appended_batches == 1 and spool.bytes > 0  # the rest wait for room
     inner.down = False  # the destination recovers: room again, everything taken drains
+    # Waited for: close() leaves what is still spooled then for the next start
+    # (drain_on_close=0), and nothing orders the drain's last group before it.
+    runtime.flush(timeout=60, wait=True)
     runtime.close(timeout=60)
     shed = spooling.snapshot().shed_records  # by the spool, past its block timeout
     assert inner.records + shed == taken
