@@ -469,3 +469,58 @@ async def test_a_group_is_chosen_once_an_append_in_a_thread_is_done(tmp_path, mo
     (group,) = groups
     assert (group.first, group.seq) == (1, 2)  # the frame appended meanwhile is in it
     await spool.aclose()
+
+
+async def test_closing_a_spooling_sink_waits_for_its_drains_read(tmp_path, monkeypatch):
+    # The path the spool's read race took: close() stops the drain (cancelled,
+    # its read's thread runs on) and closes the spool without waiting for the
+    # drain's task.  The spool's files are closed only once the read is done.
+    import threading
+
+    from taproute.service.sinks.spool.spooling import SpoolingSink
+
+    class Inner:
+        records = 0
+
+        async def submit(self, batch) -> None:
+            self.records += len(batch)
+
+        async def flush(self) -> None:
+            pass
+
+        async def close(self) -> None:
+            pass
+
+    spool = Spool.open(SpoolConfig(directory=tmp_path))
+    spooling = SpoolingSink("d", Inner(), spool, mode="always", drain_on_close=0.0)
+    started, release = threading.Event(), threading.Event()
+    real_read, real_close = spool._log.read_many, spool._log.close
+    order: list[str] = []
+
+    def slow_read(entries):
+        order.append("read started")
+        started.set()
+        release.wait(10)
+        bodies = real_read(entries)
+        order.append("read done")
+        return bodies
+
+    def close() -> None:
+        order.append("close")
+        real_close()
+
+    monkeypatch.setattr(spool._log, "read_many", slow_read)
+    monkeypatch.setattr(spool._log, "close", close)
+    threads = trio.to_thread.current_default_thread_limiter()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(spooling.run)
+        await spooling.submit(vec_batch(1, 2))
+        await spool.sync()  # so close()'s own flush makes no thread trip
+        await trio.to_thread.run_sync(started.wait, 10)
+        nursery.start_soon(spooling.close)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["read started"]
+        assert threads.statistics().borrowed_tokens == 1  # the read's alone
+        release.set()
+    assert order == ["read started", "read done", "close"]
+    assert spool._log._readers == {}
