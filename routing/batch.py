@@ -59,6 +59,19 @@ def readonly_descriptors(value: Any) -> Descriptors:
     return descriptors
 
 
+def taken_descriptors(value: Any) -> Descriptors:
+    """A producer's descriptors, copied into a read-only array of the batch's own.
+
+    The producer keeps its array (and may fill it for its next batch at once);
+    a view would let that rewrite records already accepted, past the checks
+    they were accepted under.  56 bytes a record, C-contiguous (a strided view
+    is taken as its records).
+    """
+    copied: Descriptors = np.array(readonly_descriptors(value), order="C", copy=True)
+    copied.flags.writeable = False
+    return copied
+
+
 class Retained:
     """A hold on a batch's buffer taken by a sink that keeps the batch past ``submit``."""
 
@@ -129,10 +142,17 @@ class RecordBatch:
     ) -> RecordBatch:
         """Wrap ``payload`` (any buffer) without copying; ``release`` runs once at the end.
 
+        ``descriptors`` are copied (small): the caller may reuse its array at once.
+
         A numpy array's dtype is kept, so that submitting the batch checks it
         against the records' layouts (:mod:`taproute.routing.payload_dtypes`)."""
         dtype = payload.dtype if isinstance(payload, np.ndarray) else None
-        return cls(descriptors, readonly_bytes(payload), BufferLease(release), source_dtype=dtype)
+        return cls(
+            taken_descriptors(descriptors),
+            readonly_bytes(payload),
+            BufferLease(release),
+            source_dtype=dtype,
+        )
 
     def __len__(self) -> int:
         return len(self.descriptors)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from taproute.native import BufferLease, check_int64
-from taproute.routing.batch import Descriptors, RecordBatch, readonly_bytes, readonly_descriptors
+from taproute.routing.batch import Descriptors, RecordBatch, readonly_bytes, taken_descriptors
 from taproute.routing.errors import UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.payload_dtypes import batch_mismatch, single_payload
@@ -47,10 +47,11 @@ class Intake:
     def batch(
         self, descriptors: Any, payload: Any, release: Callable[[], object] | None
     ) -> RecordBatch:
-        """A batch of ``descriptors`` over ``payload`` (not copied), or raise
+        """A batch of ``descriptors`` (copied: the producer may reuse its array)
+        over ``payload`` (not copied), or raise
         (:func:`~taproute.routing.validation.check_batch`); ``release`` is not
         called when it is refused."""
-        desc = readonly_descriptors(descriptors)
+        desc = taken_descriptors(descriptors)
         data = readonly_bytes(payload)
         nbytes = self._check(desc, len(data))
         if isinstance(payload, np.ndarray):
