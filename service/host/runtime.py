@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -319,16 +320,33 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
     def close(self, timeout: float | None = None) -> None:
         """Drain, flush and close the sink, stop the loop and join its thread.
 
-        Idempotent.  Raises the latched failure, if any.
+        Idempotent.  Raises the latched failure, if any.  ``timeout`` bounds
+        the whole call (the close and joining the thread); past it a
+        TimeoutError says so, the close goes on in the loop thread, and a
+        later ``close()`` waits for it (it too raises TimeoutError until the
+        thread has ended).
         """
         if self._thread is None:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         future = self._ingress.put_control("close")
         try:
             future.result(timeout)
+        except TimeoutError:
+            raise self._close_timed_out(timeout) from None
         finally:
-            self._thread.join(timeout)
+            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            raise self._close_timed_out(timeout)
         self._latch.raise_if_failed()
+
+    @staticmethod
+    def _close_timed_out(timeout: float | None) -> TimeoutError:
+        return TimeoutError(
+            f"close: not done within {timeout} s; the record sink is still draining, "
+            "flushing or closing (a destination's call has not returned) and the loop "
+            "thread runs on: call close again to wait for it"
+        )
 
     # -- observation -------------------------------------------------------
 
