@@ -53,6 +53,8 @@ from taproute.service.capture.hook_binding import (
     RUNTIME_FAILED,
     CaptureTarget,
     HookBinding,
+    check_unbound,
+    note_bound,
 )
 from taproute.service.capture.host_copy import numpy_view_dtype, to_host
 from taproute.service.capture.plans import SharedPlan
@@ -132,6 +134,7 @@ def bind_module(
     element = _layout_element(runtime, layout, name)
     dst = torch_dtype(element)
     _check_parameters(module, dst, name=name, layout=layout, narrow=narrow)
+    check_unbound(module, runtime.hooks, name)
     output_id = runtime.bind_hook(name, layout=layout)
     layout_id = runtime.schema.layout_id(layout)  # type: ignore[union-attr]
     hooks = runtime.hooks
@@ -314,6 +317,7 @@ def bind_module(
     # it, detaching the binding): run it eagerly, a graph break at the hook.
     eager: Callable[[_Hook], _Hook] = torch.compiler.disable
     binding._handle = module.register_forward_hook(eager(hook))
+    note_bound(module, hooks, binding)
     return binding
 
 
@@ -343,6 +347,8 @@ def bind_modules(
     ]
     if not matches:
         raise CaptureError(f"bind_modules: no submodule of the model matches {pattern!r}")
+    for qualified, module in matches:  # all or nothing: none bound when one already is
+        check_unbound(module, runtime.hooks, prefix + qualified)
     pool = pool or HostBufferPool()
     return [
         bind_module(

@@ -9,12 +9,13 @@ skipped or dropped (the ``reason`` label of the capture counters).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Protocol
 
 from taproute.routing.batch import RecordBatch
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.schema import RecordSchema
-from taproute.service.capture.errors import warn_capture
+from taproute.service.capture.errors import CaptureError, warn_capture
 
 
 class CaptureTarget(Protocol):
@@ -74,6 +75,11 @@ class HookBinding:
             self._handle.remove()
             self._handle = None
 
+    @property
+    def removed(self) -> bool:
+        """True once :meth:`remove` ran (the hook no longer fires)."""
+        return self._handle is None
+
     def _warn_once(self, reason: str, message: str) -> None:
         with self._lock:
             if reason in self._warned:
@@ -82,7 +88,43 @@ class HookBinding:
         warn_capture(message)
 
 
+#: Per module, the bindings made on it: (the runtime's hook registry, binding).
+_BOUND: weakref.WeakKeyDictionary[Any, list[tuple[weakref.ref[HookRegistry], HookBinding]]] = (
+    weakref.WeakKeyDictionary()
+)
+_BOUND_LOCK = threading.Lock()
+
+
+def check_unbound(module: Any, hooks: HookRegistry, name: str) -> None:
+    """Refuse binding ``module`` under ``name`` to the runtime of ``hooks`` a
+    second time while the first binding is in place: both torch hooks would
+    fire, and every record would be captured (and written) twice."""
+    with _BOUND_LOCK:
+        for registry, binding in _BOUND.get(module, ()):
+            if registry() is hooks and binding.name == name and not binding.removed:
+                raise CaptureError(
+                    f"hook {name!r} is already bound on this module to this runtime (an "
+                    "earlier bind_module/bind_modules); a second binding would capture "
+                    "every record twice: remove() the first binding, or bind under "
+                    "another name"
+                )
+
+
+def note_bound(module: Any, hooks: HookRegistry, binding: HookBinding) -> None:
+    """Remember ``binding`` of ``module`` (forgetting the removed ones)."""
+    with _BOUND_LOCK:
+        kept = [
+            (registry, earlier)
+            for registry, earlier in _BOUND.get(module, ())
+            if registry() is not None and not earlier.removed
+        ]
+        kept.append((weakref.ref(hooks), binding))
+        _BOUND[module] = kept
+
+
 __all__ = [
+    "check_unbound",
+    "note_bound",
     "BAD_OUTPUT",
     "DETACHED",
     "INGRESS_FULL",
