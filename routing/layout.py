@@ -72,8 +72,15 @@ def _array_element(ch_type: str) -> str | None:
     return None
 
 
+#: The largest dimension of a column's shape (a config file's bound too).
+MAX_DIMENSION = 2**31
+
+
 def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    """``value`` as a tuple, numpy's integers as ints (checked by :class:`Column`)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise LayoutError(f"shape must be a sequence of dimensions, got {value!r}")
+    return tuple(int(v) if isinstance(v, np.integer) else v for v in value)
 
 
 @attrs.frozen
@@ -93,6 +100,22 @@ class Column:
     def _check_name(self, _: object, value: str) -> None:
         if not isinstance(value, str) or not value.isidentifier():
             raise LayoutError(f"column name must be an identifier, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        shape = self.shape
+        where = f"column {self.name!r}"
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_DIMENSION
+            for v in shape
+        ):
+            raise LayoutError(
+                f"{where}: shape must be integer dimensions in [1, 2**31], got {shape!r}"
+            )
+        if shape and _array_element(self.type) is None:
+            raise LayoutError(
+                f"{where}: shape {shape!r} on type {self.type}, which holds one value; "
+                f"a shape is for Array(T) columns (Array({self.type}))"
+            )
 
     @functools.cached_property
     def is_array(self) -> bool:
@@ -135,7 +158,7 @@ def _to_columns(specs: Iterable[ColumnSpec]) -> tuple[Column, ...]:
     return tuple(_to_column(s) for s in specs)
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class Layout:
     """A named, ordered list of columns and the numpy dtype of one row.
 
@@ -144,7 +167,14 @@ class Layout:
     """
 
     name: str
-    columns: tuple[Column, ...] = attrs.field(converter=_to_columns)
+    columns: tuple[Column, ...]
+
+    def __init__(self, name: str, columns: Iterable[ColumnSpec]) -> None:
+        try:
+            built = _to_columns(columns)
+        except LayoutError as exc:  # a column refused: say in which layout
+            raise LayoutError(f"layout {name!r}, {exc}") from None
+        self.__attrs_init__(name, built)
 
     def __attrs_post_init__(self) -> None:
         if not self.columns:
