@@ -104,9 +104,12 @@ class Intake:
         The layout is the one its hook was bound with (layout 0 otherwise).
         """
         layout_id, fixed, prefix, element = self._rule(output_id)
-        if isinstance(payload, np.ndarray) and self.schema is not None:
-            layout = self.schema.by_id(layout_id)
-            payload = single_payload(payload, layout, hook=self.hooks.name_of(output_id))
+        if isinstance(payload, np.ndarray):
+            if self.schema is not None:
+                layout = self.schema.by_id(layout_id)
+                payload = single_payload(payload, layout, hook=self.hooks.name_of(output_id))
+            if not payload.flags.c_contiguous:  # copied below anyway: as its values, C order
+                payload = np.ascontiguousarray(payload)
         data = payload if isinstance(payload, bytes) else readonly_bytes(payload).tobytes()
         size = len(data)
         # RecordSchema.size_rule's check, inlined on cached ints: this runs per record.
