@@ -141,6 +141,39 @@ when_full = true
     ]
 
 
+def test_a_value_past_its_bounds_does_not_hide_an_unknown_key_beside_it(tmp_path):
+    """A bound refused in a table used to drop that table's unknown keys from
+    the report: a second round of fixes for a file said to list every problem."""
+    path = write(
+        tmp_path,
+        """
+layouts = []
+[[routes]]
+name = "r"
+outputs = ["x"]
+destination = "d"
+workers = 0
+colour = "blue"
+[destinations.d]
+path = "x"
+batching = { linger = 0.0, lingr = 1.0 }
+[ingress]
+capacity_records = 0
+max_blok = 0.01
+""",
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    problems = caught.value.problems
+    assert "routes[0].workers: must be in [1, 1024], found 0" in problems
+    assert f"routes[0]: unknown key(s) 'colour'; expected keys: {ROUTE_KEYS}" in problems
+    assert "destinations.d.batching.linger: must be in [0.001, 3600], found 0" in problems
+    assert any(p.startswith("destinations.d.batching: unknown key(s) 'lingr'") for p in problems)
+    assert "ingress.capacity_records: must be in [1, 2**32], found 0" in problems
+    assert any(p.startswith("ingress: unknown key(s) 'max_blok'") for p in problems)
+    assert len(problems) == 6
+
+
 def test_unreadable_and_malformed_files(tmp_path):
     with pytest.raises(ConfigFileError, match="cannot read"):
         load_config(tmp_path / "missing.toml")

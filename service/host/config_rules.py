@@ -216,7 +216,11 @@ def _structure_attrs(cls: type) -> Callable[[Any, Any], Any]:
             try:  # report the other fields' problems too, not only the bounds
                 base(raw, cls)
             except ClassValidationError as exc:  # field problems; not the class's own check
-                errors.extend(e for e in exc.exceptions if _field_of(e) is not None)
+                errors.extend(
+                    e
+                    for e in exc.exceptions
+                    if _field_of(e) is not None or isinstance(e, ForbiddenExtraKeysError)
+                )
             except Exception:  # the class's own check of what the bounds refused
                 pass
             raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
