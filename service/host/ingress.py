@@ -50,6 +50,14 @@ WAKE_DELAY_S = 0.02
 PARK_AFTER_S = 1.0
 
 
+def thread_wait(timeout: float | None) -> float | None:
+    """``timeout`` for a thread wait (``Condition.wait``, ``Future.result``,
+    ``Thread.join``): None (no bound) for None or one past what the platform's
+    waits take (``math.inf``: as long as it takes), which raise
+    OverflowError there."""
+    return None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout
+
+
 class Ingress:
     """Bounded, thread-safe queue of batches and controls for one record worker.
 
@@ -156,6 +164,7 @@ class Ingress:
             )
         self._schedule_wake()  # what waits deferred must drain for room to come
         started = time.perf_counter()
+        timeout = thread_wait(timeout)
         deadline = None if timeout is None else started + timeout
         # Counted before the last look at the room: the record worker reads it
         # after giving room back, to know whether to wake anyone (see done()).

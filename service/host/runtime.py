@@ -50,7 +50,7 @@ from taproute.routing.sink import (
 from taproute.service.host.batch_merge import SpansPayloads, merge, mergeable
 from taproute.service.host.closing import ClosesOnExit
 from taproute.service.host.counters import ServiceSnapshot
-from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull
+from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull, thread_wait
 from taproute.service.host.ingress_control import Control
 from taproute.service.host.producer_calls import ProducerCalls
 from taproute.service.host.sink_controls import SinkControls
@@ -328,6 +328,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         """
         if self._thread is None:
             return
+        timeout = thread_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         future = self._ingress.put_control("close")
         try:

@@ -26,7 +26,7 @@ from taproute.routing.plan import Unmatched
 from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.sink import RecordSink, Reloads, WaitsForDelivery
-from taproute.service.host.ingress import Ingress
+from taproute.service.host.ingress import Ingress, thread_wait
 from taproute.service.host.ingress_control import Control
 
 
@@ -105,7 +105,7 @@ class SinkControls:
         try:
             report: FlushReport | None = self._ingress.put_control(
                 "deliver" if wait else "flush"
-            ).result(timeout)
+            ).result(thread_wait(timeout))
         except TimeoutError:
             raise TimeoutError(
                 f"flush: not done within {timeout} s; what was submitted is still being "
@@ -183,7 +183,7 @@ class SinkControls:
             raise SinkClosed("runtime not started")
         future = self._ingress.put_control("reload", payload=generation)
         try:
-            number: int = future.result(timeout)
+            number: int = future.result(thread_wait(timeout))
         except TimeoutError:
             raise  # still queued: it may yet be swapped in
         except BaseException:
