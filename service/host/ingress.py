@@ -58,6 +58,18 @@ def thread_wait(timeout: float | None) -> float | None:
     return None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout
 
 
+class PendingOffer:
+    """A batch a producer waits to queue that it may withdraw (see
+    :meth:`Ingress.put_batch_unless`): both flags change under the ingress lock,
+    so a withdrawn batch is never queued and a queued one never withdrawn."""
+
+    __slots__ = ("queued", "withdrawn")
+
+    def __init__(self) -> None:
+        self.queued = False
+        self.withdrawn = False
+
+
 class Ingress:
     """Bounded, thread-safe queue of batches and controls for one record worker.
 
@@ -148,10 +160,17 @@ class Ingress:
             and self._in_bytes - self._out_bytes + nbytes <= self.capacity_bytes
         )
 
-    def _wait_for_space(self, records: int, nbytes: int, timeout: float | None = None) -> bool:
+    def _wait_for_space(
+        self,
+        records: int,
+        nbytes: int,
+        timeout: float | None = None,
+        offer: PendingOffer | None = None,
+    ) -> bool:
         """With the lock held: block (or refuse) until the item fits.
 
-        With ``timeout`` (seconds), gives up after that long and returns False.
+        With ``timeout`` (seconds), gives up after that long and returns False;
+        with ``offer``, returns False once it is withdrawn.
         """
         if self._fits(records, nbytes):
             return True
@@ -172,6 +191,8 @@ class Ingress:
         try:
             while not self._fits(records, nbytes):
                 self._check_open()
+                if offer is not None and offer.withdrawn:
+                    return False
                 if deadline is None:
                     self._space.wait()
                     continue
@@ -213,6 +234,31 @@ class Ingress:
     def put_batch(self, batch: RecordBatch, *, defer_wake: bool = False) -> None:
         """Queue one batch; blocks (or raises IngressFull) while ingress is full."""
         self.offer_batch(batch, None, defer_wake=defer_wake)
+
+    def put_batch_unless(self, batch: RecordBatch, offer: PendingOffer) -> bool:
+        """:meth:`put_batch` that gives up, queueing nothing, once ``offer`` is
+        withdrawn (:meth:`withdraw`): False then, True once queued."""
+        records = len(batch.descriptors)
+        nbytes = batch.payload.nbytes
+        with self._lock:
+            self._check_open()
+            if not self._fits(records, nbytes):
+                if not self._wait_for_space(records, nbytes, offer=offer):
+                    return False
+                self._check_open()
+            self._append_locked(batch, records, nbytes, defer_wake=False)
+            offer.queued = True
+        return True
+
+    def withdraw(self, offer: PendingOffer) -> bool:
+        """Withdraw ``offer`` unless it is queued already (False then): its
+        :meth:`put_batch_unless` returns False without queueing."""
+        with self._lock:
+            if offer.queued:
+                return False
+            offer.withdrawn = True
+            self._space.notify_all()
+        return True
 
     def offer_batch(
         self, batch: RecordBatch, timeout: float | None, *, defer_wake: bool = False

@@ -15,7 +15,7 @@ from typing import Any
 
 from taproute.routing.batch import RecordBatch
 from taproute.routing.intake import Intake
-from taproute.service.host.ingress import Ingress
+from taproute.service.host.ingress import Ingress, PendingOffer
 
 
 class ProducerCalls:
@@ -105,12 +105,25 @@ class ProducerCalls:
 
         When ingress has room the batch is queued at once; when it is full,
         the wait happens in a worker thread while the event loop runs on.
+        Cancelled while it waits (``asyncio.wait_for``, a client gone), it
+        queues nothing and ``release`` is not called: the buffer is still the
+        caller's.  Only a cancellation that comes just as the batch was queued
+        leaves it queued (``release`` then runs as for any queued batch).
         """
         import asyncio
 
         batch = self.intake.batch(descriptors, payload, release)
-        if not self._ingress.try_put_batch(batch):
-            await asyncio.get_running_loop().run_in_executor(None, self._ingress.put_batch, batch)
+        if self._ingress.try_put_batch(batch):
+            return
+        offer = PendingOffer()
+        waiting = asyncio.get_running_loop().run_in_executor(
+            None, self._ingress.put_batch_unless, batch, offer
+        )
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            self._ingress.withdraw(offer)  # its thread returns at once, queueing nothing
+            raise
 
     def submit(
         self,
