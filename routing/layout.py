@@ -203,6 +203,12 @@ class Layout:
         return types.pop() if len(types) == 1 else None
 
     @functools.cached_property
+    def string_columns(self) -> tuple[Column, ...]:
+        """The String (and LowCardinality(String)) columns: object dtype in a
+        row, so a value of another type is seen only by looking at it."""
+        return tuple(c for c in self.columns if not c.is_array and c.element_dtype.kind == "O")
+
+    @functools.cached_property
     def is_fixed(self) -> bool:
         """True when every column has a fixed byte size."""
         return not any(c.is_variable for c in self.columns)

@@ -93,7 +93,11 @@ def check_rows(rows: object, layout: Layout, *, route: str, processor: str) -> n
     types.
     """
     if isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == layout.dtype:
-        return rows  # the layout's own dtype (the usual case): one comparison, no walk
+        # The layout's own dtype (the usual case): one comparison, no walk, but
+        # of String columns (object dtype whatever they hold) each value's type.
+        if layout.string_columns:
+            _check_strings(rows, layout, route=route, processor=processor)
+        return rows
     where = f"route {route!r}, processor {processor!r}, output layout {layout.name!r}"
     if not isinstance(rows, np.ndarray) or rows.dtype.names is None:
         found = type(rows).__name__
@@ -127,4 +131,25 @@ def check_rows(rows: object, layout: Layout, *, route: str, processor: str) -> n
         raise OutputLayoutMismatch(
             f"{where}: unexpected column(s) {found_names[len(expected_names) :]}"
         )
+    if layout.string_columns:
+        _check_strings(rows, layout, route=route, processor=processor)
     return rows
+
+
+def _check_strings(
+    rows: npt.NDArray[np.void], layout: Layout, *, route: str, processor: str
+) -> None:
+    """Raise unless every value of ``layout``'s String columns is a ``str``
+    (an int, None or bytes there would be refused, block and all, by the
+    destination, or written as something else)."""
+    for column in layout.string_columns:
+        values = rows[column.name]
+        if all(issubclass(kind, str) for kind in set(map(type, values))):
+            continue  # one C pass over the column, no Python per value
+        row = next(i for i, value in enumerate(values) if not isinstance(value, str))
+        value = values[row]
+        raise OutputLayoutMismatch(
+            f"route {route!r}, processor {processor!r}, output layout {layout.name!r}: "
+            f"column {column.name!r} ({column.type}) row {row}: expected str, found "
+            f"{type(value).__name__} {value!r:.60}"
+        )

@@ -1,0 +1,94 @@
+"""A processor's String column is checked value by value like its other
+columns are by dtype: a value that is not a ``str`` (an int, a float, None,
+bytes) is a route failure of that record (``handler_invalid``, dead-lettered),
+never a write. It used to pass the layout check (the column's dtype is
+object either way) and reach the ClickHouse insert, where Arrow refused the
+whole block: the router latched, and the block's good rows were lost with it
+(None was written as '' instead)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from taproute.native import make_descriptors
+from taproute.routing import Layout, RecordSchema, Route, RoutingConfig, stateless_processor
+from taproute.routing.errors import OutputLayoutMismatch
+from taproute.routing.validation import check_rows
+from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
+
+VEC = Layout("vec4", [("values", "Array(Float32)", (4,))])
+LABEL = Layout("label", [("request", "Int64"), ("name", "LowCardinality(String)")])
+SCHEMA = RecordSchema([VEC, LABEL])
+BAD = {3: 7, 5: None, 6: 1.5}  # key -> what the processor puts in `name`
+
+
+@stateless_processor("test.string_labels", input="vec4", output="label")
+def string_labels(records) -> np.ndarray:
+    rows = np.empty(len(records), dtype=LABEL.dtype)
+    rows["request"] = records.descriptors["key"]
+    rows["name"] = [BAD.get(int(k), f"r{k}") for k in records.descriptors["key"]]
+    return rows
+
+
+@pytest.mark.parametrize("value", [7, None, 1.5, b"\xff", ["x"]])
+def test_a_string_column_holding_another_type_is_named(value):
+    rows = np.empty(3, dtype=LABEL.dtype)
+    rows["request"] = [1, 2, 3]
+    rows["name"] = ["a", value, "c"] if not isinstance(value, list) else ["a", "b", "c"]
+    if isinstance(value, list):
+        rows["name"][1] = value
+    with pytest.raises(
+        OutputLayoutMismatch,
+        match=rf"column 'name' \(LowCardinality\(String\)\) row 1: expected str, "
+        rf"found {type(value).__name__}",
+    ):
+        check_rows(rows, LABEL, route="r", processor="p")
+
+
+def test_str_and_numpy_str_values_pass():
+    rows = np.empty(2, dtype=LABEL.dtype)
+    rows["name"] = ["a", np.str_("b")]
+    assert check_rows(rows, LABEL, route="r", processor="p") is rows
+
+
+def test_bad_string_values_fail_their_records_and_the_rest_land_in_clickhouse(chdb_transport):
+    table = "labels_" + uuid.uuid4().hex[:8]
+
+    def destination() -> ClickHouseSink:
+        return ClickHouseSink(
+            chdb_transport,
+            SCHEMA,
+            rows=["label"],
+            rows_table=table,
+            create_tables=True,
+            owns_transport=False,
+        )
+
+    given_up: list[int] = []
+    sink = RoutingSink(
+        RoutingConfig(
+            [Route("labels", "h.*", "ch", mode="stateless", processor="test.string_labels")]
+        ),
+        SCHEMA,
+        {"ch": destination},
+        unmatched="drop",
+        on_failure=lambda failure: given_up.extend(
+            int(k) for k in failure.records.descriptors["key"]
+        ),
+    )
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="vec4")
+        runtime.submit_batch(
+            make_descriptors(hook, 16, count=8, keys=np.arange(8), layout_ids=0),
+            np.zeros((8, 4), np.float32),
+        )
+        report = runtime.flush()
+        assert report is not None
+        assert report.routes["labels"].delivered == 5
+        assert report.routes["labels"].dead_lettered == 3
+    assert sorted(given_up) == sorted(BAD)
+    rows = chdb_transport.query(f"SELECT request, name FROM `{table}` ORDER BY request")
+    assert rows.to_pylist() == [{"request": k, "name": f"r{k}"} for k in range(8) if k not in BAD]
