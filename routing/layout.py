@@ -209,6 +209,12 @@ class Layout:
         return tuple(c for c in self.columns if not c.is_array and c.element_dtype.kind == "O")
 
     @functools.cached_property
+    def object_columns(self) -> tuple[Column, ...]:
+        """The columns a row holds as Python objects: String ones and
+        variable-length Array ones (whose values are arrays of any length)."""
+        return tuple(c for c in self.columns if c.is_variable)
+
+    @functools.cached_property
     def is_fixed(self) -> bool:
         """True when every column has a fixed byte size."""
         return not any(c.is_variable for c in self.columns)

@@ -95,8 +95,8 @@ def check_rows(rows: object, layout: Layout, *, route: str, processor: str) -> n
     if isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == layout.dtype:
         # The layout's own dtype (the usual case): one comparison, no walk, but
         # of String columns (object dtype whatever they hold) each value's type.
-        if layout.string_columns:
-            _check_strings(rows, layout, route=route, processor=processor)
+        if layout.object_columns:
+            _check_objects(rows, layout, route=route, processor=processor)
         return rows
     where = f"route {route!r}, processor {processor!r}, output layout {layout.name!r}"
     if not isinstance(rows, np.ndarray) or rows.dtype.names is None:
@@ -131,25 +131,52 @@ def check_rows(rows: object, layout: Layout, *, route: str, processor: str) -> n
         raise OutputLayoutMismatch(
             f"{where}: unexpected column(s) {found_names[len(expected_names) :]}"
         )
-    if layout.string_columns:
-        _check_strings(rows, layout, route=route, processor=processor)
+    if layout.object_columns:
+        _check_objects(rows, layout, route=route, processor=processor)
     return rows
 
 
-def _check_strings(
+def _check_objects(
     rows: npt.NDArray[np.void], layout: Layout, *, route: str, processor: str
 ) -> None:
-    """Raise unless every value of ``layout``'s String columns is a ``str``
-    (an int, None or bytes there would be refused, block and all, by the
-    destination, or written as something else)."""
-    for column in layout.string_columns:
+    """Raise unless every value of ``layout``'s object columns is what its
+    type holds: a ``str`` in a String column, a non-empty-dimensioned array of
+    numbers in a variable Array column (an int, None, bytes or text there
+    would be refused, block and all, by the destination, or written as
+    something else: None as '' or [nan])."""
+    for column in layout.object_columns:
         values = rows[column.name]
-        if all(issubclass(kind, str) for kind in set(map(type, values))):
+        if column.is_array:
+            row = _first_non_numeric_array(values)
+            expected = "an array of numbers"
+        elif all(issubclass(kind, str) for kind in set(map(type, values))):
             continue  # one C pass over the column, no Python per value
-        row = next(i for i, value in enumerate(values) if not isinstance(value, str))
+        else:
+            row = next(i for i, value in enumerate(values) if not isinstance(value, str))
+            expected = "str"
+        if row is None:
+            continue
         value = values[row]
         raise OutputLayoutMismatch(
             f"route {route!r}, processor {processor!r}, output layout {layout.name!r}: "
-            f"column {column.name!r} ({column.type}) row {row}: expected str, found "
+            f"column {column.name!r} ({column.type}) row {row}: expected {expected}, found "
             f"{type(value).__name__} {value!r:.60}"
         )
+
+
+def _first_non_numeric_array(values: npt.NDArray[np.object_]) -> int | None:
+    """The first row whose value is not an array (or list) of numbers, or None."""
+    for row, value in enumerate(values):
+        if isinstance(value, np.ndarray):
+            if value.ndim >= 1 and value.dtype.kind in "biuf":
+                continue
+            return row
+        if not isinstance(value, list | tuple):
+            return row
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged
+            return row
+        if array.ndim < 1 or array.dtype.kind not in "biuf":
+            return row
+    return None

@@ -92,3 +92,27 @@ def test_bad_string_values_fail_their_records_and_the_rest_land_in_clickhouse(ch
     assert sorted(given_up) == sorted(BAD)
     rows = chdb_transport.query(f"SELECT request, name FROM `{table}` ORDER BY request")
     assert rows.to_pylist() == [{"request": k, "name": f"r{k}"} for k in range(8) if k not in BAD]
+
+
+VALUES = Layout("values_out", [("request", "Int64"), ("vals", "Array(Float32)")])
+
+
+@pytest.mark.parametrize("value", [None, 5, "ab", [1.0, "x"], np.array("x"), np.float32(2)])
+def test_a_variable_array_column_holding_no_array_of_numbers_is_named(value):
+    """None was written as [nan], an int as [5]; text latched the router."""
+    rows = np.empty(3, dtype=VALUES.dtype)
+    rows["request"] = [1, 2, 3]
+    for i, v in enumerate([np.ones(2, np.float32), value, [1.0, 2.0]]):
+        rows["vals"][i] = v
+    with pytest.raises(
+        OutputLayoutMismatch,
+        match=r"column 'vals' \(Array\(Float32\)\) row 1: expected an array of numbers",
+    ):
+        check_rows(rows, VALUES, route="r", processor="p")
+
+
+def test_arrays_and_lists_of_numbers_pass_a_variable_array_column():
+    rows = np.empty(3, dtype=VALUES.dtype)
+    for i, v in enumerate([np.ones(2, np.float32), np.arange(3), [1.0, 2.0]]):
+        rows["vals"][i] = v
+    assert check_rows(rows, VALUES, route="r", processor="p") is rows
