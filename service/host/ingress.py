@@ -122,6 +122,7 @@ class Ingress:
         #: The record worker sleeps without a poll: the next batch wakes it.
         self._parked = False
         self._closed = False
+        self._loop_thread: int | None = None  # the loop thread's ident, once connected
         self._failed: BaseException | None = None
         self._loop_gone = False
         #: A bounded wait ran out and the record worker has handed nothing on
@@ -133,6 +134,17 @@ class Ingress:
         """Set the function that wakes the record worker (called by producers,
         with their lock held)."""
         self._wake = wake
+        self._loop_thread = threading.get_ident()  # called on the loop thread
+
+    def refuse_on_loop(self, what: str) -> None:
+        """Raise if called on the loop thread, where waiting for the loop
+        (a flush, a close, room in a full ingress) would wait forever."""
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                f"{what} on the runtime's own loop thread (from a release callback, a "
+                "sink, or a processor or predicate running on the loop) would wait for "
+                "that thread, forever: call it from another thread"
+            )
 
     @property
     def closed(self) -> bool:
@@ -181,9 +193,11 @@ class Ingress:
                 f"{self._in_bytes - self._out_bytes}/{self.capacity_bytes} bytes queued); "
                 f"{records} record(s) refused"
             )
+        timeout = thread_wait(timeout)
+        if timeout is None:
+            self.refuse_on_loop("a submit that must wait for ingress room")
         self._schedule_wake()  # what waits deferred must drain for room to come
         started = time.perf_counter()
-        timeout = thread_wait(timeout)
         deadline = None if timeout is None else started + timeout
         # Counted before the last look at the room: the record worker reads it
         # after giving room back, to know whether to wake anyone (see done()).

@@ -328,6 +328,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         """
         if self._thread is None:
             return
+        self._ingress.refuse_on_loop("close()")
         timeout = thread_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         future = self._ingress.put_control("close")

@@ -102,6 +102,7 @@ class SinkControls:
         """
         if self._thread is None:
             raise SinkClosed("runtime not started")
+        self._ingress.refuse_on_loop("flush()")
         try:
             report: FlushReport | None = self._ingress.put_control(
                 "deliver" if wait else "flush"
@@ -181,6 +182,11 @@ class SinkControls:
         if self._thread is None:
             generation.detach()
             raise SinkClosed("runtime not started")
+        try:
+            self._ingress.refuse_on_loop("reload()")
+        except RuntimeError:
+            generation.detach()
+            raise
         future = self._ingress.put_control("reload", payload=generation)
         try:
             number: int = future.result(thread_wait(timeout))
