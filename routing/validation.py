@@ -147,8 +147,8 @@ def _check_objects(
     for column in layout.object_columns:
         values = rows[column.name]
         if column.is_array:
-            row = _first_non_numeric_array(values)
-            expected = "an array of numbers"
+            row = _first_non_numeric_array(values, column.element_dtype)
+            expected = f"an array of numbers that cast to {column.element_dtype} (same kind)"
         elif all(issubclass(kind, str) for kind in set(map(type, values))):
             continue  # one C pass over the column, no Python per value
         else:
@@ -164,19 +164,24 @@ def _check_objects(
         )
 
 
-def _first_non_numeric_array(values: npt.NDArray[np.object_]) -> int | None:
-    """The first row whose value is not an array (or list) of numbers, or None."""
+def _first_non_numeric_array(
+    values: npt.NDArray[np.object_], element: np.dtype[np.generic]
+) -> int | None:
+    """The first row whose value is not an array (or list) of numbers that
+    casts to ``element`` within its kind (no float into an integer column,
+    which would truncate), or None."""
     for row, value in enumerate(values):
         if isinstance(value, np.ndarray):
-            if value.ndim >= 1 and value.dtype.kind in "biuf":
-                continue
+            array = value
+        elif isinstance(value, list | tuple):
+            try:
+                array = np.asarray(value)
+            except ValueError:  # ragged
+                return row
+        else:
             return row
-        if not isinstance(value, list | tuple):
-            return row
-        try:
-            array = np.asarray(value)
-        except ValueError:  # ragged
-            return row
-        if array.ndim < 1 or array.dtype.kind not in "biuf":
+        # Numbers only (text, objects, dates, records never cast within kind);
+        # bfloat16 counts as a float.
+        if array.ndim < 1 or not np.can_cast(array.dtype, element, "same_kind"):
             return row
     return None

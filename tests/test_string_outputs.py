@@ -116,3 +116,31 @@ def test_arrays_and_lists_of_numbers_pass_a_variable_array_column():
     for i, v in enumerate([np.ones(2, np.float32), np.arange(3), [1.0, 2.0]]):
         rows["vals"][i] = v
     assert check_rows(rows, VALUES, route="r", processor="p") is rows
+
+
+INTS = Layout("ints_out", [("vals", "Array(Int32)")])
+
+
+@pytest.mark.parametrize("value", [np.array([1.7]), [1.5, 2.0]])
+def test_floats_in_an_integer_array_column_are_refused_not_truncated(value):
+    rows = np.empty(1, dtype=INTS.dtype)
+    rows["vals"][0] = value
+    with pytest.raises(OutputLayoutMismatch, match=r"column 'vals' \(Array\(Int32\)\) row 0"):
+        check_rows(rows, INTS, route="r", processor="p")
+
+
+def test_integers_of_any_width_pass_an_integer_array_column():
+    rows = np.empty(2, dtype=INTS.dtype)
+    rows["vals"][0] = [1, 2]  # int64 from a list
+    rows["vals"][1] = np.arange(3, dtype=np.int16)
+    assert check_rows(rows, INTS, route="r", processor="p") is rows
+
+
+def test_a_bfloat16_array_column_takes_float_and_bfloat16_values():
+    import ml_dtypes
+
+    layout = Layout("bf_out", [("vals", "Array(BFloat16)")])
+    rows = np.empty(2, dtype=layout.dtype)
+    rows["vals"][0] = np.ones(2, np.float32)
+    rows["vals"][1] = np.ones(2, ml_dtypes.bfloat16)
+    assert check_rows(rows, layout, route="r", processor="p") is rows
