@@ -531,6 +531,19 @@ def _server_metrics(capture: Capture | None) -> tuple[Any, dict[str, Any]]:
     return registry, metrics
 
 
+def _judge_thread_calls_by_wall() -> None:
+    """The placement judgement before THREAD_WAIT_S and the back-off (for A/B runs)."""
+    import taproute.actors.attempt as attempt
+
+    current = attempt.charged
+
+    def wall_when_waited(wall: float, before: Any, after: Any, *, in_thread: bool = False) -> Any:
+        return current(wall, before, after, in_thread=False)
+
+    attempt.charged = wall_when_waited  # type: ignore[assignment]
+    attempt.INLINE_AFTER_MAX = attempt.INLINE_AFTER
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
@@ -541,6 +554,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-batches", choices=["on", "off"], default="on")
     parser.add_argument("--wake-delay-ms", type=float, default=100.0)
     parser.add_argument("--writer-nice", type=int, default=0, help="the writer process's niceness")
+    parser.add_argument(
+        "--judge-thread-calls",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="wall: judge a worker-thread processor call by its wall time whenever its "
+        "thread waited, with no back-off (taproute before 2026-12; an A/B switch)",
+    )
     parser.add_argument("--batch-window-ms", type=float, default=4.0)
     parser.add_argument("--embed-max-batch", type=int, default=32)
     parser.add_argument("--generate-max-batch", type=int, default=16)
@@ -548,6 +568,8 @@ def main(argv: list[str] | None = None) -> None:
         "--max-block-ms", type=float, default=50.0, help="capture's blocking budget; < 0: none"
     )
     args = parser.parse_args(argv)
+    if args.judge_thread_calls == "wall":
+        _judge_thread_calls_by_wall()
     import torch
 
     torch.set_num_threads(args.torch_threads)

@@ -20,9 +20,10 @@ whose model runs Python on its own thread), the batches of one wake-up
 handed on merged into one (``--merge-batches 0``: each alone, as before
 the merge), taproute's loop polling the hooks' queue every
 ``--wake-delay-ms``, its writer process at niceness ``--writer-nice``
-(``--compare-merge 1``, ``--compare-wake-ms N`` and ``--compare-nice N``
-add a capture-on server with the merge off, polling every N ms, or its
-writer N steps nicer, to every phase).  Each capture-on phase ends with
+(``--compare-merge 1``, ``--compare-wake-ms N``, ``--compare-nice N`` and
+``--compare-judging 1`` add a capture-on server with the merge off, polling
+every N ms, its writer N steps nicer, or worker-thread processor calls
+judged by wall time as before THREAD_WAIT_S, to every phase).  Each capture-on phase ends with
 a flush of the on-server (everything captured is in ClickHouse), and its
 throughput is also given to that point.  Per phase: requests/s, tokens/s,
 p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
@@ -67,6 +68,7 @@ class Server:
         merge_batches: bool = True,
         wake_delay_ms: float = 100.0,
         writer_nice: int = 0,
+        judge_thread_calls: str = "cpu",
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -90,6 +92,8 @@ class Server:
                 str(wake_delay_ms),
                 "--writer-nice",
                 str(writer_nice),
+                "--judge-thread-calls",
+                judge_thread_calls,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -310,6 +314,7 @@ def main() -> None:
         compare_wake_ms=(0.0, 0.0),
         writer_nice=(0, 0),
         compare_nice=(0, 0),
+        compare_judging=(0, 0),
     )
     params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
     params |= {
@@ -327,6 +332,7 @@ def main() -> None:
             "compare_wake_ms",
             "writer_nice",
             "compare_nice",
+            "compare_judging",
         )
     }
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
@@ -350,12 +356,18 @@ def main() -> None:
         if args.writer != "process":
             raise SystemExit("--compare-nice needs --writer process (a writer to renice)")
         saturation_modes.append("on_nice")
+    # "on_wall" (--compare-judging 1): "on" with processor calls in worker
+    # threads judged by wall time whenever they waited (the judgement before
+    # THREAD_WAIT_S), in every phase.
+    if args.compare_judging:
+        saturation_modes.append("on_wall")
     extra_labels = {
         "on_nomerge": "each captured batch alone (merge off)",
         "on_wake": f"loop polling every {args.compare_wake_ms:g} ms",
         "on_nice": f"writer process at nice {args.compare_nice}",
+        "on_wall": "thread calls judged by wall time (before THREAD_WAIT_S)",
     }
-    extra_modes = ("on_nomerge", "on_wake", "on_nice")
+    extra_modes = ("on_nomerge", "on_wake", "on_nice", "on_wall")
     load_modes = ["off", "on"] + [m for m in extra_modes if m in saturation_modes]
     servers = {
         mode: Server(
@@ -368,6 +380,7 @@ def main() -> None:
             merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
             wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
             writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
+            judge_thread_calls="wall" if mode == "on_wall" else "cpu",
         )
         for mode in saturation_modes
     }
