@@ -342,6 +342,7 @@ async def call_processor(
     abandoned: Callable[[int], None] | None = None,
     placement: Placement | None = None,
     prepare: Callable[[], object] | None = None,
+    thread_waits_by_cpu: bool = True,
 ) -> Outcome:
     """Run ``planned``'s processor on ``batch`` under the route's deadline.
 
@@ -353,7 +354,9 @@ async def call_processor(
     instead (see :class:`Placement`).  ``prepare`` runs just before the
     processor, where it runs (in its worker thread, or on the loop), and is
     not timed; if it raises, the processor is not called and the call fails
-    like a processor that raised.
+    like a processor that raised.  ``thread_waits_by_cpu``: a call in a
+    worker thread that waited briefly is charged its CPU time (see
+    :data:`THREAD_WAIT_S`); False charges it its wall time, as on the loop.
     """
     if planned.processor is None:
         return Outcome(code=FailureCode.HANDLER_MISSING, error=LookupError("no processor"))
@@ -377,7 +380,7 @@ async def call_processor(
                     with trio.move_on_after(deadline) as scope:
                         result, elapsed = await trio.to_thread.run_sync(
                             held.run,
-                            prepared_call_in_thread,
+                            prepared_call_in_thread if thread_waits_by_cpu else prepared_call,
                             prepare,
                             fn,
                             records,

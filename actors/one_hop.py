@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import trio
 
-from taproute.actors.attempt import Outcome, Placement, judged, prepared_call_in_thread
+from taproute.actors.attempt import Outcome, Placement, judged, prepared_call
 from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import FailureCode, classify
 from taproute.routing.plan import PlannedRoute
@@ -77,7 +77,7 @@ class _Hop:
                 self.started_at = self.clock.current_time()
             records = Records(call.batch, layout, self.hook_name) if layout else call.batch
             try:
-                result, elapsed = prepared_call_in_thread(call.prepare, fn, records, *call.args)
+                result, elapsed = prepared_call(call.prepare, fn, records, *call.args)
             except Exception as exc:
                 code = classify(exc)
                 tb = None if code is FailureCode.HANDLER_INVALID else traceback.format_exc()

@@ -181,6 +181,11 @@ class RouteActor(RouteScreening):
         """Run the processor once on ``attempt`` (kinds add their arguments)."""
         return await self._call_processor(attempt.batch)
 
+    #: Whether a processor call in a worker thread that waited briefly is
+    #: charged its CPU time (see ``attempt.THREAD_WAIT_S``), so that a quick
+    #: processor sent to threads under load comes back to the loop.
+    thread_waits_by_cpu = True
+
     async def _call_processor(
         self, batch: RecordBatch, *args: Any, prepare: Callable[[], object] | None = None
     ) -> Outcome:
@@ -194,6 +199,7 @@ class RouteActor(RouteScreening):
             hook_name=self._hook_name,
             abandoned=self._abandoned_call,
             placement=self.placement,
+            thread_waits_by_cpu=self.thread_waits_by_cpu,
         )
 
     def _abandoned_call(self, delta: int) -> None:

@@ -300,3 +300,39 @@ def test_a_quick_predicate_moves_onto_the_loop():
     assert sum(len(b) for b in out.batches) == 200  # the even seqs, wherever it ran
     on_loop = [ident == loop_thread for ident in seen]
     assert not any(on_loop[:INLINE_AFTER]) and any(on_loop)
+
+
+def test_stateless_thread_calls_are_judged_by_cpu_stateful_ones_by_wall(monkeypatch):
+    """A stateless processor's worker-thread calls that waited briefly are
+    charged their CPU time (so it returns to the loop under load); a stateful
+    one's are charged their wall time: under load its owners group queued
+    batches into one thread hop (one_hop.py), which the loop would give up."""
+    from taproute.actors import attempt
+
+    used: list[tuple[str, bool]] = []
+    original = attempt.prepared_call
+
+    def recording(prepare, fn, *args, in_thread=False):
+        used.append((getattr(fn, "__name__", "?"), in_thread))
+        return original(prepare, fn, *args, in_thread=in_thread)
+
+    monkeypatch.setattr(attempt, "prepared_call", recording)
+
+    async def main() -> None:
+        hooks = HookRegistry()
+        q = hooks.bind("q", layout="vec")
+        config = RoutingConfig(
+            [
+                Route("n", "q", "out", mode="stateless", processor="test.norms"),
+                Route("s", "q", "sums", mode="stateful", processor="test.running_sum"),
+            ]
+        )
+        sinks = {"out": CaptureSink(), "sums": CaptureSink()}
+        async with open_routing_sink(config, SCHEMA, sinks, unmatched="drop", hooks=hooks) as sink:
+            for i in range(3):  # first calls: worker threads, for both
+                await sink.submit(vec_batch(q, 4, seq_start=4 * i))
+                await sink.flush()
+
+    trio.run(main)
+    assert {in_thread for name, in_thread in used if name == "norms"} == {True}
+    assert {in_thread for name, in_thread in used if name == "running_sum"} == {False}
