@@ -152,3 +152,12 @@ def test_an_address_in_use_is_an_error_naming_it():
     assert f"HTTP endpoint: cannot listen on 127.0.0.1:{port}: " in str(caught.value)
     after = {t for t in threading.enumerate() if not t.name.startswith("Trio thread ")}
     assert after <= before  # the runtime's loop thread is gone too
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_http_host_is_refused_not_taken_as_every_interface(host):
+    from taproute.routing import ConfigError
+
+    with pytest.raises(ConfigError, match=r"must name an address .*0\.0\.0\.0.*got"):
+        HttpConfig(host=host)
+    assert HttpConfig(host="0.0.0.0").host == "0.0.0.0"  # every interface, said so

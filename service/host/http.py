@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from taproute.routing.errors import ConfigError
 from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.ops.controls import DeadLetterControls
@@ -36,6 +37,15 @@ from taproute.service.ops.endpoints import (
 )
 
 
+def _host_named(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    """An empty host would listen on every interface: say 0.0.0.0 to mean it."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f'HttpConfig {attribute.name} must name an address ("127.0.0.1", or '
+            f'"0.0.0.0" for every interface), got {value!r}'
+        )
+
+
 @attrs.frozen(kw_only=True)
 class HttpConfig:
     """Where the HTTP endpoint listens (port 0: any free port).
@@ -46,7 +56,7 @@ class HttpConfig:
     before it is read into memory.
     """
 
-    host: str = "127.0.0.1"
+    host: str = attrs.field(default="127.0.0.1", validator=_host_named)
     port: int = attrs.field(
         default=9464, validator=[attrs.validators.ge(0), attrs.validators.le(65_535)]
     )

@@ -52,7 +52,9 @@ class ProducerCalls:
     ) -> bool:
         """``submit_batch`` that never waits: False (nothing queued) when ingress is full.
 
-        Safe on the loop thread itself, where waiting for room would deadlock.
+        Under ``when_full="reject"`` a full ingress raises ``IngressFull`` (and
+        counts the records rejected), as ``submit_batch`` does there.  Safe on
+        the loop thread itself, where waiting for room would deadlock.
         """
         return self._ingress.try_put_batch(self.intake.batch(descriptors, payload, release))
 
