@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import trio
 
 from taproute.routing import Batch, RecordBatch
@@ -29,6 +31,32 @@ class NullSink:
 
     async def close(self) -> None:
         self.closed = True
+
+
+class HeldFlush(NullSink):
+    """A destination whose flush waits for ``release`` (a hung server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    async def flush(self) -> None:
+        await trio.to_thread.run_sync(self.release.wait)
+        await super().flush()
+
+
+class StallsLoop(NullSink):
+    """A destination whose submit blocks the runtime's loop until ``release``
+    is set: the record worker stops, so ingress fills whatever the mailboxes
+    would take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    async def submit(self, batch: Batch) -> None:
+        self.release.wait()
+        await super().submit(batch)
 
 
 class GateSink(CaptureSink):

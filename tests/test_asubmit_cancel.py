@@ -17,26 +17,13 @@ from taproute.native import make_descriptors
 from taproute.routing import Route, RoutingConfig
 from taproute.service import RoutingSink, create_record_runtime
 from tests.processors import SCHEMA
-from tests.sinks import NullSink
+from tests.sinks import StallsLoop
 
 VEC = SCHEMA.layout_id("vec")
 
 
-class LoopStall(NullSink):
-    """A destination whose submit blocks the runtime's loop until ``release``:
-    the record worker stops, so ingress fills."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    async def submit(self, batch) -> None:
-        self.release.wait()
-        await super().submit(batch)
-
-
 def test_a_cancelled_asubmit_batch_queues_nothing_and_frees_its_thread():
-    stall = LoopStall()
+    stall = StallsLoop()
     sink = RoutingSink(
         RoutingConfig([Route("raw", "h.*", "out")]), SCHEMA, {"out": stall}, unmatched="drop"
     )

@@ -8,24 +8,11 @@ import threading
 import time
 
 import pytest
-import trio
 
 from taproute.routing import Route, RoutingConfig
 from taproute.service import RoutingSink, create_record_runtime
 from tests.processors import SCHEMA
-from tests.sinks import NullSink
-
-
-class HeldFlush(NullSink):
-    """A destination whose flush waits for ``release`` (a hung server)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    async def flush(self) -> None:
-        await trio.to_thread.run_sync(self.release.wait)
-        await super().flush()
+from tests.sinks import HeldFlush
 
 
 def _runtime(held: HeldFlush):

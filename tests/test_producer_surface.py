@@ -173,18 +173,7 @@ def test_what_a_producer_hands_in_wrong_is_named_with_what_was_expected():
 def test_a_flush_that_times_out_says_so():
     """``flush(timeout=...)`` past its time raises a TimeoutError saying what
     happened (it was concurrent.futures' bare, empty one)."""
-    import threading
-
-    import trio
-
-    class HeldFlush(NullSink):
-        def __init__(self) -> None:
-            super().__init__()
-            self.release = threading.Event()
-
-        async def flush(self) -> None:
-            await trio.to_thread.run_sync(self.release.wait)
-            await super().flush()
+    from tests.sinks import HeldFlush
 
     held = HeldFlush()
     with create_record_runtime(record_sink=_sink(held)) as runtime:

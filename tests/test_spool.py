@@ -380,35 +380,47 @@ async def test_an_append_waits_while_a_groups_intent_is_being_written(tmp_path, 
     await spool.aclose()
 
 
+class HeldRead:
+    """``spool``'s group reads wait in their worker thread for ``release``
+    (after ``started``); ``order`` logs reads starting and ending and the
+    log's close."""
+
+    def __init__(self, spool: Spool, monkeypatch, *, open_reader_first: bool = False) -> None:
+        import threading
+
+        self.started, self.release = threading.Event(), threading.Event()
+        self.order: list[str] = []
+        real_read, real_close = spool._log.read_many, spool._log.close
+
+        def slow_read(entries):
+            if open_reader_first:
+                real_read(entries)  # the segment's reader is open now
+            self.order.append("read started")
+            self.started.set()
+            self.release.wait(10)
+            bodies = real_read(entries)  # through that reader again
+            self.order.append("read done")
+            return bodies
+
+        def close() -> None:
+            self.order.append("close")
+            real_close()
+
+        monkeypatch.setattr(spool._log, "read_many", slow_read)
+        monkeypatch.setattr(spool._log, "close", close)
+
+
 async def test_closing_waits_for_a_group_being_read_in_a_thread(tmp_path, monkeypatch):
     # A spooling sink closes its spool right after stopping the drain, whose
     # read of a group may still run in its worker thread (a read is not
     # abandoned: its task waits for it).  Closing under it closed the readers'
     # descriptors the read was using (EBADF) and released the directory's lock
     # while the read reopened one.  Closing waits for the read instead.
-    import threading
 
     spool = Spool.open(SpoolConfig(directory=tmp_path))
     await spool.append(vec_batch(1, 2))
-    started, release = threading.Event(), threading.Event()
-    real_read, real_close = spool._log.read_many, spool._log.close
-    order: list[str] = []
-
-    def slow_read(entries):
-        real_read(entries)  # the segment's reader is open now
-        order.append("read started")
-        started.set()
-        release.wait(10)
-        bodies = real_read(entries)  # through that reader again
-        order.append("read done")
-        return bodies
-
-    def close() -> None:
-        order.append("close")
-        real_close()
-
-    monkeypatch.setattr(spool._log, "read_many", slow_read)
-    monkeypatch.setattr(spool._log, "close", close)
+    held = HeldRead(spool, monkeypatch, open_reader_first=True)
+    started, release, order = held.started, held.release, held.order
     threads = trio.to_thread.current_default_thread_limiter()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(spool.read_group, 1 << 20)
@@ -475,7 +487,6 @@ async def test_closing_a_spooling_sink_waits_for_its_drains_read(tmp_path, monke
     # The path the spool's read race took: close() stops the drain (cancelled,
     # its read's thread runs on) and closes the spool without waiting for the
     # drain's task.  The spool's files are closed only once the read is done.
-    import threading
 
     from taproute.service.sinks.spool.spooling import SpoolingSink
 
@@ -493,24 +504,8 @@ async def test_closing_a_spooling_sink_waits_for_its_drains_read(tmp_path, monke
 
     spool = Spool.open(SpoolConfig(directory=tmp_path))
     spooling = SpoolingSink("d", Inner(), spool, mode="always", drain_on_close=0.0)
-    started, release = threading.Event(), threading.Event()
-    real_read, real_close = spool._log.read_many, spool._log.close
-    order: list[str] = []
-
-    def slow_read(entries):
-        order.append("read started")
-        started.set()
-        release.wait(10)
-        bodies = real_read(entries)
-        order.append("read done")
-        return bodies
-
-    def close() -> None:
-        order.append("close")
-        real_close()
-
-    monkeypatch.setattr(spool._log, "read_many", slow_read)
-    monkeypatch.setattr(spool._log, "close", close)
+    held = HeldRead(spool, monkeypatch)
+    started, release, order = held.started, held.release, held.order
     threads = trio.to_thread.current_default_thread_limiter()
     async with trio.open_nursery() as nursery:
         await nursery.start(spooling.run)

@@ -14,26 +14,13 @@ from taproute.native import make_descriptors
 from taproute.routing import Route, RoutingConfig
 from taproute.service import RoutingSink, create_record_runtime
 from tests.processors import SCHEMA
-from tests.sinks import NullSink
+from tests.sinks import StallsLoop
 
 VEC = SCHEMA.layout_id("vec")
 
 
-class Held(NullSink):
-    """Every submit blocks the runtime's loop until ``release``: the record
-    worker stops, so ingress fills whatever the mailboxes would take."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    async def submit(self, batch) -> None:
-        self.release.wait()
-        await super().submit(batch)
-
-
 def test_an_infinite_max_block_waits_for_room_and_sheds_nothing():
-    held = Held()
+    held = StallsLoop()
     sink = RoutingSink(
         RoutingConfig([Route("raw", "h.*", "out", capacity=4)]),
         SCHEMA,
