@@ -109,6 +109,35 @@ class Outcome:
     traceback: str | None = None
 
 
+_calling = threading.local()
+
+
+def calling_loop() -> trio.lowlevel.TrioToken | None:
+    """The Trio loop whose processor or predicate this worker thread is
+    running now, if any: a flush, close or blocking submit of that loop's
+    runtime from inside the call would wait for the call itself."""
+    token: trio.lowlevel.TrioToken | None = getattr(_calling, "token", None)
+    return token
+
+
+class CallingFor:
+    """While entered (in a worker thread): this thread runs a call for the
+    loop of ``token`` (see :func:`calling_loop`)."""
+
+    __slots__ = ("_before", "_token")
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self._before: trio.lowlevel.TrioToken | None = None
+
+    def __enter__(self) -> None:
+        self._before = getattr(_calling, "token", None)
+        _calling.token = self._token
+
+    def __exit__(self, *exc: object) -> None:
+        _calling.token = self._before
+
+
 class HeldWhileRunning:
     """Holds a batch's buffer while a worker thread reads it, even past the call.
 
@@ -129,7 +158,8 @@ class HeldWhileRunning:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` (in the worker thread); then let go if the caller left."""
         try:
-            return fn(*args)
+            with CallingFor(self._token):
+                return fn(*args)
         finally:
             with self._lock:
                 self._returned = True

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import trio
 
-from taproute.actors.attempt import Outcome, Placement, judged, prepared_call
+from taproute.actors.attempt import CallingFor, Outcome, Placement, judged, prepared_call
 from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import FailureCode, classify
 from taproute.routing.plan import PlannedRoute
@@ -55,6 +55,7 @@ class _Hop:
         self.calls = calls
         self.hook_name = hook_name
         self.clock = trio.lowlevel.current_clock()
+        self.token = trio.lowlevel.current_trio_token()
         self.lock = threading.Lock()
         #: Calls started, the start (Trio clock) of the last, and what each
         #: finished call came to with the seconds it was charged.
@@ -77,7 +78,8 @@ class _Hop:
                 self.started_at = self.clock.current_time()
             records = Records(call.batch, layout, self.hook_name) if layout else call.batch
             try:
-                result, elapsed = prepared_call(call.prepare, fn, records, *call.args)
+                with CallingFor(self.token):
+                    result, elapsed = prepared_call(call.prepare, fn, records, *call.args)
             except Exception as exc:
                 code = classify(exc)
                 tb = None if code is FailureCode.HANDLER_INVALID else traceback.format_exc()

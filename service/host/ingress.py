@@ -31,7 +31,9 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 import attrs
+import trio
 
+from taproute.actors.attempt import calling_loop
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.host.coalesce import coalesce
@@ -123,6 +125,7 @@ class Ingress:
         self._parked = False
         self._closed = False
         self._loop_thread: int | None = None  # the loop thread's ident, once connected
+        self._loop_token: trio.lowlevel.TrioToken | None = None  # its Trio token, the same
         self._failed: BaseException | None = None
         self._loop_gone = False
         #: A bounded wait ran out and the record worker has handed nothing on
@@ -135,15 +138,26 @@ class Ingress:
         with their lock held)."""
         self._wake = wake
         self._loop_thread = threading.get_ident()  # called on the loop thread
+        try:
+            self._loop_token = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # connected outside a Trio run (a test's stand-in loop)
+            self._loop_token = None
 
     def refuse_on_loop(self, what: str) -> None:
-        """Raise if called on the loop thread, where waiting for the loop
-        (a flush, a close, room in a full ingress) would wait forever."""
+        """Raise if called on the loop thread, or from a processor or predicate
+        this runtime's loop is running in a worker thread, where waiting for
+        the loop (a flush, a close, room in a full ingress) would wait forever."""
         if threading.get_ident() == self._loop_thread:
             raise RuntimeError(
                 f"{what} on the runtime's own loop thread (from a release callback, a "
                 "sink, or a processor or predicate running on the loop) would wait for "
                 "that thread, forever: call it from another thread"
+            )
+        if self._loop_token is not None and calling_loop() is self._loop_token:
+            raise RuntimeError(
+                f"{what} from inside a processor or predicate this runtime is running "
+                "(in a worker thread) would wait for that call to return, forever: "
+                "call it from another thread"
             )
 
     @property
