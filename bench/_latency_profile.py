@@ -285,20 +285,13 @@ def verdicts(rate: float, seconds: float) -> None:
 
 def judging(rate: float, rounds: int, seconds: float) -> None:
     import numpy as np
+    from _judging import judge_thread_calls
 
     import taproute.actors.attempt as attempt
 
-    current = attempt.charged
-
-    def wall_when_waited(wall: float, before: Any, after: Any, *, in_thread: bool = False) -> Any:
-        return current(wall, before, after, in_thread=False)
-
     def use(name: str) -> None:
-        old = name == "wall when waited"
-        attempt.charged = wall_when_waited if old else current  # type: ignore[assignment]
-        attempt.INLINE_AFTER_MAX = attempt.INLINE_AFTER if old else MAX_AFTER
+        judge_thread_calls("wall" if name == "wall when waited" else "cpu")
 
-    MAX_AFTER = attempt.INLINE_AFTER_MAX
     threads = [0]
     took = attempt.Placement.took
 

@@ -531,19 +531,6 @@ def _server_metrics(capture: Capture | None) -> tuple[Any, dict[str, Any]]:
     return registry, metrics
 
 
-def _judge_thread_calls_by_wall() -> None:
-    """The placement judgement before THREAD_WAIT_S and the back-off (for A/B runs)."""
-    import taproute.actors.attempt as attempt
-
-    current = attempt.charged
-
-    def wall_when_waited(wall: float, before: Any, after: Any, *, in_thread: bool = False) -> Any:
-        return current(wall, before, after, in_thread=False)
-
-    attempt.charged = wall_when_waited  # type: ignore[assignment]
-    attempt.INLINE_AFTER_MAX = attempt.INLINE_AFTER
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
@@ -569,7 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.judge_thread_calls == "wall":
-        _judge_thread_calls_by_wall()
+        from _judging import judge_thread_calls
+
+        judge_thread_calls("wall")
     import torch
 
     torch.set_num_threads(args.torch_threads)
