@@ -30,6 +30,13 @@ p50/p95/p99 (HdrHistogram), the server's CPU (its writer process included:
 cores busy, and CPU per request) and RSS.  After the run: records captured,
 rows in ClickHouse per table, checked exactly against what the clients sent,
 and records shed.
+
+All of that runs ``--sessions`` times, each session with fresh server
+processes (and its fixed loads set from its own capacity); the figures are
+pooled over the sessions.  Two processes of the same server differ by as
+much as the effects measured (where their threads land, their allocators'
+and chDB's state), so one process per variant cannot tell an A/B apart;
+the per-session saturation table shows how far apart they were.
 """
 
 from __future__ import annotations
@@ -294,12 +301,38 @@ def flush_report(server: Server) -> dict[str, Any]:
     return report
 
 
+def _report_totals(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The flush reports of every capture-on server process, added up."""
+    total: dict[str, Any] = {
+        "submitted": 0,
+        "shed": 0,
+        "blocked_seconds": 0.0,
+        "dropped": {},
+        "clickhouse_rows": {},
+        "failure": None,
+    }
+    for report in reports:
+        total["submitted"] += report.get("submitted", 0) or 0
+        total["shed"] += report.get("shed", 0) or 0
+        total["blocked_seconds"] += report.get("blocked_seconds", 0.0) or 0.0
+        for hook, why in report.get("dropped", {}).items():
+            into = total["dropped"].setdefault(hook, {})
+            for reason, n in why.items():
+                into[reason] = into.get(reason, 0) + n
+        for table, n in report.get("clickhouse_rows", {}).items():
+            total["clickhouse_rows"][table] = total["clickhouse_rows"].get(table, 0) + n
+        total["failure"] = total["failure"] or report.get("failure")
+    total["per_process"] = reports
+    return total
+
+
 def main() -> None:
     args = harness.arguments(
         __doc__.splitlines()[0],
         duration=(8.0, 3.0),
-        repeat=(3, 1),
+        repeat=(2, 1),
         warmup=(1, 0),
+        sessions=(2, 1),
         loads=([0.25, 0.5, 0.8], [0.5, 0.8]),
         workloads=(["embed", "generate"], ["embed"]),
         clients=(64, 32),
@@ -316,7 +349,10 @@ def main() -> None:
         compare_nice=(0, 0),
         compare_judging=(0, 0),
     )
-    params = {k: getattr(args, k) for k in ("duration", "repeat", "warmup", "loads", "workloads")}
+    params = {
+        k: getattr(args, k)
+        for k in ("duration", "repeat", "warmup", "sessions", "loads", "workloads")
+    }
     params |= {
         k: getattr(args, k)
         for k in (
@@ -335,6 +371,8 @@ def main() -> None:
             "compare_judging",
         )
     }
+    if args.sessions < 1:
+        raise SystemExit(f"--sessions must be at least 1, not {args.sessions}")
     gpt2 = {"layers": 4, "hidden": 192, "heads": 12}  # the server's default GPT-2
     params["gpt2"] = gpt2
     data = Path(tempfile.mkdtemp(prefix="serve-load-"))
@@ -369,36 +407,49 @@ def main() -> None:
     }
     extra_modes = ("on_nomerge", "on_wake", "on_nice", "on_wall")
     load_modes = ["off", "on"] + [m for m in extra_modes if m in saturation_modes]
-    servers = {
-        mode: Server(
-            mode != "off",
-            data / mode,
-            args.torch_threads,
-            args.max_block_ms,
-            data / f"{mode}.log",
-            writer="thread" if mode == "on_thread" else args.writer,
-            merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
-            wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
-            writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
-            judge_thread_calls="wall" if mode == "on_wall" else "cpu",
-        )
-        for mode in saturation_modes
-    }
-    for server in servers.values():
-        server.wait_ready()
+
+    def start_servers(session: int) -> dict[str, Server]:
+        servers = {
+            mode: Server(
+                mode != "off",
+                data / f"{mode}.{session}",
+                args.torch_threads,
+                args.max_block_ms,
+                data / f"{mode}.{session}.log",
+                writer="thread" if mode == "on_thread" else args.writer,
+                merge_batches=bool(args.merge_batches) and mode != "on_nomerge",
+                wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
+                writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
+                judge_thread_calls="wall" if mode == "on_wall" else "cpu",
+            )
+            for mode in saturation_modes
+        }
+        for server in servers.values():
+            server.wait_ready()
+        return servers
+
+    # Every phase's figures, tagged with its server session and whether it was
+    # a warm-up round (warm-ups are kept in the raw results, never summarised).
     phases: dict[str, list[dict[str, Any]]] = {}
     sent = {"embed_inputs": 0, "embed_requests": 0, "gpt2_rows": 0, "generate_requests": 0}
     comparisons, targets, tables, notes = [], [], [], []
-    shed_so_far = dict.fromkeys(servers, 0)
+    # Samples pooled over the sessions: {phase name: {mode: [samples]}}.
+    pooled: dict[str, dict[str, list[float]]] = {}
+    capacities: dict[str, list[float]] = {}
+    reports: list[dict[str, Any]] = []
+    state: dict[str, Any] = {"session": 0, "warm": False, "servers": {}, "shed": {}}
 
     def measure(name: str, mode: str, work: Workload, rate: float | None, key: str) -> float:
+        server = state["servers"][mode]
         phase = asyncio.run(
-            run_phase(servers[mode], work, rate=rate, clients=args.clients, duration=args.duration)
+            run_phase(server, work, rate=rate, clients=args.clients, duration=args.duration)
         )
         if mode != "off":
-            phase.shed = phase.shed_total - shed_so_far[mode]
-            shed_so_far[mode] = phase.shed_total
+            phase.shed = phase.shed_total - state["shed"].get(mode, 0)
+            state["shed"][mode] = phase.shed_total
         figures = phase.figures()
+        figures["session"] = state["session"]
+        figures["warmup"] = not state["warm"]
         phases.setdefault(f"{name}/{mode}", []).append(figures)
         if mode == "on":
             if work.name == "embed":
@@ -409,133 +460,153 @@ def main() -> None:
                 sent["generate_requests"] += phase.ok
         return float(figures[key])
 
-    try:
-        for workload in args.workloads:
-            work = Workload(workload, args.max_new_tokens)
-            saturation = harness.interleave(
-                {
-                    mode: functools.partial(
-                        measure, f"{workload}/saturation", mode, work, None, "requests_per_s"
+    def warmed() -> None:
+        state["warm"] = True
+
+    def run_interleaved(
+        name: str, modes: list[str], work: Workload, rate: float | None, key: str
+    ) -> dict[str, dict[str, Any]]:
+        state["warm"] = False
+        result = harness.interleave(
+            {mode: functools.partial(measure, name, mode, work, rate, key) for mode in modes},
+            repeat=args.repeat,
+            warmup=args.warmup,
+            seed=state["session"],
+            after_warmup=warmed,
+        )
+        into = pooled.setdefault(name, {})
+        for mode, figures in result.items():
+            into.setdefault(mode, []).extend(figures["samples"])
+        return result
+
+    # Each session starts fresh server processes and measures every phase in
+    # them: one process's luck (where its threads land, its allocator, its
+    # chDB) is as large as the effects measured, so the figures are pooled
+    # over more than one process per variant.
+    for session in range(args.sessions):
+        state["session"] = session
+        state["shed"] = {}
+        state["servers"] = start_servers(session)
+        try:
+            for workload in args.workloads:
+                work = Workload(workload, args.max_new_tokens)
+                saturation = run_interleaved(
+                    f"{workload}/saturation", saturation_modes, work, None, "requests_per_s"
+                )
+                # Each session's fixed loads are fractions of its own capacity.
+                capacity = saturation["off"]["median"]
+                capacities.setdefault(workload, []).append(capacity)
+                for load in args.loads:
+                    run_interleaved(
+                        f"{workload}/load{int(load * 100)}",
+                        load_modes,
+                        work,
+                        load * capacity,
+                        "p99_ms",
                     )
-                    for mode in saturation_modes
-                },
-                repeat=args.repeat,
-                warmup=args.warmup,
+            reports.append(flush_report(state["servers"]["on"]))
+        finally:
+            for server in state["servers"].values():
+                server.stop()
+
+    def kept(key: str, field: str) -> list[float]:
+        return [p[field] for p in phases.get(key, []) if not p["warmup"]]
+
+    for workload in args.workloads:
+        saturation = {m: harness.summary(v) for m, v in pooled[f"{workload}/saturation"].items()}
+        capacity = saturation["off"]["median"]
+        persisted = harness.summary(kept(f"{workload}/saturation/on", "requests_per_s_persisted"))
+        comparisons.append(
+            harness.comparison(
+                f"{workload}: throughput at saturation ({args.clients} clients)",
+                persisted,
+                saturation["off"],
+                taproute_label=f"capture on (to ClickHouse, writer {args.writer})",
+                peer_label="capture off",
+                unit="requests/s",
             )
-            capacity = saturation["off"]["median"]
-            persisted = harness.summary(
-                [p["requests_per_s_persisted"] for p in phases[f"{workload}/saturation/on"]][
-                    args.warmup :
-                ]
-            )
+        )
+        if "on_thread" in saturation:
             comparisons.append(
                 harness.comparison(
-                    f"{workload}: throughput at saturation ({args.clients} clients)",
-                    persisted,
+                    f"{workload}: throughput at saturation, chDB in the server's threads "
+                    "(writer = thread)",
+                    harness.summary(
+                        kept(f"{workload}/saturation/on_thread", "requests_per_s_persisted")
+                    ),
                     saturation["off"],
-                    taproute_label=f"capture on (to ClickHouse, writer {args.writer})",
+                    taproute_label="capture on, writer thread",
                     peer_label="capture off",
                     unit="requests/s",
                 )
             )
-            if "on_thread" in saturation:
+        for mode, label in extra_labels.items():
+            if mode in saturation:
                 comparisons.append(
                     harness.comparison(
-                        f"{workload}: throughput at saturation, chDB in the server's threads "
-                        "(writer = thread)",
+                        f"{workload}: throughput at saturation, {label}",
                         harness.summary(
-                            [
-                                p["requests_per_s_persisted"]
-                                for p in phases[f"{workload}/saturation/on_thread"]
-                            ][args.warmup :]
+                            kept(f"{workload}/saturation/{mode}", "requests_per_s_persisted")
                         ),
                         saturation["off"],
-                        taproute_label="capture on, writer thread",
+                        taproute_label=f"capture on, {label}",
                         peer_label="capture off",
                         unit="requests/s",
                     )
                 )
-            for mode, label in extra_labels.items():
-                if mode in saturation:
-                    comparisons.append(
-                        harness.comparison(
-                            f"{workload}: throughput at saturation, {label}",
-                            harness.summary(
-                                [
-                                    p["requests_per_s_persisted"]
-                                    for p in phases[f"{workload}/saturation/{mode}"]
-                                ][args.warmup :]
-                            ),
-                            saturation["off"],
-                            taproute_label=f"capture on, {label}",
-                            peer_label="capture off",
-                            unit="requests/s",
-                        )
-                    )
-            ratio = persisted["median"] / capacity
-            targets.append(
-                harness.target(
-                    f"{workload}: throughput at saturation with capture >= 0.95x",
-                    ratio >= 0.95,
-                    f"{ratio:.3f}x ({harness.fmt(persisted['median'])} vs "
-                    f"{harness.fmt(capacity)} requests/s, on counted until flushed)",
+        ratio = persisted["median"] / capacity
+        targets.append(
+            harness.target(
+                f"{workload}: throughput at saturation with capture >= 0.95x",
+                ratio >= 0.95,
+                f"{ratio:.3f}x ({harness.fmt(persisted['median'])} vs "
+                f"{harness.fmt(capacity)} requests/s, on counted until flushed; "
+                f"{args.sessions} server process(es) per variant)",
+            )
+        )
+        for load in args.loads:
+            name = f"{workload}/load{int(load * 100)}"
+            p99 = {m: harness.summary(v) for m, v in pooled[name].items()}
+            rates = ", ".join(harness.fmt(load * c) for c in capacities[workload])
+            comparisons.append(
+                harness.comparison(
+                    f"{workload}: p99 latency at {int(load * 100)}% of capacity "
+                    f"({rates} requests/s, open loop)",
+                    p99["on"],
+                    p99["off"],
+                    taproute_label="capture on",
+                    peer_label="capture off",
+                    unit="ms",
+                    higher_is_better=False,
                 )
             )
-            for load in args.loads:
-                rate = load * capacity
-                name = f"{workload}/load{int(load * 100)}"
-                p99 = harness.interleave(
-                    {
-                        mode: functools.partial(measure, name, mode, work, rate, "p99_ms")
-                        for mode in load_modes
-                    },
-                    repeat=args.repeat,
-                    warmup=args.warmup,
-                )
-                comparisons.append(
-                    harness.comparison(
-                        f"{workload}: p99 latency at {int(load * 100)}% of capacity "
-                        f"({harness.fmt(rate)} requests/s, open loop)",
-                        p99["on"],
-                        p99["off"],
-                        taproute_label="capture on",
-                        peer_label="capture off",
-                        unit="ms",
-                        higher_is_better=False,
-                    )
-                )
-                for mode, label in extra_labels.items():
-                    if mode in p99:
-                        comparisons.append(
-                            harness.comparison(
-                                f"{workload}: p99 latency at {int(load * 100)}% of capacity, "
-                                f"{label}",
-                                p99[mode],
-                                p99["off"],
-                                taproute_label=f"capture on, {label}",
-                                peer_label="capture off",
-                                unit="ms",
-                                higher_is_better=False,
-                            )
-                        )
-                if load in (0.5, 0.8):
-                    r = p99["on"]["median"] / p99["off"]["median"]
-                    targets.append(
-                        harness.target(
-                            f"{workload}: p99 at {int(load * 100)}% load with capture <= 1.10x",
-                            r <= 1.10,
-                            f"{r:.3f}x ({p99['on']['median']:.1f} vs "
-                            f"{p99['off']['median']:.1f} ms)",
+            for mode, label in extra_labels.items():
+                if mode in p99:
+                    comparisons.append(
+                        harness.comparison(
+                            f"{workload}: p99 latency at {int(load * 100)}% of capacity, {label}",
+                            p99[mode],
+                            p99["off"],
+                            taproute_label=f"capture on, {label}",
+                            peer_label="capture off",
+                            unit="ms",
+                            higher_is_better=False,
                         )
                     )
-        report = flush_report(servers["on"])
-    finally:
-        for server in servers.values():
-            server.stop()
-    # Exact accounting: what the clients sent to the on-server -> rows expected,
-    # less what capture shed (by hook, counted by the server) past max_block.
+            if load in (0.5, 0.8):
+                r = p99["on"]["median"] / p99["off"]["median"]
+                targets.append(
+                    harness.target(
+                        f"{workload}: p99 at {int(load * 100)}% load with capture <= 1.10x",
+                        r <= 1.10,
+                        f"{r:.3f}x ({p99['on']['median']:.1f} vs {p99['off']['median']:.1f} ms)",
+                    )
+                )
+    report = _report_totals(reports)
+    # Exact accounting: what the clients sent to the on-servers -> rows expected,
+    # less what capture shed (by hook, counted by the servers) past max_block.
     layers = gpt2["layers"]
-    dropped = report.get("dropped", {})
+    dropped = report["dropped"]
 
     def lost(test: Any) -> int:
         return sum(n for hook, why in dropped.items() if test(hook) for n in why.values())
@@ -555,7 +626,7 @@ def main() -> None:
     # summary-hook records got through: a shed record may take one row with it
     # (records are shed per hook, not per request), never more.
     summary_shed = lost(lambda h: h in summary_hooks)
-    found = report.get("clickhouse_rows", {})
+    found = report["clickhouse_rows"]
     exact = {k: v for k, v in found.items() if k != "summary"} == {
         k: v for k, v in expected.items() if k != "summary"
     }
@@ -564,7 +635,7 @@ def main() -> None:
     targets.append(
         harness.target(
             "every captured record in ClickHouse, counted exactly",
-            exact and summary_ok and report.get("failure") is None,
+            exact and summary_ok and report["failure"] is None,
             f"rows {found} vs expected from the requests sent less records shed {expected}"
             + (
                 f" (summary: at least {expected['summary'] - summary_shed})" if summary_shed else ""
@@ -582,9 +653,9 @@ def main() -> None:
             "no record shed at <= 80% load",
             all(n == 0 for _, n in loaded),
             f"{sum(n for _, n in loaded)} shed in the fixed-load phases, "
-            f"{report.get('shed', 0)} in the whole run (max_block "
+            f"{report['shed']} in the whole run (max_block "
             f"{params['max_block_ms']} ms); model threads blocked "
-            f"{report.get('blocked_seconds', 0.0):.3f} s in all",
+            f"{report['blocked_seconds']:.3f} s in all",
         )
     )
     columns = [
@@ -603,8 +674,12 @@ def main() -> None:
     rows = []
     for key, runs in phases.items():
         name, mode = key.rsplit("/", 1)
-        kept = runs[args.warmup :] or runs
-        med = {f: harness.summary([r[f] for r in kept])["median"] for f in kept[0]}
+        measured = [r for r in runs if not r["warmup"]] or runs
+        med = {
+            f: harness.summary([r[f] for r in measured])["median"]
+            for f in measured[0]
+            if f not in ("session", "warmup")
+        }
         rows.append(
             [
                 name,
@@ -617,14 +692,52 @@ def main() -> None:
                 round(med["server_cores_busy"], 2),
                 round(med["server_cpu_ms_per_request"], 2),
                 round(med["server_rss_mib"], 1),
-                sum(r["shed"] for r in kept),
+                sum(r["shed"] for r in measured),
             ]
         )
     tables.append(
-        {"title": "Per phase (medians over repetitions)", "columns": columns, "rows": rows}
+        {
+            "title": f"Per phase (medians over repetitions and {args.sessions} server session(s))",
+            "columns": columns,
+            "rows": rows,
+        }
     )
+    if args.sessions > 1:
+        # What each server process measured on its own: how far apart the
+        # processes are is the noise floor any A/B here has to clear.
+        per_session = []
+        for workload in args.workloads:
+            for session in range(args.sessions):
+                off = [
+                    p["requests_per_s"]
+                    for p in phases[f"{workload}/saturation/off"]
+                    if p["session"] == session and not p["warmup"]
+                ]
+                on = [
+                    p["requests_per_s_persisted"]
+                    for p in phases[f"{workload}/saturation/on"]
+                    if p["session"] == session and not p["warmup"]
+                ]
+                off_med = harness.summary(off)["median"]
+                on_med = harness.summary(on)["median"]
+                per_session.append(
+                    [
+                        workload,
+                        session,
+                        round(off_med, 1),
+                        round(on_med, 1),
+                        round(on_med / off_med, 3),
+                    ]
+                )
+        tables.append(
+            {
+                "title": "Saturation per server session (fresh processes each session)",
+                "columns": ["workload", "session", "off req/s", "on req/s (persisted)", "on / off"],
+                "rows": per_session,
+            }
+        )
     notes.append(
-        f"Records captured (taproute ingress, done markers included): {report.get('submitted')}; "
+        f"Records captured (taproute ingress, done markers included): {report['submitted']}; "
         f"ClickHouse rows after the run: {found}."
     )
     harness.write_result(
