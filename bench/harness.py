@@ -16,6 +16,7 @@ scripts run as ``python bench/<script>.py``; ``bench/`` is on ``sys.path``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.metadata
 import json
@@ -25,6 +26,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -496,6 +498,42 @@ def targets_report(targets: dict[str, bool]) -> dict[str, str]:
 #: glibc's mallopt parameters: the size from which malloc maps memory for an
 #: allocation of its own, and how much free memory the heap's top keeps.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def pin_apart(model_cpus: set[int]) -> set[int]:
+    """Pin the calling thread to ``model_cpus`` and every other thread of this
+    process and of its child processes (a writer process) to the other CPUs;
+    returns those.  Threads started later inherit their starter's CPUs, so a
+    loop thread pinned here takes its worker threads with it; call again
+    before each timed run to catch threads started in between.
+
+    What a serving deployment does when it gives the model thread a core of
+    its own: the capture's threads then compete with each other, not with
+    the model, for the rest.
+    """
+    others = set(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))) - model_cpus
+    if not others:
+        raise SystemExit(f"pinning: no CPU left beside {sorted(model_cpus)}")
+    me = threading.get_native_id()
+    os.sched_setaffinity(0, model_cpus)  # this thread only (Linux: a tid)
+    pids = [os.getpid()]
+    try:
+        import psutil
+
+        pids += [child.pid for child in psutil.Process().children(recursive=True)]
+    except ImportError:
+        pass
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            if tid == me:
+                continue
+            with contextlib.suppress(OSError):  # ended between listing and pinning
+                os.sched_setaffinity(tid, others)
+    return others
 
 
 def fix_malloc(mode: str) -> str:

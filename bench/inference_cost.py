@@ -29,6 +29,12 @@ hooks), torch on one thread.  Variants, per forward pass:
   which persists nothing); this peer says what persisting costs a user who
   writes it directly.
 
+With ``--pin apart`` the model thread (this process's main thread) runs on
+CPU 0 alone and every other thread, the writer process's included, on the
+other CPUs, in every variant alike (the reference too): a serving deployment
+that gives the model a core of its own.  That run's result is
+``inference_cost_pinned``, beside the unpinned one.
+
 glibc's malloc thresholds are fixed for the run (``--malloc fixed``, the
 default; ``--malloc default`` leaves them dynamic): see :func:`fix_malloc`.
 
@@ -53,6 +59,7 @@ from harness import (
     fix_malloc,
     fmt,
     interleave,
+    pin_apart,
     quantile,
     summary,
     target,
@@ -66,6 +73,8 @@ from taproute.service.sinks.writer import WriterProcessSink
 
 ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])
+#: ``--pin apart``: the model thread's CPU; everything else gets the others.
+MODEL_CPU = 0
 
 
 class NullSink:
@@ -251,6 +260,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     last_cpu = [0.0]  # the model thread's CPU seconds per forward of the last run_passes
 
     def run_passes() -> float:
+        if args.pin == "apart":  # outside the clock; catches threads started since
+            pin_apart({MODEL_CPU})
         started, cpu = time.perf_counter(), time.thread_time()
         with torch.inference_mode(), capture_context(keys, attention_mask=mask):
             for _ in range(passes):
@@ -447,8 +458,11 @@ def main() -> None:
         models=(["gpt2", "minilm"], ["gpt2"]),
         malloc=("fixed", "fixed"),
         compare_nice=(0, 0),
+        pin=("off", "off"),
     )
     args.malloc = fix_malloc(args.malloc)
+    if args.pin not in ("off", "apart"):
+        raise SystemExit(f"--pin must be 'off' or 'apart', not {args.pin!r}")
     torch.set_num_threads(args.threads)
     builders = {"gpt2": lambda: gpt2(args.layers, args.hidden), "minilm": minilm}
     comparisons: list[dict[str, Any]] = []
@@ -612,7 +626,7 @@ def main() -> None:
                 )
             )
     write_result(
-        "inference_cost",
+        "inference_cost" if args.pin == "off" else "inference_cost_pinned",
         title="What capture costs the model",
         description=__doc__.split("\n\n")[0],
         params=vars(args),
