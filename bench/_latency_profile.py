@@ -5,6 +5,7 @@ batches come paced (one at a time) rather than in a burst (issue #13).
     python bench/_latency_profile.py wake
     python bench/_latency_profile.py verdicts --rate 150000
     python bench/_latency_profile.py judging --rate 400000 --rounds 8
+    python bench/_latency_profile.py timeline --rate 350000 --rounds 6
     py-spy record --threads --nonblocking -r 500 -f raw -o prof.txt -- \\
         python bench/_latency_profile.py paced --rate 200000 --seconds 2 --reps 4
     python bench/_pyspy_summary.py prof.txt
@@ -25,7 +26,10 @@ thread waited, with no doubling (before 2026-12), against the CPU time
 of a call that waited under ``THREAD_WAIT_S`` and the doubling back-off;
 p99 and max from the intended send time (every run starts a runtime,
 whose first calls go to threads), and how many calls ran in threads.
-``paced``: the paced runs alone, for a profiler.
+``timeline``: where in a paced run the slow records fall (per 100 ms of
+the run: p99, max, calls that ran in worker threads), and each run's p99
+with and without its start.  ``paced``: the paced runs alone, for a
+profiler.
 """
 
 from __future__ import annotations
@@ -332,6 +336,76 @@ def judging(rate: float, rounds: int, seconds: float) -> None:
         )
 
 
+def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None:
+    """Where in a paced run its slow records fall: per ``bucket_ms`` of the
+    run (by intended send time), the records' p99 and max latency from
+    their intended send time, and the processor calls that ran in worker
+    threads; then each run's p99 with and without its first buckets."""
+    import numpy as np
+
+    import taproute.actors.attempt as attempt
+
+    calls: list[tuple[int, bool]] = []
+    took = attempt.Placement.took
+
+    def noted(self: attempt.Placement, elapsed: float) -> None:
+        calls.append((time.perf_counter_ns(), not self.inline))
+        took(self, elapsed)
+
+    arrivals: list[tuple[np.ndarray, int]] = []
+    note = latency.Receipts.note
+
+    def noting(self: latency.Receipts, intended: np.ndarray, actual: np.ndarray) -> None:
+        arrivals.append((np.asarray(intended).copy(), time.perf_counter_ns()))
+        note(self, intended, actual)
+
+    attempt.Placement.took = noted  # type: ignore[method-assign]
+    latency.Receipts.note = noting  # type: ignore[method-assign]
+    latency.run("stateless", 500, None, "/tmp")  # warm-up (imports, first compiles)
+    batches = int(rate * seconds / latency.PER_BATCH)
+    width = int(bucket_ms * 1e6)
+    nbuckets = int(seconds * 1e3 / bucket_ms) + 1
+    per_bucket: list[list[np.ndarray]] = [[] for _ in range(nbuckets)]
+    threads_per_bucket = np.zeros(nbuckets, dtype=np.int64)
+    p99_all, p99_after = [], []
+    skip = 2  # buckets left out for "after the start"
+    for _ in range(rounds):
+        calls.clear()
+        arrivals.clear()
+        latency.run("stateless", batches, rate, "/tmp")
+        t0 = min(int(a.min()) for a, _ in arrivals)
+        lat = np.concatenate([(done - a) / 1e6 for a, done in arrivals])
+        sent = np.concatenate([a for a, _ in arrivals])
+        index = np.minimum((sent - t0) // width, nbuckets - 1)
+        for b in range(nbuckets):
+            per_bucket[b].append(lat[index == b])
+        for when, in_thread in calls:
+            if in_thread and when >= t0:
+                threads_per_bucket[min((when - t0) // width, nbuckets - 1)] += 1
+        p99_all.append(float(np.percentile(lat, 99)))
+        p99_after.append(float(np.percentile(lat[index >= skip], 99)))
+    attempt.Placement.took = took  # type: ignore[method-assign]
+    latency.Receipts.note = note  # type: ignore[method-assign]
+    print(
+        f"stateless route paced at {rate:,.0f} records/s, {seconds} s a run, {rounds} runs; "
+        f"load {os.getloadavg()[0]:.2f}; latency from the intended send time, ms"
+    )
+    print(f"  {'from ms':>8s} {'records':>8s} {'p99':>8s} {'max':>8s} {'thread calls':>12s}")
+    for b in range(nbuckets):
+        got = np.concatenate(per_bucket[b])
+        if not len(got):
+            continue
+        print(
+            f"  {b * bucket_ms:8.0f} {len(got):8d} {np.percentile(got, 99):8.2f} "
+            f"{got.max():8.2f} {threads_per_bucket[b]:12d}"
+        )
+    print(
+        f"  p99 of each run, ms: {' '.join(f'{p:.2f}' for p in p99_all)} (median "
+        f"{np.median(p99_all):.2f}); leaving out the first {skip * bucket_ms:.0f} ms: "
+        f"{' '.join(f'{p:.2f}' for p in p99_after)} (median {np.median(p99_after):.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -346,6 +420,11 @@ def main() -> None:
     j.add_argument("--rate", type=float, default=400_000)
     j.add_argument("--rounds", type=int, default=8)
     j.add_argument("--seconds", type=float, default=2.5)
+    t = sub.add_parser("timeline")
+    t.add_argument("--rate", type=float, default=350_000)
+    t.add_argument("--rounds", type=int, default=6)
+    t.add_argument("--seconds", type=float, default=2.5)
+    t.add_argument("--bucket-ms", type=float, default=100.0)
     p = sub.add_parser("paced")
     p.add_argument("--rate", type=float, default=200_000)
     p.add_argument("--seconds", type=float, default=2.0)
@@ -359,6 +438,8 @@ def main() -> None:
         verdicts(args.rate, args.seconds)
     elif args.what == "judging":
         judging(args.rate, args.rounds, args.seconds)
+    elif args.what == "timeline":
+        timeline(args.rate, args.rounds, args.seconds, args.bucket_ms)
     else:
         paced(args.rate, args.seconds, args.reps)
 

@@ -34,6 +34,7 @@ both.
 
 from __future__ import annotations
 
+import gc
 import queue
 import statistics
 import tempfile
@@ -195,6 +196,13 @@ def pace(
     time (``seq``).  Returns the due times, the submit hold times (µs) and t0."""
     bufs = payloads(SHAPE, PER_BATCH)
     hold = _histogram()
+    # Collect before the clock starts, for taproute and the peer alike: the
+    # garbage of building the last runs (a runtime per run, the results) is
+    # the bench's, and a full collection it triggers lands in whichever run
+    # comes next (20 ms here, with 68 k objects tracked: at 80% load, one
+    # such pause put a run's p99 at 30 ms; bench/_latency_profile.py
+    # timeline).  Collections the run's own allocations trigger still count.
+    gc.collect()
     intended_ns = np.zeros(batches, dtype=np.int64)
     interval = 0 if rate is None else int(PER_BATCH / rate * 1e9)
     started = time.perf_counter_ns()
