@@ -237,6 +237,16 @@ def test_dense_path_counting_equals_sorting(capacity):
         codes, counts, _ = dense
 
 
+@pytest.mark.parametrize("top", [1, 3, 16, 500])
+def test_top_entries_rank_by_count_then_code(top):
+    # Many equal counts, so the boundary of the top falls inside a tie.
+    rng = np.random.default_rng(top)
+    codes = np.sort(rng.choice(4096, size=300, replace=False)).astype(np.int64)
+    counts = rng.integers(1, 6, size=300).astype(np.int64)
+    expected = sorted(range(300), key=lambda i: (-counts[i], codes[i]))[:top]
+    np.testing.assert_array_equal(pathways.top_entries(codes, counts, top), expected)
+
+
 # ---- TwoNN -------------------------------------------------------------------
 
 

@@ -95,11 +95,14 @@ def merge_counts(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool]:
     """Merge ``new_codes`` (one per token) into the summary ``(codes, counts)``.
 
-    Returns the new summary (at most ``capacity`` entries, counts descending,
-    equal counts in code order) and whether it had to drop counts (the
-    Misra-Gries reduction).  ``space``: codes lie in ``[0, space)``; when that
-    is at most :data:`DENSE_PATHS` they are counted in a dense array (one
-    ``bincount``) rather than sorted.
+    Returns the new summary (at most ``capacity`` entries, in code order) and
+    whether it had to drop counts (the Misra-Gries reduction: past
+    ``capacity`` distinct codes, every count drops by the ``capacity + 1``-th
+    largest and those left at zero go).  ``space``: codes lie in
+    ``[0, space)``; when that is at most :data:`DENSE_PATHS` they are counted
+    in a dense array (one ``bincount``) rather than sorted.  Nothing is
+    ranked here: a batch merges in linear time, and :func:`top_entries`
+    ranks once per window.
     """
     if space is not None and space <= DENSE_PATHS:
         dense = np.bincount(new_codes, minlength=space)
@@ -110,14 +113,28 @@ def merge_counts(
         unique, inverse = np.unique(np.concatenate([codes, new_codes]), return_inverse=True)
         weights = np.concatenate([counts, np.ones(len(new_codes), dtype=np.int64)])
         summed = np.bincount(inverse, weights=weights, minlength=len(unique)).astype(np.int64)
-    order = np.argsort(-summed, kind="stable")
-    unique, summed = unique[order], summed[order]
     if len(unique) <= capacity:
         return unique, summed, False
-    cut = summed[capacity]
-    summed = summed[:capacity] - cut
-    keep = summed > 0
-    return unique[:capacity][keep], summed[keep], True
+    # The (capacity + 1)-th largest count, without sorting them all.
+    cut = np.partition(summed, len(summed) - capacity - 1)[len(summed) - capacity - 1]
+    keep = summed > cut
+    return unique[keep], summed[keep] - cut, True
+
+
+def top_entries(
+    codes: npt.NDArray[np.int64], counts: npt.NDArray[np.int64], top: int
+) -> npt.NDArray[np.intp]:
+    """Indexes of the ``top`` largest ``counts`` (equal counts: lower code
+    first), largest first: the ranking of a window's row."""
+    if len(counts) > top:
+        # Ties at the boundary: lexsort after the partition decides, so the
+        # set is taken by the bound below, not by argpartition's luck.
+        bound = np.partition(counts, len(counts) - top)[len(counts) - top]
+        candidates = np.flatnonzero(counts >= bound)
+    else:
+        candidates = np.arange(len(counts))
+    order = np.lexsort((codes[candidates], -counts[candidates]))
+    return candidates[order[:top]]
 
 
 def pathway_layout(config: PathwayConfig) -> Layout:
@@ -215,15 +232,16 @@ def _window_row(
 ) -> npt.NDArray[np.void]:
     held = int(slot[3])
     codes, counts = slot[codes_at : codes_at + held], slot[counts_at : counts_at + held]
-    shown = min(held, config.top)
+    ranked = top_entries(codes, counts, config.top)
+    shown = len(ranked)
     row = np.zeros(1, dtype=layout.dtype)
     row["hook"] = hook
     row["window"] = slot[1]
     row["records"] = slot[0]
     row["tokens"] = slot[2]
     row["transitions"] = slot[_HEAD:codes_at].reshape(layout.dtype["transitions"].shape)
-    row["top_paths"][0, :shown] = decode_paths(codes[:shown], config.layers, config.experts)
-    row["top_counts"][0, :shown] = counts[:shown]
+    row["top_paths"][0, :shown] = decode_paths(codes[ranked], config.layers, config.experts)
+    row["top_counts"][0, :shown] = counts[ranked]
     row["distinct_paths"] = held
     row["path_entropy"] = path_entropy(counts)
     row["exact"] = 0 if slot[4] else 1
