@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import queue
 import socket
@@ -359,9 +360,21 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
         arrivals.append((np.asarray(intended).copy(), time.perf_counter_ns()))
         note(self, intended, actual)
 
+    # Collections while a run is paced (pace() collects before its clock
+    # starts): when, which generation, how long.
+    pauses: list[tuple[int, int, float]] = []
+    started_gc = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started_gc[0] = time.perf_counter_ns()
+        else:
+            pauses.append((started_gc[0], info["generation"], time.perf_counter_ns()))
+
     attempt.Placement.took = noted  # type: ignore[method-assign]
     latency.Receipts.note = noting  # type: ignore[method-assign]
     latency.run("stateless", 500, None, "/tmp")  # warm-up (imports, first compiles)
+    gc.callbacks.append(on_gc)
     batches = int(rate * seconds / latency.PER_BATCH)
     width = int(bucket_ms * 1e6)
     nbuckets = int(seconds * 1e3 / bucket_ms) + 1
@@ -369,11 +382,18 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
     threads_per_bucket = np.zeros(nbuckets, dtype=np.int64)
     p99_all, p99_after = [], []
     skip = 2  # buckets left out for "after the start"
-    for _ in range(rounds):
+    collected: list[tuple[int, float, int]] = []  # (round, ms into it, generation)
+    slowest = 0.0
+    for round_ in range(rounds):
         calls.clear()
         arrivals.clear()
+        pauses.clear()
         latency.run("stateless", batches, rate, "/tmp")
         t0 = min(int(a.min()) for a, _ in arrivals)
+        for began, generation, ended in pauses:
+            if began >= t0:
+                collected.append((round_, (began - t0) / 1e6, generation))
+                slowest = max(slowest, (ended - began) / 1e6)
         lat = np.concatenate([(done - a) / 1e6 for a, done in arrivals])
         sent = np.concatenate([a for a, _ in arrivals])
         index = np.minimum((sent - t0) // width, nbuckets - 1)
@@ -384,6 +404,7 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
                 threads_per_bucket[min((when - t0) // width, nbuckets - 1)] += 1
         p99_all.append(float(np.percentile(lat, 99)))
         p99_after.append(float(np.percentile(lat[index >= skip], 99)))
+    gc.callbacks.remove(on_gc)
     attempt.Placement.took = took  # type: ignore[method-assign]
     latency.Receipts.note = note  # type: ignore[method-assign]
     print(
@@ -403,6 +424,12 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
         f"  p99 of each run, ms: {' '.join(f'{p:.2f}' for p in p99_all)} (median "
         f"{np.median(p99_all):.2f}); leaving out the first {skip * bucket_ms:.0f} ms: "
         f"{' '.join(f'{p:.2f}' for p in p99_after)} (median {np.median(p99_after):.2f})"
+    )
+    by_generation = {g: sum(1 for c in collected if c[2] == g) for g in range(3)}
+    print(
+        f"  garbage collections during the runs, per generation: {by_generation}; the longest "
+        f"{slowest:.2f} ms; full ones at (run, ms into it): "
+        + (", ".join(f"({r}, {t:.0f})" for r, t, g in collected if g == 2) or "none")
     )
 
 
