@@ -111,6 +111,17 @@ def _checked(name: str, value: IntArrayLike) -> IntArrayLike:
     return array
 
 
+def _refuse_negative(column: npt.NDArray[np.int64], name: str, what: str) -> None:
+    """Raise naming the first negative element of ``column`` (the argument ``name``)."""
+    negative = np.flatnonzero(column < 0)
+    if len(negative):
+        index = int(negative[0])
+        raise DescriptorFieldError(
+            f"make_descriptors: {name}[{index}] = {int(column[index])}: {what} must be >= 0 "
+            f"({len(negative)} negative of {len(column)})"
+        )
+
+
 def make_descriptors(
     output_ids: IntArrayLike,
     lengths: IntArrayLike,
@@ -128,6 +139,8 @@ def make_descriptors(
     ``count`` is the number of records (inferred from the first array argument
     when omitted).  ``offsets`` default to payloads packed back to back in
     order; ``seqs`` default to ``0..count-1``; ``timestamps_ns`` to now.
+    A negative length or offset raises :class:`DescriptorFieldError` naming
+    the argument and the record's index.
     """
     if count is None:
         for value in (output_ids, lengths, keys, steps, layout_ids):
@@ -158,11 +171,20 @@ def make_descriptors(
     desc["output_id"] = _checked("output_id", output_ids)
     desc["layout_id"] = _checked("layout_id", layout_ids)
     desc["length"] = _checked("length", lengths)
+    _refuse_negative(desc["length"], "lengths", "a payload length")
     if offsets is None:
         lengths_arr = desc["length"]
         desc["offset"][1:] = np.cumsum(lengths_arr[:-1])
+        # Lengths are >= 0, so a running sum past int64 first shows as a negative.
+        wrapped = np.flatnonzero(desc["offset"] < 0)
+        if len(wrapped):
+            raise DescriptorFieldError(
+                f"make_descriptors: offsets[{int(wrapped[0])}]: the payloads packed back to "
+                f"back overflow int64 (lengths sum past {_INT64_MAX}); pass offsets"
+            )
     else:
         desc["offset"] = _checked("offset", offsets)
+        _refuse_negative(desc["offset"], "offsets", "a payload offset")
     desc["key"] = _checked("key", keys)
     desc["step"] = _checked("step", steps)
     desc["seq"] = np.arange(count) if seqs is None else _checked("seq", seqs)

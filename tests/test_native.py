@@ -201,6 +201,24 @@ def test_make_descriptors_packs_payloads_back_to_back():
         make_descriptors(0, 16, count=2.0)  # type: ignore[arg-type]
 
 
+def test_make_descriptors_refuses_negative_lengths_and_offsets_by_field_and_index():
+    """A negative payload length or offset is refused where the descriptors are
+    built, naming the field, the record's index and the value (it was accepted
+    here and refused only at submit, far from the code that made it)."""
+    with pytest.raises(DescriptorFieldError, match=r"lengths\[2\] = -1: a payload length"):
+        make_descriptors(0, [8, 8, -1, 4])
+    with pytest.raises(DescriptorFieldError, match=r"lengths\[0\] = -16: a payload length"):
+        make_descriptors(0, -16, count=3)
+    with pytest.raises(DescriptorFieldError, match=r"offsets\[1\] = -8: a payload offset"):
+        make_descriptors(0, 8, count=3, offsets=[0, -8, 16])
+    with pytest.raises(DescriptorFieldError, match=r"offsets\[0\] = -1: a payload offset"):
+        make_descriptors(0, 8, count=2, offsets=-1)
+    # Lengths packed back to back past int64 would wrap the default offsets negative.
+    with pytest.raises(DescriptorFieldError, match=r"offsets\[2\]: .* overflow"):
+        make_descriptors(0, [2**62, 2**62, 1])
+    assert make_descriptors(0, [0, 8], offsets=[0, 0])["length"].tolist() == [0, 8]
+
+
 def test_scatter_add_matches_numpy_add_at_and_checks_keys():
 
     rng = np.random.default_rng(0)
@@ -364,13 +382,14 @@ small_or_huge = st.one_of(st.integers(-4, 64), INT64)
 def test_check_descriptors_matches_reference_and_checks_its_arguments(
     crash_cases, records, payload_size, bound_ids, rules
 ):
-    desc = make_descriptors(
-        [r[0] for r in records],
-        [r[3] for r in records],
-        count=len(records),
-        layout_ids=[r[1] for r in records],
-        offsets=[r[2] for r in records],
-    )
+    # Built field by field, not with make_descriptors: negative offsets and
+    # lengths are what check_descriptors must refuse, and make_descriptors
+    # refuses them itself (a producer can still hand submit such an array).
+    desc = np.zeros(len(records), dtype=DESCRIPTOR_DTYPE)
+    desc["output_id"] = [r[0] for r in records]
+    desc["layout_id"] = [r[1] for r in records]
+    desc["offset"] = [r[2] for r in records]
+    desc["length"] = [r[3] for r in records]
     fixed, prefix, element = (np.asarray(r, np.int64) for r in rules)
     args = (desc, payload_size, bound_ids, fixed, prefix, element)
     lengths = {len(r) for r in rules}
