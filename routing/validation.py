@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
@@ -141,47 +142,104 @@ def _check_objects(
 ) -> None:
     """Raise unless every value of ``layout``'s object columns is what its
     type holds: a ``str`` in a String column, a non-empty-dimensioned array of
-    numbers in a variable Array column (an int, None, bytes or text there
-    would be refused, block and all, by the destination, or written as
-    something else: None as '' or [nan])."""
+    numbers that fit the element type in a variable Array column (an int,
+    None, bytes or text there would be refused, block and all, by the
+    destination, or written as something else: None as '' or [nan], 2**31 in
+    an Int32 column as -2**31, 1e300 in a Float32 one as inf)."""
     for column in layout.object_columns:
         values = rows[column.name]
         if column.is_array:
-            row = _first_non_numeric_array(values, column.element_dtype)
-            expected = f"an array of numbers that cast to {column.element_dtype} (same kind)"
+            bad = _first_bad_array(values, column.element_dtype)
+            if bad is None:
+                continue
+            row, expected, found = bad
         elif all(issubclass(kind, str) for kind in set(map(type, values))):
             continue  # one C pass over the column, no Python per value
         else:
             row = next(i for i, value in enumerate(values) if not isinstance(value, str))
-            expected = "str"
-        if row is None:
-            continue
-        value = values[row]
+            expected, found = "str", _shown(values[row])
         raise OutputLayoutMismatch(
             f"route {route!r}, processor {processor!r}, output layout {layout.name!r}: "
-            f"column {column.name!r} ({column.type}) row {row}: expected {expected}, found "
-            f"{type(value).__name__} {value!r:.60}"
+            f"column {column.name!r} ({column.type}) row {row}: expected {expected}, "
+            f"found {found}"
         )
 
 
-def _first_non_numeric_array(
+def _shown(value: object) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _first_bad_array(
     values: npt.NDArray[np.object_], element: np.dtype[np.generic]
-) -> int | None:
-    """The first row whose value is not an array (or list) of numbers that
-    casts to ``element`` within its kind (no float into an integer column,
-    which would truncate), or None."""
-    for row, value in enumerate(values):
+) -> tuple[int, str, str] | None:
+    """The first row whose value does not go into an ``Array(element)`` column
+    unchanged, as (row, expected, found), or None.
+
+    A value must be an array (or list) of numbers that casts to ``element``
+    within its kind (no float into an integer column, which would truncate;
+    any integers into an integer column; bfloat16 counts as a float), and,
+    where the cast is not safe, whose values fit ``element``: checked per
+    dtype over all such rows at once (one concatenation, one comparison or
+    cast), never per element.
+    """
+    unsafe: dict[np.dtype[np.generic], list[tuple[int, npt.NDArray[np.generic]]]] = {}
+    for row, value in enumerate(values):  # one object per row: the column's own shape
         if isinstance(value, np.ndarray):
             array = value
         elif isinstance(value, list | tuple):
             try:
                 array = np.asarray(value)
             except ValueError:  # ragged
-                return row
+                return row, _KIND_EXPECTED.format(element), _shown(value)
         else:
-            return row
-        # Numbers only (text, objects, dates, records never cast within kind);
-        # bfloat16 counts as a float.
-        if array.ndim < 1 or not np.can_cast(array.dtype, element, "same_kind"):
-            return row
-    return None
+            return row, _KIND_EXPECTED.format(element), _shown(value)
+        if array.ndim < 1 or not _same_kind(array.dtype, element):
+            return row, _KIND_EXPECTED.format(element), _shown(value)
+        if not np.can_cast(array.dtype, element, "safe"):
+            unsafe.setdefault(array.dtype, []).append((row, array))
+    first: tuple[int, str, str] | None = None
+    for dtype, group in unsafe.items():
+        bad = _first_unfit(dtype, group, element)
+        if bad is not None and (first is None or bad[0] < first[0]):
+            first = bad
+    return first
+
+
+_KIND_EXPECTED = "an array of numbers that cast to {} (same kind)"
+
+
+def _same_kind(found: np.dtype[np.generic], element: np.dtype[np.generic]) -> bool:
+    """Numbers of ``found`` may go into ``element`` if their values fit: any
+    integers (and bools) into an integer column, integers and floats into a
+    float one (text, objects, dates, records never)."""
+    if element.kind in "iu":
+        return found.kind in "biu"
+    return bool(np.can_cast(found, element, "same_kind"))
+
+
+def _first_unfit(
+    dtype: np.dtype[np.generic],
+    group: list[tuple[int, npt.NDArray[np.generic]]],
+    element: np.dtype[np.generic],
+) -> tuple[int, str, str] | None:
+    """The first row of ``group`` (arrays of ``dtype``) holding a value that
+    ``element`` cannot hold: outside an integer type's bounds, or a finite
+    value that the cast to a float type turns into infinity."""
+    flat = np.concatenate([array.ravel() for _, array in group])
+    if element.kind in "iu":
+        info = np.iinfo(element)  # type: ignore[type-var]
+        unfit = (flat < int(info.min)) | (flat > int(info.max))
+        expected = f"values that fit {element} [{int(info.min)}, {int(info.max)}]"
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            unfit = np.isinf(flat.astype(element)) & np.isfinite(flat)
+        top = ml_dtypes.finfo(element).max  # type: ignore[no-untyped-call]
+        expected = f"values that fit {element} (finite values up to {top:.8g} in magnitude)"
+    if not unfit.any():
+        return None
+    position = int(np.argmax(unfit))
+    ends = np.cumsum([array.size for _, array in group])
+    index = int(np.searchsorted(ends, position, side="right"))
+    row = group[index][0]
+    value = flat[position]
+    return row, expected, f"{value!s:.40} ({dtype}), which {element} would not keep"

@@ -8,6 +8,7 @@ whole block: the router latched, and the block's good rows were lost with it
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -144,3 +145,111 @@ def test_a_bfloat16_array_column_takes_float_and_bfloat16_values():
     rows["vals"][0] = np.ones(2, np.float32)
     rows["vals"][1] = np.ones(2, ml_dtypes.bfloat16)
     assert check_rows(rows, layout, route="r", processor="p") is rows
+
+
+# -- values that do not fit a variable Array column's element type ---------------
+#
+# Same-kind values (int64 into Int32, float64 into Float32) passed the check
+# above, and the ClickHouse sink's np.asarray(value, dtype=T) then narrowed
+# them silently: 2**31 wrapped to -2**31, 1e300 became inf.  They must be
+# refused like a wrong type, naming column, row, the expected type and the value.
+
+UINTS = Layout("uints_out", [("vals", "Array(UInt8)")])
+INT64S = Layout("int64s_out", [("vals", "Array(Int64)")])
+BF16S = Layout("bf16s_out", [("vals", "Array(BFloat16)")])
+
+
+@pytest.mark.parametrize(
+    ("layout", "value", "shown"),
+    [
+        (INTS, [1, 2**31], r"2147483648"),
+        (INTS, np.array([[0, -(2**31) - 1]]), r"-2147483649"),
+        (INTS, np.array([2**40], np.uint64), r"1099511627776"),
+        (INT64S, np.array([2**63], np.uint64), r"9223372036854775808"),
+        (UINTS, [3, 256], r"256"),
+        (UINTS, [-1], r"-1"),
+        (VALUES, [1.0, 1e300], r"1e\+300"),
+        (VALUES, np.array([-1e39]), r"-1e\+39"),
+        (BF16S, np.array([3.4e38], np.float32), r"3\.4e\+38"),
+    ],
+)
+def test_array_values_that_do_not_fit_the_element_type_are_refused_not_narrowed(
+    layout, value, shown
+):
+    rows = np.empty(3, dtype=layout.dtype)
+    for i, v in enumerate([[1], [2, 3], [4]]):
+        rows[layout.columns[-1].name][i] = v
+    rows["vals"][1] = value
+    column = layout.columns[-1]
+    with pytest.raises(OutputLayoutMismatch) as caught:
+        check_rows(rows, layout, route="r", processor="p")
+    message = str(caught.value)
+    assert f"column 'vals' ({column.type}) row 1: expected values that fit" in message
+    assert f" {column.element_dtype}" in message
+    assert re.search(rf"found {shown} ", message), message
+
+
+def test_array_values_that_fit_pass_whatever_their_dtype():
+    rows = np.empty(4, dtype=INTS.dtype)
+    rows["vals"][0] = [2**31 - 1, -(2**31)]  # int64 at Int32's bounds
+    rows["vals"][1] = np.array([7], np.uint64)
+    rows["vals"][2] = np.array([True, False])
+    rows["vals"][3] = np.empty(0, np.int64)
+    assert check_rows(rows, INTS, route="r", processor="p") is rows
+    uints = np.empty(1, dtype=UINTS.dtype)
+    uints["vals"][0] = [0, 255]  # a list of ints (int64) that fits UInt8
+    assert check_rows(uints, UINTS, route="r", processor="p") is uints
+    floats = np.empty(1, dtype=VALUES.dtype)
+    floats["vals"][0] = [3.4e38, -3.4e38, 1e-50, np.inf, -np.inf, np.nan]  # no overflow
+    assert check_rows(floats, VALUES, route="r", processor="p") is floats
+
+
+WIDE = {2: 2**31, 5: -(2**40)}  # key -> a value that does not fit Int32
+
+
+@stateless_processor("test.wide_ints", input="vec4", output="ints_out")
+def wide_ints(records) -> np.ndarray:
+    rows = np.empty(len(records), dtype=INTS.dtype)
+    for i, k in enumerate(records.descriptors["key"].tolist()):
+        rows["vals"][i] = [k, WIDE.get(k, k + 1)]  # a list of Python ints: int64
+    return rows
+
+
+def test_an_array_value_too_wide_fails_its_record_and_the_rest_land(chdb_transport):
+    table = "wide_" + uuid.uuid4().hex[:8]
+    schema = RecordSchema([VEC, INTS])
+
+    def destination() -> ClickHouseSink:
+        return ClickHouseSink(
+            chdb_transport,
+            schema,
+            rows=["ints_out"],
+            rows_table=table,
+            create_tables=True,
+            owns_transport=False,
+        )
+
+    failures: list[tuple[int, str]] = []
+    sink = RoutingSink(
+        RoutingConfig([Route("wide", "h.*", "ch", mode="stateless", processor="test.wide_ints")]),
+        schema,
+        {"ch": destination},
+        unmatched="drop",
+        on_failure=lambda failure: failures.extend(
+            (int(k), str(failure.error)) for k in failure.records.descriptors["key"]
+        ),
+    )
+    with create_record_runtime(record_sink=sink) as runtime:
+        hook = runtime.bind_hook("h.0", layout="vec4")
+        runtime.submit_batch(
+            make_descriptors(hook, 16, count=8, keys=np.arange(8), layout_ids=0),
+            np.zeros((8, 4), np.float32),
+        )
+        report = runtime.flush()
+        assert report is not None
+        assert report.routes["wide"].delivered == 6
+        assert report.routes["wide"].dead_lettered == 2
+    assert sorted(k for k, _ in failures) == sorted(WIDE)
+    assert all("column 'vals' (Array(Int32))" in m and "fit int32" in m for _, m in failures)
+    rows = chdb_transport.query(f"SELECT vals FROM `{table}` ORDER BY vals[1]")
+    assert rows.to_pylist() == [{"vals": [k, k + 1]} for k in range(8) if k not in WIDE]
