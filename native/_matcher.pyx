@@ -6,6 +6,8 @@ maps to a *route set* (the tuple of routes its hook name matches); distinct
 sets are interned, so the per-record lookup is one array read.
 """
 
+import threading
+
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, uint32_t
@@ -25,9 +27,15 @@ MAX_OUTPUT_IDS = 2**24
 cdef class RouteTable:
     """Maps output_id to the set of routes it feeds.
 
-    ``assign`` may be called at any time (hooks bound after the table was
-    built); ``group`` holds the GIL for its whole run, so an ``assign`` from
-    another thread is never observed half-done.
+    ``assign`` may be called at any time, from any thread (hooks bound after
+    the table was built, by producer threads at once: ``HookRegistry`` calls
+    its listeners outside its lock).  Assignments are serialised by a lock:
+    each grows the table by a copy and interns route sets in several steps,
+    between which numpy's Python-level helpers let another thread run (two
+    concurrent ones lost an assignment, or copied the other's larger array).
+    ``group`` holds the GIL for its whole run, and an assignment publishes a
+    grown table and a new set before any output_id points at it, so ``group``
+    never observes one half-done.
     """
 
     cdef readonly int n_routes
@@ -36,6 +44,7 @@ cdef class RouteTable:
     cdef object _set_routes      # int32[...] route indices of every set, concatenated
     cdef list _sets              # set id -> tuple of route indices
     cdef dict _set_ids           # tuple of route indices -> set id
+    cdef object _lock            # serialises assign (writers); readers hold the GIL
 
     def __init__(self, int n_routes):
         if n_routes < 0:
@@ -46,6 +55,7 @@ cdef class RouteTable:
         self._set_ids = {}
         self._set_starts = np.zeros(1, dtype=np.int32)
         self._set_routes = np.zeros(0, dtype=np.int32)
+        self._lock = threading.Lock()
 
     def assign(self, uint32_t output_id, routes):
         """Route ``output_id`` (< :data:`MAX_OUTPUT_IDS`) to ``routes`` (route indices)."""
@@ -55,22 +65,24 @@ cdef class RouteTable:
         for r in key:
             if r < 0 or r >= self.n_routes:
                 raise ValueError(f"route index {r} out of range [0, {self.n_routes})")
-        cdef Py_ssize_t capacity = len(self._set_of)
-        if output_id >= capacity:
-            grown = np.full(max(capacity * 2, output_id + 1), -1, dtype=np.int32)
-            grown[:capacity] = self._set_of
-            self._set_of = grown
-        if not key:
-            self._set_of[output_id] = -1
-            return
-        set_id = self._set_ids.get(key)
-        if set_id is None:
-            set_id = len(self._sets)
-            self._sets.append(key)
-            self._set_ids[key] = set_id
-            self._set_routes = np.concatenate([self._set_routes, np.asarray(key, dtype=np.int32)])
-            self._set_starts = np.append(self._set_starts, np.int32(len(self._set_routes)))
-        self._set_of[output_id] = set_id
+        cdef Py_ssize_t capacity
+        with self._lock:
+            capacity = len(self._set_of)
+            if output_id >= capacity:
+                grown = np.full(max(capacity * 2, output_id + 1), -1, dtype=np.int32)
+                grown[:capacity] = self._set_of
+                self._set_of = grown
+            if not key:
+                self._set_of[output_id] = -1
+                return
+            set_id = self._set_ids.get(key)
+            if set_id is None:
+                set_id = len(self._sets)
+                self._sets.append(key)
+                self._set_ids[key] = set_id
+                self._set_routes = np.concatenate([self._set_routes, np.asarray(key, dtype=np.int32)])
+                self._set_starts = np.append(self._set_starts, np.int32(len(self._set_routes)))
+            self._set_of[output_id] = set_id
 
     def routes_of(self, uint32_t output_id):
         """The tuple of route indices ``output_id`` feeds (empty if none)."""
