@@ -103,11 +103,16 @@ class KeyedRoute(RouteActor):
                 KeyControl(action, keys[selection], discarding[selection]), records=0, nbytes=0
             )
 
-    def _route_keys(self, request_keys: Keys) -> Keys:
+    def mapped_keys(self, request_keys: Keys) -> Keys:
+        """This route's key of each request key (its key function applied to a
+        descriptor whose other fields are 0), in range or not."""
         assert self.key_function is not None
         descriptors = np.zeros(len(request_keys), dtype=DESCRIPTOR_DTYPE)
         descriptors["key"] = request_keys
-        keys = np.asarray(self.key_function(descriptors), dtype=np.int64).reshape(-1)
+        return np.asarray(self.key_function(descriptors), dtype=np.int64).reshape(-1)
+
+    def _route_keys(self, request_keys: Keys) -> Keys:
+        keys = self.mapped_keys(request_keys)
         return np.unique(keys[(keys >= 0) & (keys < self.key_range)])
 
     # -- key lifecycle (see keys.py) ---------------------------------------------

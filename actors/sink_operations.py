@@ -17,7 +17,7 @@ import trio
 
 from taproute.actors.owners import StatefulRoute
 from taproute.actors.reloading import Reloading
-from taproute.routing.errors import SinkClosed
+from taproute.routing.errors import KeyNotHeld, SinkClosed
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.refusals import RefusalLog
 from taproute.routing.root_ledger import RootLedger
@@ -89,7 +89,9 @@ class SinkOperations(Reloading):
         ``terminal`` until :meth:`reopen`.
 
         Returns once the completion is queued in order; :meth:`flush` waits for
-        it (and its rows) to be done.
+        it (and its rows) to be done.  A key no stateful route holds (outside
+        every route's range) raises :class:`KeyNotHeld`, and none of ``keys``
+        is completed; so do :meth:`cancel` and :meth:`reopen`.
         """
         await self._key_control(KeyAction.COMPLETE, keys)
 
@@ -108,6 +110,7 @@ class SinkOperations(Reloading):
         request = np.array(request_keys(keys), dtype=np.int64)
         async with self._lock:
             gen = self._gen
+            _refuse_unheld(action, request, [r for r in gen.routes if isinstance(r, StatefulRoute)])
             if any(isinstance(r, StatefulRoute) and r.planned.derived_from for r in gen.routes):
                 # A stateful route that takes derived records gets them only once
                 # the routes before it processed what was accepted before this
@@ -117,6 +120,44 @@ class SinkOperations(Reloading):
             for route in gen.routes:
                 if isinstance(route, StatefulRoute):
                     await route.key_control(action, request)
+
+
+_DONE = {
+    KeyAction.COMPLETE: "completed",
+    KeyAction.CANCEL: "cancelled",
+    KeyAction.REOPEN: "reopened",
+}
+
+
+def _refuse_unheld(action: KeyAction, request: Any, routes: list[StatefulRoute]) -> None:
+    """Raise :class:`KeyNotHeld` if stateful routes exist and some request key
+    maps outside every one's range (each route ignores keys outside its own:
+    another route may hold them; a key none holds is the caller's mistake).
+    Without stateful routes a key control does nothing, as before."""
+    if not routes or not len(request):
+        return
+    mapped = [(route, route.mapped_keys(request)) for route in routes]
+    held = np.zeros(len(request), dtype=bool)
+    for route, keys in mapped:
+        if len(keys) != len(request):  # not one key per request key: cannot tell
+            return
+        held |= (keys >= 0) & (keys < route.key_range)
+    if held.all():
+        return
+    bad = np.flatnonzero(~held)
+    unique = list(dict.fromkeys(int(k) for k in request[bad]))
+    shown = ", ".join(str(k) for k in unique[:5]) + (
+        f" (and {len(unique) - 5} more)" if len(unique) > 5 else ""
+    )
+    first = int(bad[0])
+    detail = "; ".join(
+        f"route {route.name!r} maps {int(request[first])} to {int(keys[first])}, "
+        f"outside [0, {route.key_range})"
+        for route, keys in mapped
+    )
+    raise KeyNotHeld(
+        f"{action}: key(s) {shown} held by no stateful route: {detail}; nothing was {_DONE[action]}"
+    )
 
 
 __all__ = ["SinkOperations"]

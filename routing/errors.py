@@ -111,6 +111,13 @@ class KeyOutOfRange(RecordError):
     """A stateful route's key function gave a key outside ``[0, key_range)``."""
 
 
+class KeyNotHeld(TaprouteError, ValueError):
+    """``complete``/``cancel``/``reopen`` of a request key that no stateful route
+    of the running configuration holds: every route's key function maps it
+    outside that route's ``[0, key_range)``.  Raised before anything is
+    applied; the message names the keys and what each route maps them to."""
+
+
 class KeyTerminal(RecordError):
     """A record for a key that was completed or cancelled (``reopen`` it to reuse the id)."""
 

@@ -18,7 +18,7 @@ from contextlib import suppress
 from typing import Any
 
 from taproute.actors.routing_sink import RoutingSink
-from taproute.routing.errors import SinkClosed
+from taproute.routing.errors import KeyNotHeld, SinkClosed
 from taproute.routing.flush_report import FlushReport
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.latch import FailureLatch
@@ -58,6 +58,8 @@ class SinkControls:
                 await self._keys[control.kind](*control.keys)
             else:
                 await self.record_sink.close()
+        except KeyNotHeld as exc:  # the caller's mistake, refused whole: not a failure
+            control.future.set_exception(exc)
         except Exception as exc:
             failure = self._latch.latch(exc, where=f"record sink {control.kind}")
             self._ingress.fail(failure)

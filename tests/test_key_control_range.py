@@ -1,0 +1,123 @@
+"""complete / cancel / reopen of a key no stateful route can hold is refused.
+
+A request key goes through each stateful route's key function; a key outside
+one route's ``[0, key_range)`` is no key of that route and is ignored by it
+(another route may hold it).  But a key outside *every* stateful route's range
+was ignored by all of them, silently: a ``complete`` that could never finalize
+anything (a wrong id, a key function or range that does not fit the ids) went
+unnoticed.  It now raises :class:`KeyNotHeld` naming the key and each route's
+range, before anything is applied; through the threaded runtime the returned
+future raises it, and the runtime goes on (it is the caller's error, not a
+failure of the router).  With no stateful route at all a key control still
+does nothing: a ``capture_context(end_keys=runtime)`` on any config keeps
+working.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taproute.actors import open_routing_sink
+from taproute.routing import (
+    HookRegistry,
+    KeyNotHeld,
+    Route,
+    RoutingConfig,
+    SlotSpec,
+    stateful_processor,
+)
+from taproute.service import CaptureSink, RoutingSink, create_record_runtime
+from tests.conftest import vec_batch
+from tests.processors import SCHEMA
+
+Q = "model.layers.0.attn.q"
+
+
+def _count(records, keys: np.ndarray, state) -> None:
+    np.add.at(state.slots[:, 0], keys, 1)
+
+
+stateful_processor(
+    "test.count_small",
+    key=lambda d: d["key"],
+    key_range=8,
+    slot=SlotSpec((1,), "int64"),
+    input="vec",
+    output="sum",
+)(_count)
+stateful_processor(
+    "test.count_big",
+    key=lambda d: d["key"] - 100,
+    key_range=32,
+    slot=SlotSpec((1,), "int64"),
+    input="vec",
+    output="sum",
+)(_count)
+
+
+def _config() -> RoutingConfig:
+    return RoutingConfig(
+        [
+            Route("small", Q, "out", mode="stateful", processor="test.count_small"),
+            Route("big", Q, "out", mode="stateful", processor="test.count_big"),
+        ]
+    )
+
+
+async def test_a_key_no_stateful_route_holds_is_refused_naming_key_and_ranges():
+    hooks = HookRegistry()
+    q = hooks.bind(Q, layout="vec")
+    async with open_routing_sink(
+        _config(), SCHEMA, {"out": CaptureSink()}, "out", hooks=hooks
+    ) as sink:
+        await sink.submit(vec_batch(q, 2, keys=[3, 110]))
+        await sink.complete(110)  # the big route's key 10; the small route ignores it
+        await sink.complete(3)  # the small route's; big maps it to -97, not its key
+        with pytest.raises(KeyNotHeld) as caught:
+            await sink.complete(5, 40, 99)
+        message = str(caught.value)
+        assert message.startswith("complete: key(s) 40, 99 held by no stateful route")
+        assert "route 'small' maps 40 to 40, outside [0, 8)" in message
+        assert "route 'big' maps 40 to -60, outside [0, 32)" in message
+        assert "nothing was completed" in message
+        assert isinstance(caught.value, ValueError)
+        with pytest.raises(KeyNotHeld, match=r"^cancel: key\(s\) 8 held by no"):
+            await sink.cancel(8)
+        with pytest.raises(KeyNotHeld, match=r"^reopen: key\(s\) -1 held by no"):
+            await sink.reopen(-1)
+        # Refused whole: key 5 (the small route's) was not completed with it.
+        await sink.submit(vec_batch(q, 1, keys=[5], seq_start=10))
+        await sink.flush()
+        routes = sink.snapshot().routes
+        assert routes["small"].completed_keys == 1 and routes["big"].completed_keys == 1
+        assert routes["small"].terminal_records == 0 and routes["small"].processed == 2
+
+
+def test_through_the_runtime_the_future_raises_and_the_runtime_goes_on():
+    sink = RoutingSink(_config(), SCHEMA, {"out": CaptureSink()}, "out")
+    with create_record_runtime(record_sink=sink) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        with pytest.raises(KeyNotHeld, match=r"complete: key\(s\) 64 held by no stateful route"):
+            runtime.complete(64).result(timeout=60)
+        runtime.submit_batch(*_batch(q, [2, 102]))
+        runtime.complete(2, 102).result(timeout=60)  # not latched: later calls work
+        runtime.flush()
+        routes = runtime.counters().routes
+        assert routes["small"].completed_keys == 1 and routes["big"].completed_keys == 1
+
+
+def test_without_stateful_routes_a_key_control_does_nothing():
+    sink = RoutingSink(
+        RoutingConfig([Route("raw", Q, "out")]), SCHEMA, {"out": CaptureSink()}, "out"
+    )
+    with create_record_runtime(record_sink=sink) as runtime:
+        runtime.complete(12345).result(timeout=60)
+        runtime.flush()
+
+
+def _batch(output_id: int, keys: list[int]):
+    from taproute.native import make_descriptors
+
+    n = len(keys)
+    return make_descriptors(output_id, 16, count=n, keys=keys), np.zeros((n, 4), np.float32)
