@@ -44,6 +44,7 @@ class AbandonableCalls:
         self._lock = threading.Lock()
         self._running = 0
         self._closed = False
+        self._released = threading.Event()  # closed, and no call runs any more
 
     @property
     def running(self) -> int:
@@ -82,10 +83,18 @@ class AbandonableCalls:
         if idle:
             self._close_now()
 
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """After :meth:`close`: wait (blocking) until the last call returned
+        and the transport was closed; False if ``timeout`` seconds passed first."""
+        return self._released.wait(timeout)
+
     def _close_now(self) -> None:
         close, self._close_transport = self._close_transport, None
-        if close is not None:
-            close()
+        try:
+            if close is not None:
+                close()
+        finally:
+            self._released.set()
 
 
 __all__ = ["AbandonableCalls"]

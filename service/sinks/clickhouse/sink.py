@@ -475,6 +475,23 @@ class ClickHouseSink(OwnerInserts):
             # once it returns.
             await trio.to_thread.run_sync(self._calls.close)
 
+    @property
+    def calls_running(self) -> int:
+        """Blocking calls on the transport running now (abandoned ones included)."""
+        return self._calls.running
+
+    def release_transport(self, timeout: float | None = None) -> int:
+        """For an owner that inserts through :meth:`insert_now` and never ran
+        this sink (the writer process): refuse later calls and close the
+        transport (if owned) once no call runs, waiting (blocking) up to
+        ``timeout`` seconds for calls still running, such as an insert its
+        caller abandoned; never closes it under one.  Returns how many calls
+        were running when it was called (0: closed at once)."""
+        running = self.calls_running
+        self._calls.close()
+        self._calls.wait_released(timeout)
+        return running
+
     # -- tables checked when the server is first reached -------------------
 
     @property

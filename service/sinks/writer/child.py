@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import sys
@@ -51,6 +52,8 @@ from taproute.service.sinks.writer.protocol import (
     send_blocking,
 )
 from taproute.service.sinks.writer.shared_pool import SegmentViews
+
+logger = logging.getLogger(__name__)
 
 
 def check_directory_free(path: Path) -> None:
@@ -212,10 +215,39 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         send_blocking(messages, Ready(os.getpid()))
+    except BaseException:
+        sink.release_transport()
+        raise
+    serve_then_release(sink, config, messages, segments)
+    return 0
+
+
+def serve_then_release(
+    sink: ClickHouseSink, config: WriterConfig, messages: socket.socket, segments: socket.socket
+) -> None:
+    """Serve until ``Close`` or the end of the message socket, then close the
+    sink's transport, never under an insert still running.
+
+    An ended socket (the model process is gone) cancels the inserts in
+    progress, and a cancelled ``insert_now`` abandons its worker thread: the
+    insert runs on, within the transport's timeouts.  Closing the transport
+    then (chDB's insert connections, a client's pool) would pull it from
+    under that thread, and exiting would stop it half-way; so the transport
+    is closed when the last such insert returned, and this waits for that
+    (the model process's ``stop`` kills a writer that takes too long).
+    """
+    try:
         trio.run(_serve, sink, config, messages, segments)
     finally:
-        sink.transport.close()
-    return 0
+        running = sink.calls_running
+        if running:
+            logger.warning(
+                "writer for %s: %d insert(s) abandoned at shutdown still running; "
+                "closing the transport once they return",
+                config.where,
+                running,
+            )
+        sink.release_transport()
 
 
 if __name__ == "__main__":
