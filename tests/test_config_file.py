@@ -141,6 +141,111 @@ when_full = true
     ]
 
 
+def test_reference_problems_are_reported_with_the_type_and_bound_problems(tmp_path):
+    """A route naming an unknown destination, a hook or destination naming an
+    unknown layout, a chain naming no route: such references were reported
+    only once every type and bound was fixed (the next round, or the one
+    after, at build), so fixing a file one report at a time took several.
+    Each is now checked wherever both its ends can be read, beside a bad
+    sibling value, and listed with the rest."""
+    path = write(
+        tmp_path,
+        """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+[[routes]]
+name = "r"
+outputs = ["x", "route:nothing*"]
+destination = "nowhere"
+workers = 0
+then = ["later", "r"]
+[[routes]]
+name = "s"
+outputs = ["y"]
+destination = 7
+[destinations.d]
+path = "x"
+raw = ["vec", "vek"]
+batching = { linger = 0.0 }
+[routing]
+default_destination = "dd"
+[[producer.hooks]]
+name = "h"
+layout = "vecc"
+batch = 0
+""",
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "routes[0].workers: must be in [1, 1024], found 0",
+        "routes[1].destination: expected a string, found integer 7",
+        "destinations.d.batching.linger: must be in [0.001, 3600], found 0",
+        "producer.hooks[0].batch: must be in [1, 2**20], found 0",
+        "routes[0]: route 'r': unknown destination 'nowhere'; given ['d']",
+        "routes[0].outputs[1]: route 'r': output 'route:nothing*' names no route (routes: r, s)",
+        "routes[0].then[0]: route 'r': then names 'later', which is not a route (routes: r, s)",
+        "routing.default_destination: default_destination 'dd' is not among the destinations ['d']",
+        "destinations.d.raw[1]: unknown layout 'vek'",
+        "producer.hooks[0].layout: unknown layout 'vecc' (have ['vec'])",
+    ]
+
+
+def test_reference_problems_join_the_checks_made_after_structuring(tmp_path):
+    """Types fine but another problem found on the structured file (here a
+    token with a space): the route's unknown destination is listed with it,
+    not left for the build; a file with reference problems only is still
+    loaded and they are reported at build with the processors' (see
+    test_build_then_run)."""
+    path = write(
+        tmp_path,
+        """
+layouts = []
+[[routes]]
+name = "r"
+outputs = ["x"]
+destination = "nowhere"
+[destinations.d]
+path = "x"
+[routing]
+unmatched = "drop"
+[http]
+token = "a b"
+""",
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "http.token: must be printable ASCII without spaces (it is sent in a header)",
+        "routes[0]: route 'r': unknown destination 'nowhere'; given ['d']",
+    ]
+    path.write_text(path.read_text().replace('token = "a b"', 'token = "ab"'))
+    config = load_config(path)  # only a reference problem: reported where it is resolved
+    with pytest.raises(ConfigFileError) as built:
+        config.candidate_sink()
+    assert built.value.problems == [
+        "routes[0]: route 'r': unknown destination 'nowhere'; given ['d']"
+    ]
+
+
+def test_a_module_failing_to_import_is_listed_with_the_route_problems(tmp_path, chdb_transport):
+    """The build stopped at the first processor module it could not import;
+    the routes' problems (found without opening anything) came a round later."""
+    text = base(chdb_transport, unique("imp")).replace(
+        'processors = ["tests.processors"]', 'processors = ["tests.nowhere", "tests.processors"]'
+    )
+    text = text.replace('destination = "ch"', 'destination = "zz"', 1)
+    for make in (lambda c: c.build(), lambda c: c.candidate_sink()):
+        with pytest.raises(ConfigFileError) as caught:
+            make(load_config(write(tmp_path, text)))
+        assert caught.value.problems == [
+            "processors[0]: cannot import processor module 'tests.nowhere': "
+            "ModuleNotFoundError: No module named 'tests.nowhere'",
+            "routes[0]: route 'raw': unknown destination 'zz'; given ['ch']",
+        ]
+
+
 def test_a_value_past_its_bounds_does_not_hide_an_unknown_key_beside_it(tmp_path):
     """A bound refused in a table used to drop that table's unknown keys from
     the report: a second round of fixes for a file said to list every problem."""

@@ -57,7 +57,9 @@ import os
 import sqlite3
 import tomllib
 from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 import attrs
 from cattrs.errors import ClassValidationError
@@ -67,7 +69,8 @@ from taproute.routing.errors import ConfigError, TaprouteError
 from taproute.routing.failures import FAILURE_POLICY_LIMITS, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.layout import Layout
-from taproute.routing.routes import Route, RoutingConfig
+from taproute.routing.plan import RoutePlan
+from taproute.routing.routes import DERIVED_PREFIX, Route, RoutingConfig
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
 from taproute.service.host.built_service import BuiltService
@@ -143,19 +146,46 @@ class ServiceConfig:
         return attrs.evolve(self, routes=routes)
 
     def import_processors(self) -> None:
-        """Import the modules that register this config's processors."""
+        """Import the modules that register this config's processors; raise
+        :class:`ConfigFileError` listing every module that failed."""
+        problems = self._import_problems()
+        if problems:
+            raise ConfigFileError(self.source, problems)
+
+    def _import_problems(self) -> list[str]:
+        problems = []
         for i, module in enumerate(self.processors):
             try:
                 importlib.import_module(module)
             except Exception as exc:  # a module's own bug is the file's problem here
                 detail = str(exc).splitlines()[0] if str(exc) else ""
-                raise ConfigFileError(
-                    self.source,
-                    [
-                        f"processors[{i}]: cannot import processor module {module!r}: "
-                        f"{type(exc).__name__}: {detail}".rstrip(": ")
-                    ],
-                ) from None
+                problems.append(
+                    f"processors[{i}]: cannot import processor module {module!r}: "
+                    f"{type(exc).__name__}: {detail}".rstrip(": ")
+                )
+        return problems
+
+    def _imported(self) -> RecordSchema:
+        """Import the processors and build the schema; a module that cannot be
+        imported is listed with the routes' problems (found without opening
+        anything), not alone: its routes' processors are then unknown too."""
+        problems = self._import_problems()
+        schema = self.schema()
+        if problems:
+            try:
+                RoutePlan(
+                    self.routing_config(),
+                    schema,
+                    destinations=self.destinations,
+                    default_destination=self.routing.default_destination,
+                    unmatched=self.routing.unmatched,
+                )
+            except ConfigFileError as exc:
+                problems += exc.problems
+            except ConfigError as exc:
+                problems += plan_problems(exc)
+            raise ConfigFileError(self.source, problems)
+        return schema
 
     def destination_factories(
         self, schema: RecordSchema, dead_letters: DeadLetterStore | None = None
@@ -202,8 +232,7 @@ class ServiceConfig:
     def build(self) -> BuiltService:
         """Import processors, prepare destination directories, open the dead-letter
         store and build the routing sink (inert until started)."""
-        self.import_processors()
-        schema = self.schema()
+        schema = self._imported()
         for name, dest in self.destinations.items():
             if dest.path is not None:
                 prepare_directory(
@@ -237,8 +266,7 @@ class ServiceConfig:
         """The routing sink this file describes, to trace as a candidate: built and
         checked (processors imported), never run; no directory, store or
         destination is opened or created.  Problems raise :class:`ConfigFileError`."""
-        self.import_processors()
-        schema = self.schema()
+        schema = self._imported()
         try:
             return RoutingSink(
                 self.routing_config(),
@@ -386,12 +414,111 @@ def load_config(path: str | Path) -> ServiceConfig:
     try:
         config: ServiceConfig = structure(raw, ServiceConfig)
     except ClassValidationError as exc:
-        raise ConfigFileError(path, problems_of(exc)) from None
+        # Listed with the references that can be read despite the bad values.
+        raise ConfigFileError(path, problems_of(exc) + reference_problems(raw)) from None
     config = attrs.evolve(config, source=path)
     problems = list(_semantic_problems(config))
-    if problems:
-        raise ConfigFileError(path, problems)
+    if problems:  # semantic ones check the layout references already
+        raise ConfigFileError(path, problems + reference_problems(raw, layouts=False))
     return config
+
+
+def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
+    """Names one section gives that another must define, read from the file's
+    raw tables, so they are reported with its type and bound problems instead
+    of in a later round: a route's destination and ``routing.default_destination``
+    among ``[destinations]``; ``route:`` outputs and ``then`` among the routes'
+    names; with ``layouts``, destinations' ``raw``/``rows`` and producer hooks'
+    ``layout`` among the layouts.  A reference is checked wherever both its ends
+    can be read (a name that is a string, a section that is a table), whatever
+    the values beside it; the messages are the build's.
+
+    Not here: processor names (processors register when their modules are
+    imported, which reading a file does not do; the build reports them, with
+    every other routing problem).
+    """
+    if not isinstance(raw, dict):
+        return []
+    problems: list[str] = []
+    destinations = raw.get("destinations")
+    known = sorted(destinations) if isinstance(destinations, dict) else None
+    routes = _tables(raw.get("routes"))
+    names = [route.get("name") for _, route in routes]
+    route_names = [name for name in names if isinstance(name, str)]
+    for i, route in routes:
+        name = route.get("name")
+        destination = route.get("destination")
+        if known is not None and isinstance(destination, str) and destination not in known:
+            problems.append(
+                f"routes[{i}]: route {name!r}: unknown destination {destination!r}; given {known}"
+            )
+        if len(route_names) != len(names):
+            continue  # a route without a readable name: chains cannot be resolved
+        listed = ", ".join(route_names)
+        for k, output in _strings(route.get("outputs")):
+            pattern = output.removeprefix(DERIVED_PREFIX)
+            if output.startswith(DERIVED_PREFIX) and not any(
+                fnmatchcase(n, pattern) for n in route_names
+            ):
+                problems.append(
+                    f"routes[{i}].outputs[{k}]: route {name!r}: output {output!r} names no "
+                    f"route (routes: {listed})"
+                )
+        for k, target in _strings(route.get("then")):
+            if target not in route_names:
+                problems.append(
+                    f"routes[{i}].then[{k}]: route {name!r}: then names {target!r}, which is "
+                    f"not a route (routes: {listed})"
+                )
+    routing = raw.get("routing")
+    if isinstance(routing, dict) and known is not None:
+        default = routing.get("default_destination")
+        if (
+            routing.get("unmatched", "default") == "default"
+            and isinstance(default, str)
+            and default not in known
+        ):
+            problems.append(
+                f"routing.default_destination: default_destination {default!r} is not among "
+                f"the destinations {known}"
+            )
+    layout_tables = _tables(raw.get("layouts")) if isinstance(raw.get("layouts"), list) else None
+    if not layouts or layout_tables is None:
+        return problems
+    layout_names = [layout.get("name") for _, layout in layout_tables]
+    if not all(isinstance(n, str) for n in layout_names):
+        return problems  # a layout without a readable name: any reference may be to it
+    for dest_name, dest in (destinations or {}).items():
+        if not isinstance(dest, dict):
+            continue
+        for key in ("raw", "rows"):
+            for k, layout in _strings(dest.get(key)):
+                if layout not in layout_names:
+                    problems.append(
+                        f"destinations.{dest_name}.{key}[{k}]: unknown layout {layout!r}"
+                    )
+    producer = raw.get("producer")
+    for i, hook in _tables(producer.get("hooks") if isinstance(producer, dict) else None):
+        named = hook.get("layout")
+        if isinstance(named, str) and named not in layout_names:
+            problems.append(
+                f"producer.hooks[{i}].layout: unknown layout {named!r} (have {layout_names})"
+            )
+    return problems
+
+
+def _tables(value: object) -> list[tuple[int, dict[str, Any]]]:
+    """The tables of an array of tables, with their index (others skipped)."""
+    if not isinstance(value, list):
+        return []
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)]
+
+
+def _strings(value: object) -> list[tuple[int, str]]:
+    """The strings of an array, with their index (others skipped)."""
+    if not isinstance(value, list):
+        return []
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, str)]
 
 
 __all__ = [
