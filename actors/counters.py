@@ -63,7 +63,9 @@ class RouteCounters:
     ``recovered`` records processed after failing;
     ``declined`` by the route's predicate (``last_decline``: why, last time);
     ``derived``: records of its output that chained routes took again;
-    ``failures_by_code``: failed records per failure code (each attempt counts).
+    ``failures_by_code``: failed records per failure code (each attempt counts);
+    ``abandoned``: records queued in its mailboxes when the sink stopped without
+    draining them (a shutdown whose grace ran out), given up.
 
     Live: ``queue_depth`` waiting in the route's mailboxes; ``backlog``
     accepted and not yet done (waiting or being processed); ``parked``
@@ -109,6 +111,11 @@ class RouteCounters:
         "taproute_route_abandoned_calls",
         "Processor calls past their deadline still running (each holds its batch's buffer).",
     )
+    abandoned: int = count(
+        "taproute_route_abandoned_records",
+        "Records queued in a route's mailboxes given up when the sink stopped without "
+        "draining (a shutdown whose grace ran out).",
+    )
     retries: int = count("taproute_route_retries", "Retries of parked records.")
     recovered: int = count("taproute_route_recovered_records", "Records processed after failing.")
     declined: int = count(
@@ -144,7 +151,12 @@ class RouteCounters:
 @attrs.define
 class DestinationCounters:
     """Per destination.  Counts: records and payload bytes submitted, batches,
-    flushes, errors.  Live: ``queue_depth``, records waiting in its mailbox."""
+    flushes, errors; ``abandoned_records``/``abandoned_batches`` given up at a
+    shutdown whose grace ran out (queued for the sink, or in a submit it had
+    not returned from: never delivered).  Live: ``queue_depth``, records
+    waiting in its mailbox.  ``cut_short``: the call shutdown found still
+    running and cut off (``"submit"``, ``"flush"``, ``"close"``, or
+    ``"queued"`` for batches waiting behind one), else None."""
 
     name: str
     records: int = count("taproute_destination_sent_records", "Records handed to the sink.")
@@ -152,9 +164,19 @@ class DestinationCounters:
     batches: int = 0
     flushes: int = count("taproute_destination_flushes", "Flushes of the sink.")
     errors: int = count("taproute_destination_errors", "Sink calls that raised.")
+    abandoned_records: int = count(
+        "taproute_destination_abandoned_records",
+        "Records given up at a shutdown whose grace ran out (queued for the sink or in "
+        "a submit it had not returned from).",
+    )
+    abandoned_batches: int = count(
+        "taproute_destination_abandoned_batches",
+        "Batches given up at a shutdown whose grace ran out.",
+    )
     queue_depth: int = live(
         "taproute_destination_queue_depth_records", "Records waiting for the sink."
     )
+    cut_short: str | None = None
     #: With a spool (None without): True while the destination takes batches,
     #: False while it is unreachable and batches spool (``/status`` says
     #: true/false, ``/metrics`` 1/0); since when and why.

@@ -9,6 +9,13 @@ scheduler pass; the actor waits for such a submit to end before it handles
 anything queued meanwhile.  Whatever happens, every message's lease is
 returned and its in-flight count removed, so buffers go back and flush never
 hangs.
+
+A shutdown whose grace runs out *cuts* a destination still busy
+(:meth:`DestinationActor.cut`): the sink call under way is cancelled (one
+running in a worker thread is abandoned if it was started with
+``abandon_on_cancel``), the sink's background task is cancelled, and every
+batch queued for it, or delivered to it later, is given back at once and
+counted as abandoned, so the routes and the other destinations finish.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -130,6 +138,13 @@ class DestinationActor:
         self._submitted = trio.lowlevel.ParkingLot()
         #: Batches submitted by their deliverer (for tests and profiles).
         self.submitted_here = 0
+        #: The sink calls under way (``"submit"``, ``"flush"``, ``"close"``),
+        #: each with the cancel scope a cut cancels.
+        self._calls: dict[trio.CancelScope, str] = {}
+        #: Set by :meth:`cut`: nothing more reaches the sink.
+        self.is_cut = False
+        #: Wraps the sink's background task (when owned): a cut cancels it.
+        self._background_scope = trio.CancelScope()
 
     def open(self, hooks: HookRegistry, blocking_budget: float | None = None) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once;
@@ -173,6 +188,9 @@ class DestinationActor:
         sink's submits have been quick, submits it here instead (the same
         counting, failure handling and lease) and returns once the sink took it.
         """
+        if self.is_cut:
+            self._count_abandoned(batch)
+            return
         if isinstance(batch, RecordBatch):
             batch.lease.acquire()
         self._in_flight.add()
@@ -189,7 +207,9 @@ class DestinationActor:
             return
         try:
             await self.mailbox.send((route, batch), records=len(batch), nbytes=batch.nbytes)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, trio.Cancelled):
+                self._count_abandoned(batch)
             self._finished(batch)
             raise
 
@@ -218,8 +238,9 @@ class DestinationActor:
         self._settling = []
         try:
             await self.flush()
-            for marker in pending:
-                await marker.forget()
+            if not self.is_cut:  # cut: never flushed, the records stay parked
+                for marker in pending:
+                    await marker.forget()
         except Exception:
             pass  # latched (flush) or by ``forget`` itself; the records stay parked
         finally:
@@ -268,14 +289,20 @@ class DestinationActor:
         closed, raw records of a route) given up by that route."""
         sink = self.sink
         assert sink is not None
+        if self.is_cut:
+            self._count_abandoned(batch)
+            return
         started = time.perf_counter()
         elapsed = math.inf  # until the submit returned
         try:
             try:
-                await sink.submit(batch)
+                returned = await self._call("submit", sink.submit, batch)
                 elapsed = time.perf_counter() - started
             finally:
                 self.placement.took(elapsed)
+        except trio.Cancelled:
+            self._count_abandoned(batch)
+            raise
         except SinkClosed as exc:
             # The destination is gone: a per-record failure of the route
             # (binding_invalid, dead-lettered), not a failure of the router.
@@ -288,17 +315,81 @@ class DestinationActor:
             self.counters.errors += 1
             self._latch.latch(exc, route=route, destination=self.name, where="submit")
         else:
+            if not returned:  # cut while the sink had it: never delivered
+                self._count_abandoned(batch)
+                return
             self.counters.records += len(batch)
             self.counters.bytes += batch.nbytes
             self.counters.batches += 1
             if self._taken is not None and route is not None and isinstance(batch, RecordBatch):
                 self._taken(route, batch)
 
+    async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
+        """Await ``fn(*args)``, a call of the sink, where :meth:`cut` can cancel
+        it: True once it returned, False when a cut cancelled it."""
+        scope = trio.CancelScope()
+        if self.is_cut:
+            scope.cancel()
+        self._calls[scope] = what
+        try:
+            with scope:
+                await fn(*args)
+                return True
+            return False
+        finally:
+            del self._calls[scope]
+
+    @property
+    def busy(self) -> str | None:
+        """What keeps this destination busy now: the sink call under way
+        (``"submit"``, ``"flush"``, ``"close"``), ``"queued"`` when batches wait
+        for it (none under way), else None."""
+        for what in self._calls.values():
+            return what
+        if self._submitting or self.mailbox.messages:
+            return "queued"
+        return None
+
+    def cut(self) -> str | None:
+        """Stop waiting for this destination (a shutdown's grace ran out);
+        returns what kept it busy (:attr:`busy`).
+
+        Cancels the sink call under way and, for a sink this actor owns, its
+        background task (a writer process sink kills its process then);
+        gives back every batch queued for it, counted as abandoned, as it
+        does from now on for every batch delivered to it, without a call of
+        the sink.  Not undone: the destination takes nothing more.
+        """
+        busy = self.busy
+        if self.is_cut:
+            return self.counters.cut_short
+        self.is_cut = True
+        self.counters.cut_short = busy
+        for scope in self._calls:
+            scope.cancel()
+        if self.background is not None:
+            self._background_scope.cancel()
+        self.abandon()
+        return busy
+
+    async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the owned sink's background task until its close, or until a cut."""
+        assert self.background is not None
+        with self._background_scope:
+            await self.background.run(task_status=task_status)
+
+    def _count_abandoned(self, batch: Batch | Settle) -> None:
+        if not isinstance(batch, Settle):
+            self.counters.abandoned_records += len(batch)
+            self.counters.abandoned_batches += 1
+
     def abandon(self) -> None:
-        """The actor is gone (the run was cancelled or raised): give back the
-        leases of every batch still queued, without waiting (records whose
-        settle marker never ran stay parked)."""
+        """The actor is gone (the run was cancelled or raised, or it was cut):
+        give back the leases of every batch still queued, without waiting,
+        counted as abandoned (records whose settle marker never ran stay
+        parked)."""
         for _, batch in self.mailbox.take_all():
+            self._count_abandoned(batch)
             self._finished(batch)
         for _ in self._settling:
             self._in_flight.done()
@@ -315,32 +406,33 @@ class DestinationActor:
 
     async def flush(self) -> None:
         """Flush the sink; a failure is latched and raised."""
-        if self.sink is None:
-            return  # never opened: nothing was submitted
+        if self.sink is None or self.is_cut:
+            return  # never opened: nothing was submitted; cut: nothing more is asked of it
         try:
-            await self.sink.flush()
+            flushed = await self._call("flush", self.sink.flush)
         except Exception as exc:
             self.counters.errors += 1
             raise self._latch.latch(exc, destination=self.name, where="flush") from exc
-        self.counters.flushes += 1
+        if flushed:
+            self.counters.flushes += 1
 
     async def wait_delivered(self) -> None:
         """Wait until the sink delivered everything it took (a spool drained), if it
         can tell; a failure is latched and raised."""
-        if not isinstance(self.sink, WaitsForDelivery):
+        if not isinstance(self.sink, WaitsForDelivery) or self.is_cut:
             return
         try:
-            await self.sink.wait_delivered()
+            await self._call("flush", self.sink.wait_delivered)
         except Exception as exc:
             self.counters.errors += 1
             raise self._latch.latch(exc, destination=self.name, where="flush") from exc
 
     async def close(self) -> None:
         """Close the sink if the routing sink created it; a failure is latched and raised."""
-        if not self.owned or self.sink is None:
-            return
+        if not self.owned or self.sink is None or self.is_cut:
+            return  # a cut sink is not asked to flush again: its background task is cancelled
         try:
-            await self.sink.close()
+            await self._call("close", self.sink.close)
         except Exception as exc:
             self.counters.errors += 1
             raise self._latch.latch(exc, destination=self.name, where="close") from exc

@@ -193,7 +193,7 @@ class Reloading(Producer[RouterSnapshot]):
                 raise at(exc, f"destinations.{name}") from None
             assert self._sinks_nursery is not None and self._destinations_nursery is not None
             if actor.background is not None:
-                await self._sinks_nursery.start(actor.background.run)
+                await self._sinks_nursery.start(actor.run_background)
             self._destinations_nursery.start_soon(actor.run)
             self._destinations[name] = actor
 

@@ -161,6 +161,7 @@ class RouteActor(RouteScreening):
             for message in mailbox.take_all():
                 batch = self._message_batch(message)
                 if batch is not None:
+                    self.counters.abandoned += len(batch)
                     self._settle(batch)
         for item in self.parked.drain():
             if isinstance(item, Attempt):

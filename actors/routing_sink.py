@@ -8,10 +8,13 @@ route actor and destination actor, inert: ``topology.py``);
       destinations  one actor per destination, mailbox each
         routes      stateless pool workers and stateful owners, mailboxes each
 
-Shutdown is one cascade: :meth:`RoutingSink.close` drains and closes the
-routes' inputs; when the route actors have exited, ``run`` closes the
-destinations' mailboxes; when the destination actors have exited, it closes
-the sinks it created.
+Shutdown is one cascade: :meth:`RoutingSink.close` drains, flushes the
+destinations (together) and closes the routes' inputs; when the route actors
+have exited, ``run`` closes the destinations' mailboxes; when the
+destination actors have exited, it closes the sinks it created.  A
+destination that does not finish holds the cascade until its owner's
+shutdown grace runs out: :meth:`RoutingSink.cut_short` then cuts it off
+(:meth:`DestinationActor.cut`) and the cascade goes on with the others.
 
 ``submit`` is the record worker's step: one native pass groups the batch by
 route; forward routes hand it to their destination actor inline, the others
@@ -41,7 +44,7 @@ import trio
 
 from taproute.actors.chain import CausalGate, link_chains
 from taproute.actors.counters import RouterSnapshot
-from taproute.actors.destination import DestinationSpec
+from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.generation import Generation
 from taproute.actors.inflight import InFlight
@@ -207,7 +210,7 @@ class RoutingSink(SinkFlushing):
             async with trio.open_nursery() as sinks:
                 for destination in self._destinations.values():
                     if destination.background is not None:
-                        await sinks.start(destination.background.run)
+                        await sinks.start(destination.run_background)
                 async with trio.open_nursery() as destinations:
                     for destination in self._destinations.values():
                         destinations.start_soon(destination.run)
@@ -379,19 +382,47 @@ class RoutingSink(SinkFlushing):
                 if not self._stopped.is_set():
                     await self._in_flight.wait_idle()
                     if self._latch.failure is None:
-                        for actor in self._destinations.values():
-                            if actor.owned and isinstance(actor.sink, BoundsClose):
-                                # Its close() below flushes within its own
-                                # bound (a ClickHouse sink's close_timeout); a
-                                # plain flush here would wait out a silent
-                                # server (300 s).
-                                continue
-                            with suppress(RoutingFailure):  # latched; raised below
-                                await actor.flush()
+                        # Together: one destination whose flush does not
+                        # return holds up none of the others.
+                        async with trio.open_nursery() as flushes:
+                            for actor in self._destinations.values():
+                                if actor.owned and isinstance(actor.sink, BoundsClose):
+                                    # Its close() below flushes within its own
+                                    # bound (a ClickHouse sink's close_timeout); a
+                                    # plain flush here would wait out a silent
+                                    # server (300 s).
+                                    continue
+                                flushes.start_soon(self._flush_for_close, actor)
             finally:
                 self._close_inputs.set()  # run() cascades the rest
                 await self._stopped.wait()
         self._latch.raise_if_failed()
+
+    @staticmethod
+    async def _flush_for_close(actor: DestinationActor) -> None:
+        with suppress(RoutingFailure):  # latched; close() raises it
+            await actor.flush()
+
+    def cut_short(self) -> dict[str, str]:
+        """Cut off every destination still busy (its call under way, or batches
+        queued for it); returns ``{destination: what kept it busy}`` for those
+        cut now.  For the runtime, when its shutdown grace ran out during
+        :meth:`close`: the cascade then finishes with the other destinations,
+        which are flushed and closed as usual (see :meth:`DestinationActor.cut`)."""
+        cut = self.busy()
+        for name in cut:
+            self._destinations[name].cut()
+        return cut
+
+    def busy(self) -> dict[str, str]:
+        """``{destination: what keeps it busy}`` for every destination not cut
+        off that has a call under way or batches queued (see :meth:`cut_short`)."""
+        busy = {}
+        for name, actor in list(self._destinations.items()):
+            what = None if actor.is_cut else actor.busy
+            if what is not None:
+                busy[name] = what
+        return busy
 
     # -- observation -------------------------------------------------------
 

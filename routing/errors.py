@@ -6,7 +6,7 @@ layout, column, output_id, record position) and where it was found.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class TaprouteError(Exception):
@@ -147,6 +147,82 @@ class RerouteRefused(TaprouteError):
 
 class IngressFull(TaprouteError, RuntimeError):
     """Ingress is at capacity and the runtime was built with ``when_full="reject"``."""
+
+
+class ShutdownAbandoned(TaprouteError, TimeoutError):
+    """A close whose shutdown grace ran out: what was still running was cut
+    off and what it held given up.
+
+    A :class:`TimeoutError`, as a ``close(timeout=...)`` that ran out always
+    raised.  ``grace`` is the grace in seconds; ``busy`` maps each
+    destination (``"record sink"`` for a runtime's plain sink) still busy
+    then to the call that had not returned (``"submit"``, ``"flush"``,
+    ``"close"``; ``"queued"``: batches waited for it behind such a call);
+    ``abandoned_records``/``abandoned_batches`` map each destination to what
+    was given up there (queued for it or in its unfinished call: never
+    delivered); ``route_records`` are records queued in routes' mailboxes and
+    ``ingress_records`` records still in the runtime's ingress, given up too.
+    ``loop_ended`` is False when the loop thread could not be stopped (it is
+    blocked in a call that cannot be cancelled: a sink or processor that
+    blocks the loop itself, or a worker-thread call that does not let itself
+    be abandoned); it then runs on and keeps what it holds.  ``failure`` is a
+    failure latched before the shutdown, if any (also ``__cause__``).
+    """
+
+    def __init__(
+        self,
+        grace: float,
+        *,
+        busy: Mapping[str, str],
+        abandoned_records: Mapping[str, int],
+        abandoned_batches: Mapping[str, int],
+        route_records: int = 0,
+        ingress_records: int = 0,
+        loop_ended: bool = True,
+        failure: BaseException | None = None,
+    ) -> None:
+        self.grace = grace
+        self.busy = dict(busy)
+        self.abandoned_records = dict(abandoned_records)
+        self.abandoned_batches = dict(abandoned_batches)
+        self.route_records = route_records
+        self.ingress_records = ingress_records
+        self.loop_ended = loop_ended
+        self.failure = failure
+        if self.busy:
+            still = ", ".join(
+                f"{name!r} ({'batches queued' if call == 'queued' else f'in {call}'})"
+                for name, call in self.busy.items()
+            )
+            head = f"close: the shutdown grace of {grace:g} s ran out with {still} still busy"
+        else:
+            head = f"close: the shutdown grace of {grace:g} s ran out"
+        lost = [
+            f"{name!r} {n} records in {self.abandoned_batches.get(name, 0)} batches"
+            for name, n in self.abandoned_records.items()
+            if n
+        ]
+        if route_records:
+            lost.append(f"{route_records} records queued in routes")
+        if ingress_records:
+            lost.append(f"{ingress_records} records in ingress")
+        parts = [head, "abandoned: " + ("; ".join(lost) if lost else "nothing queued")]
+        if not loop_ended:
+            parts.append(
+                "the loop thread is blocked in a call that cannot be cancelled (a sink or "
+                "processor blocking the loop itself, or a worker-thread call without "
+                "abandon_on_cancel) and runs on, keeping what it holds"
+            )
+        if failure is not None:
+            parts.append(f"an earlier failure was latched: {failure}")
+        super().__init__("; ".join(parts))
+        if failure is not None:
+            self.__cause__ = failure
+
+    @property
+    def records(self) -> int:
+        """Every record given up (destinations, routes and ingress together)."""
+        return sum(self.abandoned_records.values()) + self.route_records + self.ingress_records
 
 
 class RoutingFailure(TaprouteError, RuntimeError):

@@ -22,6 +22,10 @@ DESTINATION_BUFFER_BYTES = 256 * 2**20
 #: Single-record submits coalesced into one batch at most.
 COALESCE_RECORDS = 4096
 
+#: Seconds a runtime's ``close()`` may take to drain, flush and close before
+#: what still runs is cut off (Kubernetes' default termination grace).
+SHUTDOWN_GRACE_S = 30.0
+
 
 def capped_backoff(initial: float, multiplier: float, maximum: float, failures: int) -> float:
     """Seconds to wait after the ``failures``-th failure (1-based): exponential

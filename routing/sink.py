@@ -23,7 +23,9 @@ keeps the typed reference, and never probes the sink again:
   already checked without checking them again (a runtime sharing it checks
   each batch once, where the producer hands it in);
 - :class:`Reloads`: the sink's routes can be replaced by a new configuration
-  generation while it runs.
+  generation while it runs;
+- :class:`CutsShort`: the sink can stop waiting for its destinations still
+  busy when a shutdown's grace runs out (a routing sink cuts them off).
 """
 
 from __future__ import annotations
@@ -113,6 +115,25 @@ class BoundsClose(Protocol):
 
     @property
     def close_timeout(self) -> float: ...
+
+
+@runtime_checkable
+class CutsShort(Protocol):
+    """A sink that, when a shutdown's grace runs out during its ``close()``,
+    can cut off the destinations still busy so that its close finishes with
+    the others (a routing sink).
+
+    ``cut_short`` is called on the loop; it cancels each busy destination's
+    call, gives back what was queued for it (counted as abandoned) and
+    returns ``{destination: what kept it busy}`` (``"submit"``, ``"flush"``,
+    ``"close"``, ``"queued"``) for those it cut now.  ``busy`` says the same
+    without cutting anything (read from another thread only while the loop
+    is blocked: a best effort).
+    """
+
+    def cut_short(self) -> dict[str, str]: ...
+
+    def busy(self) -> dict[str, str]: ...
 
 
 @runtime_checkable
@@ -221,6 +242,7 @@ class WaitsForDelivery(Protocol):
 __all__ = [
     "BoundsBlocking",
     "BoundsClose",
+    "CutsShort",
     "WaitsForDelivery",
     "SpoolStatus",
     "Spools",

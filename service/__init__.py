@@ -51,6 +51,7 @@ from taproute.routing.errors import (
     PlanErrors,
     RerouteRefused,
     RoutingFailure,
+    ShutdownAbandoned,
     SinkClosed,
     UnboundOutputId,
 )
@@ -198,6 +199,7 @@ __all__ += [
     "PlanErrors",
     "RerouteRefused",
     "RoutingFailure",
+    "ShutdownAbandoned",
     "SinkClosed",
     "SpoolLocked",
     "UnboundOutputId",

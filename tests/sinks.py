@@ -34,7 +34,9 @@ class NullSink:
 
 
 class HeldFlush(NullSink):
-    """A destination whose flush waits for ``release`` (a hung server)."""
+    """A destination whose flush waits for ``release`` (a hung server), in a
+    worker thread that does not let itself be abandoned: the loop cannot end
+    before it returns (``HeldInThread`` is the abandonable kind)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,3 +102,47 @@ class GatedFailingSink(GateSink):
         self.entered += 1
         await self.gate.wait()
         raise OSError(self.message)
+
+
+class HeldSubmit(NullSink):
+    """A destination whose every submit waits for an event never set unless
+    ``release`` is: a hung destination the loop can cancel.  ``entered`` is
+    set (a thread event) once a submit is waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = trio.Event()
+        self.entered = threading.Event()
+
+    async def submit(self, batch: Batch) -> None:
+        self.entered.set()
+        await self.release.wait()
+        await super().submit(batch)
+
+
+class HeldInThread(NullSink):
+    """A destination whose submit waits in a worker thread for ``release``
+    (a blocking client call that never returns), abandoned when cancelled.
+    ``entered`` is set once a submit's thread waits; ``left`` once one returned."""
+
+    def __init__(self, *, in_flush: bool = False) -> None:
+        super().__init__()
+        self.in_flush = in_flush
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.left = threading.Event()
+
+    def _wait(self) -> None:
+        self.entered.set()
+        self.release.wait()
+        self.left.set()
+
+    async def submit(self, batch: Batch) -> None:
+        if not self.in_flush:
+            await trio.to_thread.run_sync(self._wait, abandon_on_cancel=True)
+        await super().submit(batch)
+
+    async def flush(self) -> None:
+        if self.in_flush:
+            await trio.to_thread.run_sync(self._wait, abandon_on_cancel=True)
+        await super().flush()

@@ -659,7 +659,7 @@ def test_what_is_not_data_cannot_be_set_from_a_file(tmp_path):
     assert caught.value.problems == [
         f"routes[0]: unknown key(s) 'predicate'; expected keys: {ROUTE_KEYS}",
         "unknown key(s) 'source'; expected keys: layouts, routes, destinations, processors, "
-        "routing, ingress, http, dead_letters, producer",
+        "routing, ingress, shutdown, http, dead_letters, producer",
     ]
 
 

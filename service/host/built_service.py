@@ -43,6 +43,7 @@ class BuiltService:
             capacity_bytes=ingress.capacity_bytes,
             when_full=ingress.when_full,
             max_block=ingress.max_block,
+            shutdown_grace=self.config.shutdown.grace,
             http=self.http,
             dead_letters=self.dead_letters,
         )

@@ -7,7 +7,8 @@ from typing import Self
 
 
 class ClosesOnExit:
-    """``with obj:`` closes ``obj`` on the way out.
+    """``with obj:`` closes ``obj`` on the way out (within its shutdown grace:
+    see :meth:`RecordRuntime.close <taproute.service.host.runtime.RecordRuntime.close>`).
 
     Leaving normally, a failure of ``close()`` (the first latched failure) is
     raised; leaving by an exception, that exception stands and a failing

@@ -32,6 +32,9 @@ into the library's own value classes, checked, then built into a service.
     [ingress]
     capacity_records = 65536
 
+    [shutdown]
+    grace = 30.0                             # seconds close may take (see ShutdownOptions)
+
     [http]
     port = 9464
     token = "..."                            # required by the mutating endpoints
@@ -94,6 +97,7 @@ from taproute.service.host.config_sections import (
     ProducerConfig,
     ProducerHook,
     RoutingOptions,
+    ShutdownOptions,
 )
 from taproute.service.host.http import HttpConfig
 from taproute.service.ops.dead_letters import DeadLetterStore
@@ -111,6 +115,7 @@ class ServiceConfig:
     processors: tuple[str, ...] = ()
     routing: RoutingOptions = attrs.Factory(RoutingOptions)
     ingress: IngressOptions = attrs.Factory(IngressOptions)
+    shutdown: ShutdownOptions = attrs.Factory(ShutdownOptions)
     http: HttpConfig | None = None
     dead_letters: DeadLetterOptions = attrs.Factory(DeadLetterOptions)
     producer: ProducerConfig = attrs.Factory(ProducerConfig)
@@ -531,5 +536,6 @@ __all__ = [
     "ProducerHook",
     "RoutingOptions",
     "ServiceConfig",
+    "ShutdownOptions",
     "load_config",
 ]

@@ -1,5 +1,5 @@
 """The config file's small sections: ``[routing]``, ``[ingress]``,
-``[dead_letters]`` and ``[producer]``, each a frozen value class whose field
+``[shutdown]``, ``[dead_letters]`` and ``[producer]``, each a frozen value class whose field
 names are the file's keys (bounds registered with the file's rules)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import attrs
 
 from taproute.routing.causal import CAUSAL_LIMITS, CausalLimits
 from taproute.routing.checks import Limit
-from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS
+from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS, SHUTDOWN_GRACE_S
 from taproute.service.host.config_rules import add_limits
 
 
@@ -40,6 +40,28 @@ class IngressOptions:
     capacity_bytes: int = QUEUE_BYTES
     when_full: Literal["block", "reject"] = "block"
     max_block: float | None = None
+
+
+#: Bounds of :class:`ShutdownOptions`' numbers (its own validator and files use them).
+SHUTDOWN_LIMITS: dict[str, Limit] = {"grace": Limit(0, 3600)}
+
+
+@attrs.frozen(kw_only=True)
+class ShutdownOptions:
+    """How long the service's close (``stop()``, leaving its ``with`` block,
+    ``taproute run`` ending on SIGTERM or Ctrl-C) may take.
+
+    ``grace``: seconds to drain, flush and close; past it the destinations
+    still busy are cut off, what they had queued is given up and counted,
+    and close raises ``ShutdownAbandoned`` naming them
+    (``create_record_runtime(shutdown_grace=...)``; 30 by default, as
+    Kubernetes' termination grace: keep it below the pod's).
+    """
+
+    grace: float = attrs.field(
+        default=SHUTDOWN_GRACE_S,
+        validator=SHUTDOWN_LIMITS["grace"].check(float, owner=lambda _: "ShutdownOptions"),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -75,4 +97,5 @@ add_limits(
         "max_block": Limit(0, 3600),
     },
 )
+add_limits(ShutdownOptions, SHUTDOWN_LIMITS)
 add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})

@@ -18,8 +18,9 @@ class IngressCounters:
     """Producer side.  Counts: records and batches accepted, records refused
     when full, seconds producers spent blocked in ``submit``, records shed
     past ``max_block``, batches merged with others of their wake-up into
-    one dispatch; what capture hooks dropped or skipped, by hook and
-    reason.  Live: records queued now and producers blocked now."""
+    one dispatch; records given up at a shutdown whose grace ran out before
+    the record worker handed them on (``abandoned``); what capture hooks
+    dropped or skipped, by hook and reason.  Live: records queued now and producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
     batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
@@ -39,6 +40,10 @@ class IngressCounters:
     merged: int = count(
         "taproute_ingress_merged_batches",
         "Batches handed on merged with others of the same wake-up (one dispatch for several).",
+    )
+    abandoned: int = count(
+        "taproute_ingress_abandoned_records",
+        "Records still in ingress when a shutdown's grace ran out, given up.",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

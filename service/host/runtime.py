@@ -13,6 +13,12 @@ by :class:`~taproute.service.host.service.RecordService`, which is what
 Crossing into Trio costs one ``run_sync_soon`` per wake-up, never one per
 record.  ``submit_batch`` never copies the payload; ``submit`` copies its
 (small) payload into the batch it is coalesced into.
+
+Shutdown is bounded by a grace (``shutdown_grace``, or ``close(timeout)``):
+within it, ``close`` drains, flushes and closes as it always did; once it
+runs out, what still runs is cut off (see :meth:`RecordRuntime.close`), the
+loop thread ends, and :class:`~taproute.routing.errors.ShutdownAbandoned`
+says which destinations were still busy and what was given up.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Self
 
 import trio
@@ -30,14 +36,21 @@ from taproute.actors.counters import Observable, RouterSnapshot
 from taproute.actors.destination import is_sink
 from taproute.actors.fairness import scheduled_now
 from taproute.routing.batch import RecordBatch
+from taproute.routing.errors import ConfigError, ShutdownAbandoned, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction
-from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
+from taproute.routing.limits import (
+    COALESCE_RECORDS,
+    QUEUE_BYTES,
+    QUEUE_RECORDS,
+    SHUTDOWN_GRACE_S,
+)
 from taproute.routing.producer import Producer
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import (
     BoundsBlocking,
+    CutsShort,
     DescribesRecords,
     EndsKeys,
     NamesHooks,
@@ -58,6 +71,30 @@ from taproute.service.host.sink_controls import SinkControls
 #: Something else to host on the runtime's loop: started with ``nursery.start``
 #: before the runtime reports itself running, cancelled once the sink is closed.
 LoopTask = Callable[..., Awaitable[object]]
+
+#: The end of a shutdown's grace kept for the destinations that finished, once
+#: those still busy are cut off: this many seconds, at most a quarter of it.
+CUT_RESERVE_S = 5.0
+
+#: How long ``close`` waits past the grace for the cancelled loop thread to
+#: end before it reports the thread blocked (cancelling takes no time; a
+#: writer process killed at the deadline is reaped in that time).
+LOOP_END_S = 2.0
+
+
+def check_grace(value: object, key: str = "shutdown_grace") -> float:
+    """``value`` as a shutdown grace: seconds >= 0 (``math.inf``: no bound)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or math.isnan(value)
+        or value < 0
+    ):
+        found = f"{type(value).__name__} {value!r}"
+        raise ConfigError(
+            f"{key}: expected seconds >= 0 (a number; math.inf: no bound), found {found}"
+        )
+    return float(value)
 
 
 def _sole(exc: BaseException) -> BaseException:
@@ -92,6 +129,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         max_block: float | None = None,
         arena: SpansPayloads | None = None,
         wake_delay: float = WAKE_DELAY_S,
+        shutdown_grace: float = SHUTDOWN_GRACE_S,
     ) -> None:
         if not is_sink(record_sink):
             hint = (
@@ -109,6 +147,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
         if not (wake_delay >= 0 and math.isfinite(wake_delay)):
             raise ValueError(f"wake_delay must be finite seconds >= 0, got {wake_delay!r}")
+        #: Seconds :meth:`close` takes at most (when not given a timeout)
+        #: before it cuts off what still runs (``math.inf``: no bound).
+        self.shutdown_grace = check_grace(shutdown_grace)
         self.record_sink = record_sink
         #: How long :meth:`offer_batch` may wait for ingress room (None: no bound).
         self.max_block = max_block
@@ -169,6 +210,21 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self._wakeup = trio.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        # The shutdown grace: set by close, kept by a task on the loop.
+        self._grace_started = trio.Event()
+        self._cut_at = self._stop_at = math.inf  # time.monotonic()
+        self._main_scope: trio.CancelScope | None = None
+        self._sink_call = None
+        #: What was still busy when the grace ran out: destination -> call.
+        self._busy: dict[str, str] = {}
+        #: The grace ran out and the loop was cancelled as a whole.
+        self._stopped_short = False
+        #: The record sink's close returned (the grace is kept no longer).
+        self._sink_closed = False
+        #: Records (and batches) a plain record sink had when cancelled.
+        self._sink_abandoned = [0, 0]
+        self._shutdown_lock = threading.Lock()
+        self._shutdown_error: ShutdownAbandoned | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -201,17 +257,35 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             if not self._ready.is_set():
                 self._start_error = error
             failure = self._latch.latch(error, where="runtime loop")
-            for item in self._ingress.fail(failure, loop_gone=True):
-                if isinstance(item, Control) and not item.future.done():
-                    item.future.set_exception(failure)
+            self._give_up(self._ingress.fail(failure, loop_gone=True), failure, count=False)
+        else:
+            if self._stopped_short:  # what is still in ingress is given up, counted
+                gone = SinkClosed("runtime stopped: the shutdown grace ran out")
+                self._give_up(self._ingress.fail(gone, loop_gone=True), gone, count=True)
         finally:
             self._ready.set()
+
+    def _give_up(self, items: Sequence[object], error: BaseException, *, count: bool) -> None:
+        """Fail the controls among ``items`` with ``error`` and release the
+        batches (counted as abandoned at ingress with ``count``): nothing
+        will take them any more."""
+        for item in items:
+            if isinstance(item, Control):
+                if not item.future.done():
+                    item.future.set_exception(error)
+            elif isinstance(item, RecordBatch):
+                if count:
+                    self._ingress.counters.abandoned += len(item)
+                with contextlib.suppress(Exception):  # a release callback's own failure
+                    item.lease.release()
 
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._wakeup = trio.Event()
         self._ingress.connect(self._schedule_wake)
         async with trio.open_nursery() as nursery:
+            self._main_scope = nursery.cancel_scope
+            nursery.start_soon(self._keep_grace)
             if self._background is not None:
                 await nursery.start(self._background.run)
             for task in self._loop_tasks:
@@ -219,6 +293,31 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             self._ready.set()
             await self._record_worker()
             nursery.cancel_scope.cancel()  # the sink is closed; stop the loop tasks
+
+    async def _keep_grace(self) -> None:
+        """A loop task: once :meth:`close` started the grace, cut off the
+        destinations still busy near its end and, at its end, cancel the loop."""
+        await self._grace_started.wait()
+        await trio.sleep(max(0.0, self._cut_at - time.monotonic()))
+        if self._sink_closed:  # closed in time; the loop is stopping
+            return
+        self._cut()
+        await trio.sleep(max(0.0, self._stop_at - time.monotonic()))
+        if self._sink_closed:
+            return
+        self._cut()
+        self._stopped_short = True
+        assert self._main_scope is not None
+        self._main_scope.cancel()
+
+    def _cut(self) -> None:
+        """Cut off what is still busy (a routing sink's destinations), noting what."""
+        sink = self.record_sink
+        if isinstance(sink, CutsShort):
+            for name, call in sink.cut_short().items():
+                self._busy.setdefault(name, call)
+        elif self._sink_call is not None:
+            self._busy.setdefault("record sink", self._sink_call)
 
     def _schedule_wake(self) -> None:
         # Called by producers with the ingress lock held.
@@ -264,8 +363,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             # one lock round trip and one producer wake-up for the lot.
             records = nbytes = 0
             run: list[RecordBatch] = []  # batches to merge, in queue order
+            position = 0
             try:
-                for item in items:
+                for position, item in enumerate(items):  # noqa: B007 - read on cancel
                     if isinstance(item, RecordBatch):
                         records += len(item)
                         nbytes += item.payload.nbytes
@@ -276,11 +376,16 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         await self._hand_on(run)
                     if isinstance(item, Control):
                         if await self._control(item):
+                            self._sink_closed = True
                             return
                     else:
                         await self._hand_on([item])
                 if run:
                     await self._hand_on(run)
+            except trio.Cancelled:  # the grace ran out: what was taken and not handed on
+                gone = SinkClosed("runtime stopped: the shutdown grace ran out")
+                self._give_up([*run, *items[position + 1 :]], gone, count=True)
+                raise
             finally:
                 self._ingress.done(records, nbytes)
 
@@ -300,14 +405,23 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             except Exception:  # nothing taken over: each goes on alone, as without an arena
                 merged = 0
             self._ingress.counters.merged += merged
-        for batch in handed:
+        for position, batch in enumerate(handed):
             try:
                 # An empty batch only comes for its release: nothing to route.
                 if self._latch.failure is None and len(batch):
+                    self._sink_call = "submit"
                     await self._submit(batch)
             except Exception as exc:
                 self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
+            except trio.Cancelled:  # the grace ran out: this one and the rest are given up
+                if not isinstance(self.record_sink, CutsShort):  # (else counted where it was)
+                    self._sink_abandoned[0] += len(batch)
+                    self._sink_abandoned[1] += 1
+                gone = SinkClosed("runtime stopped: the shutdown grace ran out")
+                self._give_up(list(handed[position + 1 :]), gone, count=True)
+                raise
             finally:
+                self._sink_call = None
                 batch.lease.release()
 
     def _closed_reason(self) -> str | None:
@@ -318,37 +432,106 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self.close(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Drain, flush and close the sink, stop the loop and join its thread.
+        """Drain, flush and close the sink, stop the loop and join its thread,
+        within a grace: ``timeout`` seconds, or :attr:`shutdown_grace` (30 s
+        by default); ``math.inf`` waits as long as it takes.
 
-        Idempotent.  Raises the latched failure, if any.  ``timeout`` bounds
-        the whole call (the close and joining the thread); past it a
-        TimeoutError says so, the close goes on in the loop thread, and a
-        later ``close()`` waits for it (it too raises TimeoutError until the
-        thread has ended).
+        Raises the latched failure, if any.  Within the grace everything is
+        drained, flushed and closed as usual.  When it runs out first:
+
+        - shortly before its end (a quarter of it, at most 5 s), every
+          destination of a routing sink still busy is cut off: its call under
+          way is cancelled (a call in a worker thread is abandoned if it runs
+          with ``abandon_on_cancel``), its background task too (a writer
+          process is killed), and what was queued for it, or still comes, is
+          given back and counted as abandoned
+          (``taproute_destination_abandoned_records``); the other
+          destinations are then flushed and closed as usual;
+        - at its end, whatever still runs on the loop is cancelled, and what
+          was still in ingress or in routes is given back and counted;
+        - the loop thread ends, and :class:`ShutdownAbandoned` (a
+          ``TimeoutError``) names the destinations that were busy and what
+          was given up, per destination.
+
+        A sink (or processor) that blocks the loop thread itself, or waits in
+        a worker thread that does not let itself be abandoned, cannot be
+        interrupted: ``close`` then returns about 2 s past the grace with
+        ``ShutdownAbandoned(loop_ended=False)``, and the thread, a daemon,
+        runs on with what it holds until that call returns.
+
+        Idempotent: a later ``close()`` returns at once after a clean close,
+        and after one whose grace ran out waits (within its own grace) for a
+        loop thread still blocked, then raises the same ``ShutdownAbandoned``.
         """
         if self._thread is None:
             return
+        grace = self.shutdown_grace if timeout is None else max(0.0, float(timeout))
         self._ingress.refuse_on_loop("close()")
-        timeout = thread_wait(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._shutdown_error is not None:
+            self._thread.join(thread_wait(grace))
+            raise self._shutdown_error
+        started = time.monotonic()
         future = self._ingress.put_control("close")
+        bounded = thread_wait(grace) is not None
+        if bounded:
+            self._start_grace(started, grace)
+        deadline = started + grace + LOOP_END_S if bounded else None
+        failure: BaseException | None = None
         try:
-            future.result(timeout)
+            future.result(None if deadline is None else deadline - time.monotonic())
         except TimeoutError:
-            raise self._close_timed_out(timeout) from None
-        finally:
-            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self._thread.is_alive():
-            raise self._close_timed_out(timeout)
+            pass  # the loop thread did not answer: said below
+        except Exception as exc:
+            failure = exc
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        loop_ended = not self._thread.is_alive()
+        if self._busy or self._stopped_short or not loop_ended:
+            raise self._abandoned(grace, loop_ended)
+        if failure is not None:
+            raise failure
         self._latch.raise_if_failed()
 
-    @staticmethod
-    def _close_timed_out(timeout: float | None) -> TimeoutError:
-        return TimeoutError(
-            f"close: not done within {timeout} s; the record sink is still draining, "
-            "flushing or closing (a destination's call has not returned) and the loop "
-            "thread runs on: call close again to wait for it"
-        )
+    def _start_grace(self, started: float, grace: float) -> None:
+        """Have the loop keep the grace (once; a later close keeps the first)."""
+        if self._grace_started.is_set() or self._cut_at != math.inf:
+            return
+        self._cut_at = started + grace - min(CUT_RESERVE_S, grace / 4)
+        self._stop_at = started + grace
+        if self._token is None:
+            return  # the loop never ran
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._grace_started.set)
+
+    def _abandoned(self, grace: float, loop_ended: bool) -> ShutdownAbandoned:
+        """The error of a close whose grace ran out (made once, then kept)."""
+        with self._shutdown_lock:
+            if self._shutdown_error is not None:
+                return self._shutdown_error
+            busy = dict(self._busy)
+            if not loop_ended and not busy:  # the loop is blocked: read, not cut
+                if isinstance(self.record_sink, CutsShort):
+                    busy = self.record_sink.busy()
+                elif self._sink_call is not None:
+                    busy = {"record sink": self._sink_call}
+            snap = self._snapshot_in_loop()
+            records = {n: d.abandoned_records for n, d in snap.destinations.items()}
+            batches = {n: d.abandoned_batches for n, d in snap.destinations.items()}
+            if self._sink_abandoned[0]:
+                records["record sink"], batches["record sink"] = self._sink_abandoned
+            error = ShutdownAbandoned(
+                grace,
+                busy=busy,
+                abandoned_records={n: r for n, r in records.items() if r},
+                abandoned_batches={n: b for n, b in batches.items() if b},
+                route_records=sum(r.abandoned for r in snap.routes.values()),
+                ingress_records=snap.ingress.abandoned,
+                loop_ended=loop_ended,
+                failure=self._latch.failure,
+            )
+            if loop_ended:
+                self._latch.latch(error, where="shutdown")
+            self._shutdown_error = error
+            return error
 
     # -- observation -------------------------------------------------------
 

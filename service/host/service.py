@@ -26,7 +26,12 @@ import trio
 
 from taproute.routing.errors import ConfigError
 from taproute.routing.hooks import HookRegistry
-from taproute.routing.limits import COALESCE_RECORDS, QUEUE_BYTES, QUEUE_RECORDS
+from taproute.routing.limits import (
+    COALESCE_RECORDS,
+    QUEUE_BYTES,
+    QUEUE_RECORDS,
+    SHUTDOWN_GRACE_S,
+)
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink, Traceable
 from taproute.service.host.batch_merge import SpansPayloads
@@ -129,6 +134,7 @@ def create_record_runtime(
     max_block: float | None = None,
     arena: SpansPayloads | None = None,
     wake_delay: float = WAKE_DELAY_S,
+    shutdown_grace: float = SHUTDOWN_GRACE_S,
 ) -> RecordService:
     """Start a :class:`RecordService` around ``record_sink`` and return it.
 
@@ -148,7 +154,11 @@ def create_record_runtime(
     they keep queueing (they do not wake it; half-full ingress does): a
     longer one means fewer, larger wake-ups (each pays the loop's fixed cost
     once, on the GIL the model shares) and records that reach their
-    destinations up to that much later.
+    destinations up to that much later.  ``shutdown_grace`` (seconds, 30 by
+    default; ``math.inf``: no bound) bounds ``close()``/``stop()``/leaving the
+    ``with`` block: past it what still runs is cut off and
+    :class:`~taproute.routing.errors.ShutdownAbandoned` says what was lost
+    (see :meth:`RecordRuntime.close`).
     """
     return RecordService(
         record_sink,
@@ -164,6 +174,7 @@ def create_record_runtime(
         max_block=max_block,
         arena=arena,
         wake_delay=wake_delay,
+        shutdown_grace=shutdown_grace,
     ).start()
 
 

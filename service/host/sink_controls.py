@@ -41,10 +41,13 @@ class SinkControls:
     _thread: threading.Thread | None
     _keys: dict[KeyAction, Callable[..., Awaitable[None]]] | None
     _reloads: Reloads | None
+    #: The record sink call the record worker is in (for a shutdown's report).
+    _sink_call: str | None
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop."""
         result: object = None
+        self._sink_call = "flush" if control.kind == "deliver" else str(control.kind)
         try:
             self._latch.raise_if_failed()
             if control.kind == "reload":
@@ -67,8 +70,16 @@ class SinkControls:
                 with suppress(Exception):  # already failing; the first error stands
                     await self.record_sink.close()
             control.future.set_exception(failure)
+        except BaseException:  # cancelled: a shutdown's grace ran out
+            if not control.future.done():
+                control.future.set_exception(
+                    SinkClosed(f"runtime stopped: the shutdown grace ran out during {control.kind}")
+                )
+            raise
         else:
             control.future.set_result(result if isinstance(result, FlushReport) else None)
+        finally:
+            self._sink_call = None
         return control.kind == "close"
 
     async def _flush_delivered(self) -> object:

@@ -1,0 +1,299 @@
+"""A destination whose call never returns no longer holds shutdown for ever.
+
+``close()`` without a timeout waited for ever, and ``close(timeout)`` raised
+``TimeoutError`` but left the loop thread running for good.  Now close is
+bounded by the runtime's shutdown grace (or its timeout): the destinations
+still busy near its end are cut off, the healthy ones are flushed and
+closed as usual, the loop thread ends, and ``ShutdownAbandoned`` (a
+``TimeoutError``) names what was busy and how many records were given up.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from taproute.native import make_descriptors
+from taproute.routing import ConfigError, Route, RoutingConfig, ShutdownAbandoned
+from taproute.service import RoutingSink, create_record_runtime
+from taproute.service.host.config import ConfigFileError, ShutdownOptions, load_config
+from taproute.service.host.metrics import SnapshotCollector
+from taproute.service.host.runtime import LOOP_END_S, RecordRuntime
+from tests.processors import SCHEMA
+from tests.sinks import HeldInThread, HeldSubmit, NullSink, StallsLoop
+
+VEC = SCHEMA.layout_id("vec")
+#: Slack for a loaded machine on top of what close promises.
+SLACK_S = 1.5
+
+
+def _fan_out(held: object, ok: NullSink, **options: object):
+    """A runtime whose every record goes to destination "held" and to "ok"."""
+    sink = RoutingSink(
+        RoutingConfig([Route("to_held", "h.*", "held"), Route("to_ok", "h.*", "ok")]),
+        SCHEMA,
+        {"held": held, "ok": ok},
+        unmatched="drop",
+    )
+    return create_record_runtime(record_sink=sink, name="taproute-grace", **options)
+
+
+def _submit(runtime: RecordRuntime, batches: int, released: list[int]) -> None:
+    hook = runtime.bind_hook("h.0", layout="vec")
+    for _ in range(batches):
+        runtime.submit_batch(
+            make_descriptors(hook, 16, count=4, layout_ids=VEC),
+            np.zeros((4, 4), np.float32),
+            release=lambda: released.append(1),
+        )
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "taproute-grace"]
+
+
+@pytest.mark.parametrize("where", ["trio", "thread"])
+def test_a_submit_that_never_returns_is_cut_off_at_the_grace(where):
+    held = HeldSubmit() if where == "trio" else HeldInThread()
+    ok = NullSink()
+    runtime = _fan_out(held, ok)
+    released: list[int] = []
+    _submit(runtime, 5, released)
+    assert held.entered.wait(10)
+    started = time.monotonic()
+    with pytest.raises(ShutdownAbandoned) as caught:
+        runtime.close(timeout=0.5)
+    assert time.monotonic() - started < 0.5 + SLACK_S
+    error = caught.value
+    assert isinstance(error, TimeoutError)  # what close(timeout) raised before
+    assert error.busy == {"held": "submit"}
+    assert error.abandoned_records == {"held": 20}
+    assert error.abandoned_batches == {"held": 5}
+    assert error.records == 20 and error.loop_ended
+    assert "'held' (in submit) still busy" in str(error)
+    assert "'held' 20 records in 5 batches" in str(error)
+    # The loop thread ended; the healthy destination got every record and
+    # was closed; every buffer went back once.
+    assert _loop_threads() == []
+    assert ok.records == 20 and ok.flushes == 1
+    assert held.records == 0
+    assert len(released) == 5
+    snap = runtime.snapshot()
+    assert snap.destinations["held"].abandoned_records == 20
+    assert snap.destinations["held"].cut_short == "submit"
+    assert snap.destinations["ok"].abandoned_records == 0
+    assert snap.destinations["ok"].records == 20
+    assert snap.failure is not None and "ShutdownAbandoned" in snap.failure
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(runtime.snapshot))
+    text = generate_latest(registry).decode()
+    assert 'taproute_destination_abandoned_records_total{destination="held"} 20.0' in text
+    assert 'taproute_destination_abandoned_batches_total{destination="held"} 5.0' in text
+    # A later close says the same again, at once.
+    with pytest.raises(ShutdownAbandoned) as again:
+        runtime.close()
+    assert again.value is error
+    if isinstance(held, HeldInThread):  # the abandoned thread still waits; let it go
+        assert not held.left.is_set()
+        held.release.set()
+        assert held.left.wait(10)
+
+
+def test_a_flush_that_never_returns_is_cut_off_and_the_others_are_flushed():
+    held = HeldInThread(in_flush=True)
+    ok = NullSink()
+    runtime = _fan_out(held, ok)
+    released: list[int] = []
+    _submit(runtime, 3, released)
+    started = time.monotonic()
+    with pytest.raises(ShutdownAbandoned) as caught:
+        runtime.close(timeout=0.4)
+    assert time.monotonic() - started < 0.4 + SLACK_S
+    assert caught.value.busy == {"held": "flush"}
+    # Every record reached both sinks; the held one never confirmed them.
+    assert caught.value.abandoned_records == {}
+    assert "abandoned: nothing queued" in str(caught.value)
+    assert held.records == 12 and held.flushes == 0
+    assert ok.records == 12 and ok.flushes == 1
+    assert _loop_threads() == [] and len(released) == 3
+    held.release.set()
+    assert held.left.wait(10)
+
+
+def test_leaving_the_with_block_is_bounded_by_the_configured_grace():
+    held = HeldSubmit()
+    ok = NullSink()
+    released: list[int] = []
+    started = math.nan
+    with (
+        pytest.raises(ShutdownAbandoned, match="grace of 0.3 s ran out with 'held'"),
+        _fan_out(held, ok, shutdown_grace=0.3) as runtime,
+    ):
+        _submit(runtime, 2, released)
+        assert held.entered.wait(10)
+        started = time.monotonic()
+    assert time.monotonic() - started < 0.3 + SLACK_S
+    assert _loop_threads() == []
+    assert ok.records == 8 and len(released) == 2
+
+
+def test_a_loop_blocked_by_its_sink_is_reported_and_left_running():
+    """A sink that blocks the loop thread itself cannot be interrupted: close
+    returns about LOOP_END_S past the grace saying so; once the call returns,
+    the loop ends, and a later close waits for it and says the same again."""
+    held = StallsLoop()
+    entered = threading.Event()
+    submit = held.submit
+
+    async def submit_and_tell(batch):
+        entered.set()
+        await submit(batch)
+
+    held.submit = submit_and_tell  # type: ignore[method-assign]
+    runtime = _fan_out(held, NullSink())
+    released: list[int] = []
+    try:
+        _submit(runtime, 1, released)
+        assert entered.wait(10)
+        started = time.monotonic()
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.2)
+        assert time.monotonic() - started < 0.2 + LOOP_END_S + SLACK_S
+        error = caught.value
+        assert not error.loop_ended
+        # (read while the loop is blocked: "ok" may have a batch queued too)
+        assert error.busy["held"] == "submit"
+        assert "the loop thread is blocked in a call that cannot be cancelled" in str(error)
+        assert _loop_threads() != []
+    finally:
+        held.release.set()
+    with pytest.raises(ShutdownAbandoned) as again:
+        runtime.close(timeout=30)
+    assert again.value is error
+    assert _loop_threads() == []
+    assert len(released) == 1
+
+
+def test_a_clean_close_within_the_grace_is_as_before():
+    ok = NullSink()
+    runtime = _fan_out(NullSink(), ok, shutdown_grace=5)
+    released: list[int] = []
+    _submit(runtime, 3, released)
+    runtime.close()
+    runtime.close()  # idempotent
+    assert ok.records == 12 and len(released) == 3
+    snap = runtime.snapshot()
+    assert snap.failure is None
+    assert all(d.abandoned_records == 0 for d in snap.destinations.values())
+
+
+@pytest.mark.parametrize("value", [-1, math.nan, "30", None, True])
+def test_a_bad_shutdown_grace_is_refused_naming_it(value):
+    sink = RoutingSink(
+        RoutingConfig([Route("r", "h.*", "out")]), SCHEMA, {"out": NullSink()}, unmatched="drop"
+    )
+    with pytest.raises(ConfigError, match=r"shutdown_grace: expected seconds >= 0.*found"):
+        RecordRuntime(sink, shutdown_grace=value)  # type: ignore[arg-type]
+
+
+SHUTDOWN_FILE = """
+layouts = []
+routes = []
+[destinations.d]
+path = "x"
+[shutdown]
+grace = @GRACE@
+"""
+
+
+@pytest.mark.parametrize(
+    ("grace", "problem"),
+    [
+        ("-1", "shutdown.grace: must be in [0, 3600], found -1"),
+        ("nan", "shutdown.grace: expected a finite number, found nan"),
+        ('"30"', "shutdown.grace: expected a number, found string '30'"),
+        ("7200", "shutdown.grace: must be in [0, 3600], found 7200"),
+    ],
+)
+def test_a_bad_grace_in_a_config_file_names_its_key(tmp_path, grace, problem):
+    path = tmp_path / "router.toml"
+    path.write_text(SHUTDOWN_FILE.replace("@GRACE@", grace))
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [problem]
+
+
+def test_the_grace_of_a_config_file_is_the_services(tmp_path, chdb_transport):
+    from tests.test_config_file import base
+
+    path = tmp_path / "router.toml"
+    path.write_text(base(chdb_transport, "grace") + "\n[shutdown]\ngrace = 2.5\n")
+    config = load_config(path)
+    assert config.shutdown == ShutdownOptions(grace=2.5)
+    with config.build() as built:
+        service = built.start()
+        assert service.shutdown_grace == 2.5
+        service.close()
+    path.write_text(base(chdb_transport, "grace"))
+    assert load_config(path).shutdown.grace == 30.0
+
+
+@pytest.mark.parametrize("value", [-0.5, math.nan, math.inf, "30"])
+def test_shutdown_options_refuse_what_a_file_would(value):
+    with pytest.raises(ConfigError, match=r"ShutdownOptions: grace must be a finite number in"):
+        ShutdownOptions(grace=value)
+
+
+def test_a_chdb_insert_that_does_not_return_is_abandoned_at_the_grace(chdb_transport):
+    """chDB in this process: an insert runs in a worker thread, which nothing
+    interrupts.  At the grace the sink's close is cut off and the thread
+    abandoned (the loop ends); the insert runs on, and its rows still land
+    once it returns (the transport is not closed under it)."""
+    import uuid
+
+    from taproute.service.sinks.clickhouse import ClickHouseSink
+
+    table = f"grace_{uuid.uuid4().hex[:8]}"
+    ch = ClickHouseSink(
+        chdb_transport,
+        SCHEMA,
+        raw=["vec"],
+        create_tables=True,
+        raw_table=table,
+        owns_transport=False,
+        close_timeout=60.0,  # longer than the grace: the grace decides
+    )
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+    insert = ch._insert_blocking
+
+    def held_insert(*args):
+        entered.set()
+        release.wait()
+        insert(*args)
+        left.set()
+
+    ch._insert_blocking = held_insert  # type: ignore[method-assign]
+    ok = NullSink()
+    runtime = _fan_out(lambda: ch, ok)  # a factory: the routing sink closes it
+    released: list[int] = []
+    try:
+        _submit(runtime, 3, released)
+        started = time.monotonic()
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=1.0)
+        assert time.monotonic() - started < 1.0 + SLACK_S
+        assert entered.is_set()
+        assert caught.value.busy == {"held": "close"} and caught.value.loop_ended
+        assert _loop_threads() == [] and ok.records == 12
+        assert not left.is_set()  # abandoned, not interrupted
+    finally:
+        release.set()
+    assert left.wait(30)
+    rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
+    assert rows == 12
+    assert len(released) == 3
