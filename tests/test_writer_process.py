@@ -628,3 +628,45 @@ def test_a_bad_nice_is_refused_before_any_process_starts(tmp_path, bad):
     with pytest.raises(ConfigError, match=r"nice must be an int from 0 to 19, got"):
         WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], nice=bad)
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+
+
+def test_a_writer_that_stops_answering_is_killed_at_the_shutdown_grace(tmp_path):
+    """A writer process that never answers (SIGSTOP: hung in an insert, say)
+    held close for ever; now close cuts it off at the grace: the writer is
+    killed, not left behind in its own session, the loop thread ends, and the
+    other destination got every record."""
+    from taproute.routing import Route, RoutingConfig, ShutdownAbandoned
+    from taproute.service import RoutingSink
+    from tests.sinks import NullSink
+
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    pid = sink.writer_pid
+    assert pid is not None
+    ok = NullSink()
+    routing = RoutingSink(
+        RoutingConfig([Route("to_ch", "h.*", "ch"), Route("to_ok", "h.*", "ok")]),
+        SCHEMA,
+        {"ch": lambda: sink, "ok": ok},  # a factory: the routing sink owns (closes) it
+        unmatched="drop",
+    )
+    runtime = create_record_runtime(record_sink=routing, name="taproute-writer-grace")
+    stopped = False
+    try:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        _submit(runtime, sink, hook, 1, shared=False)
+        runtime.flush()
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        for step in range(2, 5):
+            _submit(runtime, sink, hook, step, shared=False)
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=1.0)
+        assert caught.value.busy == {"ch": "flush"} and caught.value.loop_ended
+        assert _exited(pid, timeout=10), "the hung writer was left behind"
+        stopped = False
+        assert sink.writer_pid is None
+        assert not [t for t in threading.enumerate() if t.name == "taproute-writer-grace"]
+        assert ok.records == 16
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGKILL)

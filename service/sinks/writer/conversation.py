@@ -292,13 +292,20 @@ class WriterConversation(HandsOverToOwner):
         process, self._process = self._process, None
         if process is None:
             return
-        if process.stream is None:
-            process.send_close_blocking()
-        else:
-            with (
-                trio.move_on_after(5),
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
-            ):
-                await process.stream.send(Close())
-        await trio.to_thread.run_sync(process.stop, 30.0)
+        try:
+            if process.stream is None:
+                process.send_close_blocking()
+            else:
+                with (
+                    trio.move_on_after(5),
+                    contextlib.suppress(
+                        trio.BrokenResourceError, trio.ClosedResourceError, OSError
+                    ),
+                ):
+                    await process.stream.send(Close())
+            await trio.to_thread.run_sync(process.stop, 30.0, abandon_on_cancel=True)
+        except trio.Cancelled:  # no more waiting for it (a shutdown's grace ran out)
+            process.kill()
+            process.close_sockets()
+            raise
         await process.aclose()

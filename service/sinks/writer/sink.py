@@ -204,8 +204,28 @@ class WriterProcessSink(WriterConversation):
                 await self._stopped.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            # Cancelled before close() finished (a shutdown's grace ran out):
+            # the writer, in a session of its own, would outlive this loop.
+            self._kill_writer()
             self._stopped.set()
             self._run_done.set()
+
+    def _kill_writer(self) -> None:
+        """Kill the writer process still running, if any, and give back what
+        this sink holds (run() ended without a close: what was buffered or
+        in flight is lost).  Blocking for the reap only (SIGKILL)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        self._closing = True
+        process.kill()
+        process.close_sockets()
+        self._finish_all(None)
+        for hold in self._buffer.holds:
+            hold.release()
+        self._buffer = Block(0, "")
+        self.counters.buffered_rows = 0
+        self._pending_bytes = 0
 
     @property
     def running(self) -> bool:
@@ -300,7 +320,9 @@ class WriterProcessSink(WriterConversation):
         """Flush, stop the writer process, release the pool; idempotent.
 
         Returns once no writer process this sink started runs (a replacement
-        starting after a crash is stopped and reaped first)."""
+        starting after a crash is stopped and reaped first).  Cancelled (its
+        owner's shutdown grace ran out), it kills the writer at once; so does
+        :meth:`run` cancelled before a close finished."""
         if self._closing:
             await self._stopped.wait()
             return
