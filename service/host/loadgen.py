@@ -62,8 +62,9 @@ def run_load(
 
     SIGHUP reloads the config file (``call_timeout``: the ``--call-timeout``
     to apply to it again); the outcome is printed on its own line. SIGINT or
-    SIGTERM stops the producer between two submissions, then flushes and
-    closes as at the end of ``duration`` (a second SIGINT interrupts at once)."""
+    SIGTERM stops the producer between two submissions, then closes (drains,
+    flushes, closes, within the config's ``[shutdown] grace``) as at the end
+    of ``duration`` (a second SIGINT interrupts at once)."""
     out = sys.stdout if out is None else out  # the one in place now, not at import
     if not config.producer.hooks:
         raise ConfigFileError(
@@ -114,13 +115,14 @@ def run_load(
                 if now >= next_report:
                     _progress(out, now - started, duration, submitted, runtime.counters())
                     next_report = now + 0.5
-            runtime.flush()
         finally:
             restore()
-        counters = runtime.counters()
         elapsed = min(time.monotonic() - started, duration)  # less when stopped early
-        _progress(out, elapsed, duration, submitted, counters)
-        print(file=out)
+    # Closed (leaving the block): drained, flushed and closed within the
+    # shutdown grace, or what was still busy cut off (ShutdownAbandoned).
+    counters = runtime.counters()
+    _progress(out, elapsed, duration, submitted, counters)
+    print(file=out)
     return counters
 
 
