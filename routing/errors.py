@@ -160,8 +160,10 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
     ``"close"``; ``"queued"``: batches waited for it behind such a call);
     ``abandoned_records``/``abandoned_batches`` map each destination to what
     was given up there (queued for it or in its unfinished call: never
-    delivered); ``route_records`` are records queued in routes' mailboxes and
-    ``ingress_records`` records still in the runtime's ingress, given up too.
+    delivered); ``busy_routes`` are the routes still processing at the end of
+    the grace (records accepted and not done); ``route_records`` are records
+    queued in routes' mailboxes and ``ingress_records`` records still in the
+    runtime's ingress, given up too.
     ``loop_ended`` is False when the loop thread could not be stopped (it is
     blocked in a call that cannot be cancelled: a sink or processor that
     blocks the loop itself, or a worker-thread call that does not let itself
@@ -176,6 +178,7 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
         busy: Mapping[str, str],
         abandoned_records: Mapping[str, int],
         abandoned_batches: Mapping[str, int],
+        busy_routes: Sequence[str] = (),
         route_records: int = 0,
         ingress_records: int = 0,
         loop_ended: bool = True,
@@ -185,15 +188,17 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
         self.busy = dict(busy)
         self.abandoned_records = dict(abandoned_records)
         self.abandoned_batches = dict(abandoned_batches)
+        self.busy_routes = tuple(busy_routes)
         self.route_records = route_records
         self.ingress_records = ingress_records
         self.loop_ended = loop_ended
         self.failure = failure
-        if self.busy:
-            still = ", ".join(
-                f"{name!r} ({'batches queued' if call == 'queued' else f'in {call}'})"
-                for name, call in self.busy.items()
-            )
+        busy_now = [
+            f"{name!r} ({'batches queued' if call == 'queued' else f'in {call}'})"
+            for name, call in self.busy.items()
+        ] + [f"route {name!r} (processing)" for name in self.busy_routes]
+        if busy_now:
+            still = ", ".join(busy_now)
             head = f"close: the shutdown grace of {grace:g} s ran out with {still} still busy"
         else:
             head = f"close: the shutdown grace of {grace:g} s ran out"

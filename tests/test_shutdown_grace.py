@@ -19,7 +19,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from taproute.native import make_descriptors
-from taproute.routing import ConfigError, Route, RoutingConfig, ShutdownAbandoned
+from taproute.routing import (
+    ConfigError,
+    FailurePolicy,
+    Route,
+    RoutingConfig,
+    ShutdownAbandoned,
+    stateless_processor,
+)
 from taproute.service import RoutingSink, create_record_runtime
 from taproute.service.host.config import ConfigFileError, ShutdownOptions, load_config
 from taproute.service.host.metrics import SnapshotCollector
@@ -297,3 +304,62 @@ def test_a_chdb_insert_that_does_not_return_is_abandoned_at_the_grace(chdb_trans
     rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
     assert rows == 12
     assert len(released) == 3
+
+
+#: What the hanging processor below waits for (set by its test when done).
+HANG = threading.Event()
+HUNG = threading.Event()
+
+
+@stateless_processor("test.grace_hang", input="vec", output="norm", needs_thread=True)
+def grace_hang(records):
+    HUNG.set()
+    HANG.wait()
+    return np.zeros(0, SCHEMA.layout("norm").dtype)
+
+
+def test_a_processor_that_does_not_return_is_cancelled_at_the_end_of_the_grace():
+    """No destination is busy: nothing is cut near the end; at the end the
+    loop is cancelled, the route's queued records are given back and counted,
+    and the error names the route still processing."""
+    HANG.clear()
+    HUNG.clear()
+    ok = NullSink()
+    sink = RoutingSink(
+        RoutingConfig(
+            [
+                Route(
+                    "slow",
+                    "h.*",
+                    "ok",
+                    mode="stateless",
+                    processor="test.grace_hang",
+                    workers=1,
+                    failure_policy=FailurePolicy(deadline=600.0),
+                ),
+                Route("raw", "h.*", "ok"),
+            ]
+        ),
+        SCHEMA,
+        {"ok": ok},
+        unmatched="drop",
+    )
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    released: list[int] = []
+    try:
+        _submit(runtime, 4, released)
+        assert HUNG.wait(10)
+        started = time.monotonic()
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.5)
+        assert time.monotonic() - started < 0.5 + SLACK_S
+        error = caught.value
+        assert error.busy == {} and error.busy_routes == ("slow",)
+        assert error.route_records == 12  # three batches queued behind the one in the call
+        assert "route 'slow' (processing) still busy" in str(error)
+        assert "12 records queued in routes" in str(error)
+        assert error.loop_ended and _loop_threads() == []
+        assert ok.records == 16  # the forward route's, all
+        assert runtime.snapshot().routes["slow"].abandoned == 12
+    finally:
+        HANG.set()

@@ -215,8 +215,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self._cut_at = self._stop_at = math.inf  # time.monotonic()
         self._main_scope: trio.CancelScope | None = None
         self._sink_call = None
-        #: What was still busy when the grace ran out: destination -> call.
+        #: What was still busy when the grace ran out: destination -> call,
+        #: and the routes still processing when the loop was cancelled.
         self._busy: dict[str, str] = {}
+        self._busy_routes: list[str] = []
         #: The grace ran out and the loop was cancelled as a whole.
         self._stopped_short = False
         #: The record sink's close returned (the grace is kept no longer).
@@ -306,6 +308,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         if self._sink_closed:
             return
         self._cut()
+        if self._observable is not None:  # what the cancel below cuts short
+            routes = self._observable.snapshot().routes
+            self._busy_routes = [name for name, r in routes.items() if r.backlog > 0]
         self._stopped_short = True
         assert self._main_scope is not None
         self._main_scope.cancel()
@@ -523,6 +528,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 busy=busy,
                 abandoned_records={n: r for n, r in records.items() if r},
                 abandoned_batches={n: b for n, b in batches.items() if b},
+                busy_routes=self._busy_routes,
                 route_records=sum(r.abandoned for r in snap.routes.values()),
                 ingress_records=snap.ingress.abandoned,
                 loop_ended=loop_ended,
