@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -554,6 +555,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-block-ms", type=float, default=50.0, help="capture's blocking budget; < 0: none"
     )
+    parser.add_argument(
+        "--gc-freeze",
+        choices=["on", "off"],
+        default="on",
+        help="gc.freeze() once the models are loaded and the service started: later full "
+        "collections walk only what was allocated since (README, Running it in your server)",
+    )
     args = parser.parse_args(argv)
     if args.judge_thread_calls == "wall":
         from _judging import judge_thread_calls
@@ -578,6 +586,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     url = server.start()
+    if args.gc_freeze == "on":
+        # Everything alive now (torch, transformers, the models, the runtime)
+        # is left out of later collections: a full one stops every thread,
+        # the model's too, for as long as it walks the heap.
+        gc.collect()
+        gc.freeze()
     print(json.dumps({"url": url, "pid": os.getpid(), "capture": args.capture}), flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

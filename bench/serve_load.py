@@ -37,6 +37,10 @@ pooled over the sessions.  Two processes of the same server differ by as
 much as the effects measured (where their threads land, their allocators'
 and chDB's state), so one process per variant cannot tell an A/B apart;
 the per-session saturation table shows how far apart they were.
+
+Every server calls ``gc.freeze()`` once its models are loaded
+(``--gc-freeze 0``: not), capture off and on alike, as the README advises
+a serving process to.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Server:
         wake_delay_ms: float = 100.0,
         writer_nice: int = 0,
         judge_thread_calls: str = "cpu",
+        gc_freeze: bool = True,
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -101,6 +106,8 @@ class Server:
                 str(writer_nice),
                 "--judge-thread-calls",
                 judge_thread_calls,
+                "--gc-freeze",
+                "on" if gc_freeze else "off",
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -348,6 +355,7 @@ def main() -> None:
         writer_nice=(0, 0),
         compare_nice=(0, 0),
         compare_judging=(0, 0),
+        gc_freeze=(1, 1),
     )
     params = {
         k: getattr(args, k)
@@ -369,6 +377,7 @@ def main() -> None:
             "writer_nice",
             "compare_nice",
             "compare_judging",
+            "gc_freeze",
         )
     }
     if args.sessions < 1:
@@ -421,6 +430,7 @@ def main() -> None:
                 wake_delay_ms=args.compare_wake_ms if mode == "on_wake" else args.wake_delay_ms,
                 writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
                 judge_thread_calls="wall" if mode == "on_wall" else "cpu",
+                gc_freeze=bool(args.gc_freeze),
             )
             for mode in saturation_modes
         }
