@@ -45,6 +45,18 @@ def readonly_bytes(buffer: Any) -> Payload:
     return view
 
 
+def checked_release(release: Any) -> Callable[[], object] | None:
+    """``release`` if it can be called (or is None); else refused here, where the
+    producer hands it in, not when the last holder returns the buffer (that
+    call raised on the loop and latched the router's failure)."""
+    if release is None or callable(release):
+        return release  # type: ignore[no-any-return]
+    raise RecordError(
+        "release must be callable (called once, with no arguments, when the buffer "
+        f"is free again) or None, found {type(release).__name__} {release!r:.60}"
+    )
+
+
 def readonly_descriptors(value: Any) -> Descriptors:
     """``value`` as a read-only descriptor array (a view; raises if it is not one)."""
     if not isinstance(value, np.ndarray) or value.dtype != DESCRIPTOR_DTYPE or value.ndim != 1:
@@ -150,7 +162,7 @@ class RecordBatch:
         return cls(
             taken_descriptors(descriptors),
             readonly_bytes(payload),
-            BufferLease(release),
+            BufferLease(checked_release(release)),
             source_dtype=dtype,
         )
 

@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 from taproute.native import BufferLease, check_int64
-from taproute.routing.batch import Descriptors, RecordBatch, readonly_bytes, taken_descriptors
+from taproute.routing.batch import (
+    Descriptors,
+    RecordBatch,
+    checked_release,
+    readonly_bytes,
+    taken_descriptors,
+)
 from taproute.routing.errors import UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.payload_dtypes import batch_mismatch, single_payload
@@ -51,6 +57,7 @@ class Intake:
         over ``payload`` (not copied), or raise
         (:func:`~taproute.routing.validation.check_batch`); ``release`` is not
         called when it is refused."""
+        release = checked_release(release)
         desc = taken_descriptors(descriptors)
         data = readonly_bytes(payload)
         nbytes = self._check(desc, len(data))

@@ -182,3 +182,26 @@ def test_a_flush_that_times_out_says_so():
         held.release.set()
         runtime.flush()
     assert held.flushes >= 1
+
+
+def test_a_release_that_cannot_be_called_is_refused_at_submit():
+    """``release=`` that is not callable (a typo, a pool object, the buffer
+    itself) is refused where it is handed in, naming the argument, and the
+    router goes on. It was taken, and the route that returned the buffer's
+    last lease latched ``TypeError: 'int' object is not callable`` as the
+    runtime's failure: every later submit and flush raised it."""
+    from taproute.routing import RecordBatch, RecordError
+
+    with create_record_runtime(record_sink=_sink(NullSink())) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        desc = make_descriptors(q, 16, count=2, layout_ids=SCHEMA.layout_id("vec"))
+        buffer = np.ones((2, 4), np.float32)
+        for call in (runtime.submit_batch, runtime.try_submit_batch):
+            with pytest.raises(RecordError, match=r"release must be callable .* found int 5"):
+                call(desc, buffer, release=5)  # type: ignore[arg-type]
+        with pytest.raises(RecordError, match=r"release must be callable .* found ndarray"):
+            RecordBatch.from_buffer(desc, buffer, release=buffer)  # type: ignore[arg-type]
+        runtime.submit_batch(desc, buffer)  # nothing was latched: the router goes on
+        runtime.flush()
+        assert runtime.counters().routes["raw"].processed == 2
+        assert runtime.failure is None
