@@ -43,6 +43,7 @@ from taproute.routing.sink import (
     RunsInBackground,
     Spools,
     WaitsForDelivery,
+    not_async,
 )
 
 #: A destination given as a sink is leased; given as a factory, the routing
@@ -111,6 +112,8 @@ class DestinationActor:
             )
         self.name = name
         self.owned = not is_sink(spec)
+        if not self.owned:
+            self._check_async(spec)
         self._spec = spec
         #: The sink, once :meth:`open` has taken (or, when owned, created) it.
         self.sink: RecordSink | None = None
@@ -159,11 +162,16 @@ class DestinationActor:
                 exc.args = (f"destination {self.name!r}: {text}", *exc.args[1:])
             at(exc, f"destinations.{self.name}")
             raise
+        except Exception as exc:  # its own type kept (callers catch it), the place added
+            exc.add_note(f"opening destination {self.name!r} (its factory raised)")
+            raise
         if not is_sink(made):
             raise ConfigError(
                 f"destination {self.name!r}: factory returned {type(made).__name__}, "
                 "not a RecordSink"
             )
+        if self.owned:
+            self._check_async(made)
         sink: RecordSink = made  # type: ignore[assignment]
         if isinstance(sink, RunsInBackground):
             if self.owned:
@@ -180,6 +188,13 @@ class DestinationActor:
         self._spools = sink if isinstance(sink, Spools) else None
         self.sink = sink
         return sink
+
+    def _check_async(self, sink: object) -> None:
+        problem = not_async(sink)
+        if problem is not None:
+            raise at(
+                ConfigError(f"destination {self.name!r}: {problem}"), f"destinations.{self.name}"
+            )
 
     async def deliver(self, route: str | None, batch: Batch) -> None:
         """Queue ``batch`` for the sink, taking a lease on raw batches.

@@ -30,6 +30,7 @@ keeps the typed reference, and never probes the sink again:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -65,6 +66,32 @@ class RecordSink(Protocol):
     async def flush(self) -> object: ...
 
     async def close(self) -> None: ...
+
+
+def not_async(sink: object) -> str | None:
+    """What is wrong with ``sink``'s ``submit``/``flush``/``close`` when some are
+    written as plain functions (``def``, not ``async def``): the contract awaits
+    them, so the first call would fail with "object NoneType can't be used in
+    'await' expression".  None when none is.  A wrapper that hands on a
+    coroutine (``functools.wraps``: it has ``__wrapped__``), a partial or a
+    callable object is not judged."""
+    plain = []
+    for name in ("submit", "flush", "close"):
+        method = getattr(sink, name, None)
+        function = getattr(method, "__func__", method)
+        if (
+            inspect.isfunction(function)
+            and not inspect.iscoroutinefunction(function)
+            and not hasattr(function, "__wrapped__")
+        ):
+            plain.append(f"{type(sink).__name__}.{name}")
+    if not plain:
+        return None
+    return (
+        f"{', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not async: a RecordSink's "
+        "submit, flush and close are awaited on the Trio loop (write them as async def; "
+        "run blocking work in a worker thread, trio.to_thread.run_sync)"
+    )
 
 
 @runtime_checkable

@@ -59,6 +59,7 @@ from taproute.routing.sink import (
     ReportsFailure,
     RunsInBackground,
     TakesCheckedBatches,
+    not_async,
 )
 from taproute.service.host.batch_merge import SpansPayloads, merge, mergeable
 from taproute.service.host.closing import ClosesOnExit
@@ -143,6 +144,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 "record_sink: expected a RecordSink instance (submit/flush/close), found "
                 f"{type(record_sink).__name__} {record_sink!r:.80}{hint}"
             )
+        problem = not_async(record_sink)
+        if problem is not None:
+            raise TypeError(f"record_sink: {problem}")
         if max_block is not None and not max_block >= 0:
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
         if not (wake_delay >= 0 and math.isfinite(wake_delay)):
