@@ -82,6 +82,23 @@ def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
         attach(hooks)
 
 
+def _check_kinds(config: object, schema: object, destinations: object) -> None:
+    """Refuse, naming it, a positional argument of the wrong kind (a list of
+    routes for the config, config and schema swapped, destinations as a list):
+    they raised AttributeError deep inside, or (a schema) were taken."""
+    for name, value, kind, hint in (
+        ("config", config, RoutingConfig, "RoutingConfig([Route(...), ...])"),
+        ("schema", schema, RecordSchema, "RecordSchema([Layout(...), ...])"),
+        ("destinations", destinations, Mapping, "{name: sink or factory}"),
+    ):
+        if not isinstance(value, kind):
+            what = "a mapping" if kind is Mapping else f"a {kind.__name__}"
+            raise TypeError(
+                f"RoutingSink: {name} must be {what} ({hint}), found "
+                f"{type(value).__name__} {value!r:.80}"
+            )
+
+
 class RoutingSink(SinkFlushing):
     """Routes batches by output_id to forward, stateless and stateful routes.
 
@@ -122,6 +139,7 @@ class RoutingSink(SinkFlushing):
         causal_ledger: RootLedger | None = None,
         park: ParkStore | None = None,
     ) -> None:
+        _check_kinds(config, schema, destinations)
         super().__init__(Intake(hooks if hooks is not None else HookRegistry(), schema))
         self._parker = Parker(park)
         self.schema = schema

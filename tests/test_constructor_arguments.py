@@ -49,3 +49,40 @@ def test_one_layout_name_alone_is_that_layout(chdb_transport):
         owns_transport=False,
     )
     assert sorted(sink.tables) == [f"{prefix}_norm", f"{prefix}_raw_acts"]
+
+
+def test_a_routing_sink_names_an_argument_of_the_wrong_kind():
+    """A list of routes where the RoutingConfig goes, the schema and config
+    swapped, or destinations as a list raised AttributeError ('list' object has
+    no attribute 'routes' / 'items'); a schema that is not a RecordSchema (a
+    list of layouts, a string) was taken, and the runtime built on it started."""
+    from taproute.routing import Route, RoutingConfig
+    from taproute.service import RoutingSink
+
+    routes = [Route("raw", "layers.*", "out")]
+    config, sink = RoutingConfig(routes), CaptureSink()
+    cases = [
+        (
+            lambda: RoutingSink(routes, SCHEMA, {"out": sink}),  # type: ignore[arg-type]
+            r"RoutingSink: config must be a RoutingConfig .*found list",
+        ),
+        (
+            lambda: RoutingSink(SCHEMA, config, {"out": sink}),  # type: ignore[arg-type]
+            r"RoutingSink: config must be a RoutingConfig .*found RecordSchema",
+        ),
+        (
+            lambda: RoutingSink(config, list(SCHEMA.layouts), {"out": sink}),  # type: ignore[arg-type]
+            r"RoutingSink: schema must be a RecordSchema .*found list",
+        ),
+        (
+            lambda: RoutingSink(config, "acts", {"out": sink}),  # type: ignore[arg-type]
+            r"RoutingSink: schema must be a RecordSchema .*found str",
+        ),
+        (
+            lambda: RoutingSink(config, SCHEMA, [sink]),  # type: ignore[arg-type]
+            r"RoutingSink: destinations must be a mapping .*found list",
+        ),
+    ]
+    for build, message in cases:
+        with pytest.raises(TypeError, match=message):
+            build()
