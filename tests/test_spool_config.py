@@ -6,6 +6,7 @@ import io
 
 import numpy as np
 import pytest
+import trio
 
 from taproute.service.host.config import ConfigFileError, load_config
 from taproute.service.host.loadgen import run_load
@@ -231,3 +232,42 @@ spool_fsync_interval = -1.0
     problems = caught.value.problems
     assert "destinations.ch.spool_quota_bytes: expected bytes > 0, found 0" in problems
     assert "destinations.ch.spool_fsync_interval: expected seconds > 0, found -1.0" in problems
+
+
+def test_check_refuses_a_spool_directory_the_run_could_not_open(tmp_path, chdb_transport):
+    """``taproute check`` opened each destination but not its spool: a
+    ``spool_dir`` naming a regular file, or a spool another sink holds, passed
+    check ("tables ... match the schema") and then refused ``taproute run``,
+    though what check accepts, run can start. Both are now refused by check,
+    with the key and the reason run gives; a spool the running service holds
+    (``check --url``) is left alone."""
+    prefix = unique("cs")
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    text = with_spool(base(chdb_transport, prefix), f'spool_dir = "{regular}"\n')
+    config = load_config(write(tmp_path, text))
+    with pytest.raises(ConfigFileError) as caught:
+        config.check_destinations()
+    assert caught.value.problems == [
+        f"destinations.ch.spool_dir: cannot create directory {regular}: "
+        "exists and is not a directory"
+    ]
+    with pytest.raises(ConfigFileError) as ran:  # what run says about it
+        run_load(config, rate=100, duration=0.1, out=io.StringIO())
+    assert ran.value.problems == caught.value.problems
+
+    spool_dir = tmp_path / "held"
+    text = with_spool(base(chdb_transport, prefix), f'spool_dir = "{spool_dir}"\n')
+    config = load_config(write(tmp_path, text))
+    held = Spool.open(SpoolConfig(directory=spool_dir))
+    try:
+        with pytest.raises(ConfigFileError) as caught:
+            config.check_destinations()
+        (problem,) = caught.value.problems
+        assert problem.startswith(f"destinations.ch.spool_dir: cannot open spool {spool_dir}: ")
+        assert "in use by another sink or process" in problem
+        assert len(config.check_destinations(running=True)) == 1  # the service's own
+    finally:
+        trio.run(held.aclose)
+    (line,) = config.check_destinations()
+    assert "match the schema" in line

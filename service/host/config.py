@@ -80,6 +80,7 @@ from taproute.service.host.built_service import BuiltService
 from taproute.service.host.config_destinations import (
     DestinationConfig,
     chdb_holder,
+    check_spool,
     destination_problems,
     open_destination,
     prepare_directory,
@@ -315,6 +316,7 @@ class ServiceConfig:
             else:
                 where = sink.transport.description
                 sink.transport.close()
+            check_spool(self.source, name, dest, running=running)  # as the start opens it
             lines.append(f"destination {name!r}: {where}, tables {tables} match the schema")
         return lines
 

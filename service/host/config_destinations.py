@@ -27,6 +27,7 @@ from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry, S
 from taproute.service.sinks.clickhouse.transport import connect_timeout_of, without_credentials
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.dead_letters import destination_dead_letters
+from taproute.service.sinks.spool.log import check_free
 from taproute.service.sinks.spool.spooling import SpoolingSink
 from taproute.service.sinks.writer import WriterProcessSink
 
@@ -174,6 +175,24 @@ def prepare_directory(source: Path, path: Path, where: str) -> None:
         ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigFileError(source, [f"{where}: directory {path} is not writable"])
+
+
+def check_spool(source: Path, name: str, dest: DestinationConfig, *, running: bool) -> None:
+    """Refuse, as :func:`spooled` would at start, a spool directory that cannot
+    be made (a regular file, not writable) or, unless the file's service runs
+    now (``running``: the spool is its own), one another sink holds."""
+    if dest.spool == "off":
+        return
+    directory = dest.spool_directory(source.parent, name)
+    where = f"destinations.{name}.spool_dir"
+    prepare_directory(source, directory, where)
+    if not running:
+        try:
+            check_free(directory)
+        except OSError as exc:
+            raise ConfigFileError(
+                source, [f"{where}: cannot open spool {directory}: {exc}"]
+            ) from None
 
 
 def spooled(

@@ -115,6 +115,25 @@ class SpoolLocked(OSError):
     """Another sink (in this process or another) has the spool directory open."""
 
 
+def check_free(directory: Path) -> None:
+    """Raise :class:`SpoolLocked` when a sink holds the spool in ``directory``
+    now (its lock is taken and given back at once; nothing is read or created)."""
+    try:
+        fd = os.open(Path(directory) / "lock", os.O_RDWR)
+    except FileNotFoundError:
+        return  # never opened: nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _locked(directory) from None
+    finally:
+        os.close(fd)  # releases the lock when this took it
+
+
+def _locked(directory: Path) -> SpoolLocked:
+    return SpoolLocked(f"spool {directory} is in use by another sink or process")
+
+
 class SegmentLog:
     """Append, read and acknowledge frames in one spool directory (blocking IO)."""
 
@@ -128,9 +147,7 @@ class SegmentLog:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise SpoolLocked(
-                f"spool {self.directory} is in use by another sink or process"
-            ) from None
+            raise _locked(self.directory) from None
         id_file = self.directory / "spool.id"
         if not id_file.exists():
             tmp = id_file.with_suffix(".tmp")
