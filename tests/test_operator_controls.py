@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -392,3 +393,39 @@ def test_reroute_over_http_while_the_service_is_closed_answers_503_and_keeps_the
     assert store.get(letter.id).state == "dead"
     assert store.get(letter.id).state == "dead"
     store.close()
+
+
+def test_a_store_that_cannot_be_opened_names_its_path(tmp_path):
+    """DeadLetterStore(path) on a directory, a file that is not SQLite, or a
+    path under a regular file raised sqlite3's bare "unable to open database
+    file" / "file is not a database" (or FileExistsError on the parent): none
+    said which path. Each is now a TaprouteError naming the path and why, and
+    a config file's key keeps its one-line problem."""
+    from taproute.routing.errors import TaprouteError
+    from taproute.service.host.config import ConfigFileError, load_config
+
+    not_sqlite = tmp_path / "notes.sqlite"
+    not_sqlite.write_text("these are my notes, not a database " * 8)
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    for path, reason in [
+        (tmp_path, "unable to open database file"),
+        (not_sqlite, "file is not a database"),
+        (regular / "letters.sqlite", "its directory cannot be made"),
+    ]:
+        with pytest.raises(TaprouteError, match=f"cannot open {re.escape(str(path))}: .*{reason}"):
+            DeadLetterStore(path)
+    assert not_sqlite.read_text().startswith("these are my notes")  # left as it was
+
+    config = tmp_path / "router.toml"
+    config.write_text(
+        '[[layouts]]\nname = "vec"\ncolumns = [{ name = "v", type = "Array(Float32)" }]\n'
+        '[[routes]]\nname = "raw"\noutputs = ["*"]\ndestination = "cap"\n'
+        f'[destinations.cap]\npath = "{tmp_path / "data"}"\nraw = ["vec"]\n'
+        f'[dead_letters]\npath = "{not_sqlite}"\n'
+    )
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(config).open_dead_letters()
+    assert caught.value.problems == [
+        f"dead_letters.path: cannot open {not_sqlite}: file is not a database"
+    ]

@@ -101,7 +101,7 @@ from taproute.service.host.config_sections import (
     ShutdownOptions,
 )
 from taproute.service.host.http import HttpConfig
-from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.ops.dead_letters import DeadLetterStore, DeadLetterStoreError
 from taproute.service.ops.parking import ParkedRecordStore
 from taproute.service.sinks.writer import WriterProcessSink
 
@@ -232,6 +232,8 @@ class ServiceConfig:
         prepare_directory(self.source, path.parent, where)
         try:
             return DeadLetterStore(path, hooks=hooks)
+        except DeadLetterStoreError as exc:  # names the path and why
+            raise ConfigFileError(self.source, [f"{where}: {exc}"]) from None
         except (OSError, sqlite3.Error, TaprouteError) as exc:
             raise ConfigFileError(self.source, [f"{where}: cannot open {path}: {exc}"]) from None
 

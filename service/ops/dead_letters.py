@@ -144,15 +144,7 @@ class DeadLetterStore:
         self.hooks = hooks
         self._lock = threading.Lock()
         if create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(
-                str(self.path), check_same_thread=False, isolation_level=None
-            )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-            self._db.executescript(_LINKS)
-            self._add_generation_column()
+            self._create()
             return
         if not self.path.is_file():
             raise DeadLetterStoreError(f"no dead-letter store at {self.path}")
@@ -177,6 +169,34 @@ class DeadLetterStore:
             )
         self._db.executescript(_LINKS)  # a store written before reroute links existed
         self._add_generation_column()
+
+    def _create(self) -> None:
+        """Open the store, creating it (and its directory) if missing; a path that
+        cannot be one (a directory, a file that is not SQLite, under a regular
+        file) is refused naming it (sqlite3 alone said "unable to open database
+        file"), and a file that is not SQLite is left as it was."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise DeadLetterStoreError(
+                f"cannot open {self.path}: its directory cannot be made ({reason})"
+            ) from None
+        try:
+            self._db = sqlite3.connect(
+                str(self.path), check_same_thread=False, isolation_level=None
+            )
+        except sqlite3.Error as exc:
+            raise DeadLetterStoreError(f"cannot open {self.path}: {exc}") from None
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.executescript(_LINKS)
+            self._add_generation_column()
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise DeadLetterStoreError(f"cannot open {self.path}: {exc}") from None
 
     def _add_generation_column(self) -> None:
         """A store written before generations were recorded gets the column (NULL there)."""
