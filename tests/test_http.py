@@ -161,3 +161,19 @@ def test_an_empty_http_host_is_refused_not_taken_as_every_interface(host):
     with pytest.raises(ConfigError, match=r"must name an address .*0\.0\.0\.0.*got"):
         HttpConfig(host=host)
     assert HttpConfig(host="0.0.0.0").host == "0.0.0.0"  # every interface, said so
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("port", True), ("port", 1.5), ("port", "9464"), ("port", -1), ("max_body_bytes", 2.5)],
+)
+def test_an_http_number_of_the_wrong_kind_is_refused_naming_it(field, value):
+    """HttpConfig(port=True) started and failed at the socket with "Name or
+    service not known", port=1.5 with TypeError "'float' object cannot be
+    interpreted as an integer", port="9464" with a bare comparison TypeError:
+    none named the field. A config file already refused them when read."""
+    from taproute.routing import ConfigError
+
+    message = rf"HttpConfig {field} must be an int in \[.*got {value!r}"
+    with pytest.raises(ConfigError, match=message):
+        HttpConfig(**{field: value})

@@ -46,6 +46,19 @@ def _host_named(_instance: object, attribute: attrs.Attribute[str], value: str) 
         )
 
 
+def _whole(low: int, high: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    """An int (not a bool, not a float) in ``[low, high]``: a port of 1.5 or
+    True reached the socket (TypeError, or "Name or service not known")."""
+
+    def check(_instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(
+                f"HttpConfig {attribute.name} must be an int in [{low}, {high}], got {value!r}"
+            )
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class HttpConfig:
     """Where the HTTP endpoint listens (port 0: any free port).
@@ -57,13 +70,9 @@ class HttpConfig:
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host_named)
-    port: int = attrs.field(
-        default=9464, validator=[attrs.validators.ge(0), attrs.validators.le(65_535)]
-    )
+    port: int = attrs.field(default=9464, validator=_whole(0, 65_535))
     token: str | None = attrs.field(default=None, repr=False)
-    max_body_bytes: int = attrs.field(
-        default=DEFAULT_MAX_BODY_BYTES, validator=attrs.validators.ge(1)
-    )
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_whole(1, 2**30))
 
 
 def snapshot_as_json(snapshot: ServiceSnapshot) -> dict[str, Any]:
