@@ -86,3 +86,30 @@ def test_a_routing_sink_names_an_argument_of_the_wrong_kind():
     for build, message in cases:
         with pytest.raises(TypeError, match=message):
             build()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"http": 9464},
+            r"http: expected an HttpConfig \(http=HttpConfig\(port=9464\)\), found int",
+        ),
+        ({"http": {"port": 0}}, r"http: expected an HttpConfig .*found dict"),
+        ({"dead_letters": "dl.sqlite"}, r"dead_letters: expected a DeadLetterStore .*found str"),
+        ({"schema": "acts"}, r"schema: expected a RecordSchema or None, found str"),
+        ({"capacity_records": 1.5}, r"capacity_records: expected an int, found float 1\.5"),
+        ({"capacity_bytes": "1e6"}, r"capacity_bytes: expected an int, found str"),
+        ({"coalesce_records": True}, r"coalesce_records: expected an int, found bool"),
+        ({"max_block": "0.01"}, r"max_block: expected seconds \(a number\) or None, found str"),
+        ({"wake_delay": None}, r"wake_delay: expected seconds \(a number\), found NoneType"),
+    ],
+)
+def test_the_runtime_names_an_option_of_the_wrong_kind(options, message):
+    """http=9464 and dead_letters=a path raised AttributeError ('int' object
+    has no attribute 'max_body_bytes', 'str' object has no attribute 'hooks');
+    max_block='0.01' and capacity_records='10' a bare comparison TypeError;
+    capacity_records=1.5 and schema='acts' were taken. Each is refused naming
+    the option, what it takes and what was found, before anything starts."""
+    with pytest.raises(TypeError, match=message):
+        create_record_runtime(record_sink=CaptureSink(), **{"schema": SCHEMA, **options})

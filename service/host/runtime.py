@@ -67,6 +67,7 @@ from taproute.service.host.counters import ServiceSnapshot
 from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull, thread_wait
 from taproute.service.host.ingress_control import Control
 from taproute.service.host.producer_calls import ProducerCalls
+from taproute.service.host.runtime_options import check_runtime_options
 from taproute.service.host.sink_controls import SinkControls
 
 #: Something else to host on the runtime's loop: started with ``nursery.start``
@@ -147,6 +148,16 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         problem = not_async(record_sink)
         if problem is not None:
             raise TypeError(f"record_sink: {problem}")
+        check_runtime_options(
+            schema=schema,
+            hooks=hooks,
+            capacity_records=capacity_records,
+            capacity_bytes=capacity_bytes,
+            coalesce_records=coalesce_records,
+            name=name,
+            max_block=max_block,
+            wake_delay=wake_delay,
+        )
         if max_block is not None and not max_block >= 0:
             raise ValueError(f"max_block must be seconds >= 0 or None, got {max_block!r}")
         if not (wake_delay >= 0 and math.isfinite(wake_delay)):

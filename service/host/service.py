@@ -38,6 +38,7 @@ from taproute.service.host.batch_merge import SpansPayloads
 from taproute.service.host.http import HttpConfig, build_app, serve_http
 from taproute.service.host.ingress import WAKE_DELAY_S, WhenFull
 from taproute.service.host.runtime import RecordRuntime
+from taproute.service.host.runtime_options import check_service_options
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterStore
 from taproute.service.ops.endpoints import NoReloader
@@ -62,6 +63,7 @@ class RecordService(RecordRuntime):
         dead_letters: DeadLetterStore | None = None,
         **options: Any,
     ) -> None:
+        check_service_options(http, dead_letters)
         super().__init__(record_sink, **options)
         self.http = http
         #: The URLs the HTTP endpoint listens on, once started (empty without one).
