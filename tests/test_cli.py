@@ -33,6 +33,10 @@ def test_demo_captures_minilm_and_lands_every_route_in_chdb(capsys, chdb_transpo
     assert routes["head_norms"][1:] == ["stateless", *[str(SENTENCES * 12)] * 2, "0"]
     assert routes["unit_stats"][1:3] == ["stateful", str(SENTENCES * 6)]
     assert "layer 5  query" in out
+    # The table of row counts lines up (a 19-letter table name pushed its count out).
+    first = text.index(next(line for line in text if line.startswith("table ")))
+    table = text[first : first + 6]
+    assert len({len(line) for line in table}) == 1, table  # counts right-aligned
 
     query = chdb_transport.query
     counts = query(

@@ -161,10 +161,11 @@ def report(counters: object, result: DemoResult, transport: object) -> None:
             f"{route.name:<12} {route.mode:<10} {route.processed:>10} {route.emitted:>9} "
             f"{route.failed:>7}"
         )
-    print(f"{'table':<16} {'rows':>8}")
+    width = max(len(table) for table in TABLES)  # intrinsic_dimension is 19
+    print(f"{'table':<{width}} {'rows':>8}")
     for table in TABLES:
         rows = transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
-        print(f"{table:<16} {rows:>8}")
+        print(f"{table:<{width}} {rows:>8}")
     blocked = ingress.blocked_seconds if ingress else 0.0
     print(
         f"throughput: {records / result.seconds:,.0f} captures/s, "
