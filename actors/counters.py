@@ -161,7 +161,7 @@ class DestinationCounters:
     name: str
     records: int = count("taproute_destination_sent_records", "Records handed to the sink.")
     bytes: int = count("taproute_destination_sent_bytes", "Payload bytes handed to the sink.")
-    batches: int = 0
+    batches: int = count("taproute_destination_sent_batches", "Batches handed to the sink.")
     flushes: int = count("taproute_destination_flushes", "Flushes of the sink.")
     errors: int = count("taproute_destination_errors", "Sink calls that raised.")
     abandoned_records: int = count(

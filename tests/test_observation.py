@@ -105,3 +105,28 @@ def test_metric_types_follow_the_declarations():
             if getattr(instance, d.field) is not None and family.samples:
                 assert family.samples[0].value == getattr(instance, d.field)
     assert attrs.asdict(snap)["ingress"]["submitted"] == 0
+
+
+def test_every_count_the_readme_lists_is_declared_and_exported():
+    """The README lists per destination "records, bytes, batches, flushes,
+    errors" among the counts, each "declared either a count (a Prometheus
+    counter) or live state"; ``batches`` was a plain field: in snapshot() and
+    /status, never on /metrics. Every integer field of a counters class is now
+    one or the other (names, reasons and per-code maps are labels or detail)."""
+    detail = {"name", "mode", "destination", "last_decline", "failures_by_code"}
+    detail |= {"oldest_open_key_age_s", "unhealthy_since", "unhealthy_reason"}  # /status
+    detail |= {"cut_short"}  # the call a bounded shutdown cut off: /status
+    detail |= {"dropped", "skipped"}  # by hook and reason: taproute_capture_* families
+    for cls in (RouteCounters, DestinationCounters, IngressCounters):
+        plain = {f.name for f in attrs.fields(cls) if "kind" not in f.metadata}
+        assert plain <= detail, (cls.__name__, plain - detail)
+    snap = ServiceSnapshot(
+        routes={},
+        destinations={"d": DestinationCounters("d", records=6, batches=2)},
+        unmatched_forwarded=0,
+        unmatched_dropped=0,
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))
+    text = generate_latest(registry).decode()
+    assert 'taproute_destination_sent_batches_total{destination="d"} 2.0' in text
