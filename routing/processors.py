@@ -19,6 +19,7 @@ Processors run in worker threads: numpy releases the GIL, so they overlap.
 from __future__ import annotations
 
 import enum
+import inspect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
@@ -97,6 +98,50 @@ class ProcessorSpec:
     #: the route's configuration, for ``taproute trace --samples`` (see
     #: :mod:`taproute.routing.samples`).
     samples: Callable[[Any], Iterable[Any]] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        stateful = self.kind is ProcessorKind.STATEFUL
+        calls: list[tuple[str, Callable[..., Any] | None, tuple[str, ...]]] = [
+            (
+                f"a {self.kind.value} processor",
+                self.fn,
+                ("records", "keys", "state") if stateful else ("records",),
+            ),
+            ("samples", self.samples, ("context",)),
+        ]
+        if stateful:
+            calls += [
+                ("key", self.key, ("descriptors",)),
+                ("finalize", self.finalize, ("state", "key")),
+                ("merge", self.merge, ("a", "b")),
+                ("finish", self.finish, ("state", "keys")),
+            ]
+        for what, fn, arguments in calls:
+            if fn is not None:
+                _check_call(self.name, what, fn, arguments)
+
+
+def _check_call(name: str, what: str, fn: Callable[..., Any], arguments: tuple[str, ...]) -> None:
+    """Refuse ``fn`` if it cannot be called with ``arguments`` (positionally,
+    as the router calls it); a signature that cannot be read is taken."""
+    role = "fn" if what.startswith("a ") else what
+    call = f"{role}({', '.join(arguments)})"
+    if not callable(fn):
+        raise ConfigError(
+            f"processor {name!r}: {what} is called as {call}; found {type(fn).__name__} {fn!r:.60}"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a readable signature: taken on trust
+    try:
+        signature.bind(*arguments)
+    except TypeError as exc:
+        shown = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ConfigError(
+            f"processor {name!r}: {what} is called as {call}; {shown}{signature} "
+            f"cannot take it ({exc})"
+        ) from None
 
 
 class _Named(Protocol):
