@@ -95,3 +95,41 @@ def test_a_filter_that_is_not_an_integer_is_refused_by_name(raw, filters, named)
     ``layer="x"`` was int()'s bare ValueError."""
     with pytest.raises(ReadBackError, match=rf"^{named} must be integers, got "):
         load_captures(raw, TABLE, **filters)
+
+
+def test_names_and_order_by_are_names_not_sql(raw):
+    """load_rows(order_by="key; DROP TABLE t") ran the DROP (chDB takes several
+    statements): read-back dropped the table it read. A table or column name
+    holding a backquote ended the quoted name the same way. Names are now
+    plain identifiers and order_by is column names with ASC/DESC; the table
+    is still there afterwards."""
+    from taproute.routing import Layout
+
+    layout = Layout("positions", [("key", "Int64"), ("step", "Int64")])
+    with pytest.raises(ReadBackError, match=r"order_by takes column names, .* got 'key; DROP"):
+        load_rows(raw, TABLE, layout, order_by=f"key; DROP TABLE {TABLE}")
+    with pytest.raises(ReadBackError, match=r"order_by names 'nope', not a column read"):
+        load_rows(raw, TABLE, layout, order_by="key, nope DESC")
+    with pytest.raises(ReadBackError, match=r"table must be a plain name .* got 'rb` WHERE"):
+        load_captures(raw, "rb` WHERE 1=1 --")
+    with pytest.raises(ReadBackError, match=r"column must be a plain name"):
+        load_captures(raw, TABLE, column="values` FROM x --")
+    assert len(load_captures(raw, TABLE)) == 36  # the table was not touched
+    ordered = load_rows(raw, TABLE, layout, key=[1, 2], order_by="key DESC, step asc")
+    got = [(int(r["key"]), int(r["step"])) for r in ordered]
+    assert got == sorted(got, key=lambda ks: (-ks[0], ks[1])) and len(got) == 24
+
+
+def test_a_table_of_another_kind_or_steps_not_a_pair_is_a_read_back_error(raw):
+    """A processor table read as captures, or rows read with another layout,
+    raised chDB's UNKNOWN_IDENTIFIER; steps=5 raised "cannot unpack
+    non-iterable int object"."""
+    from taproute.service.signals import twonn
+
+    layout = twonn.SIGNALS.outputs[0]
+    with pytest.raises(ReadBackError, match=rf"{TABLE}: no columns? '.*' \(layout '{layout.name}'"):
+        load_rows(raw, TABLE, layout)
+    with pytest.raises(ReadBackError, match=rf"{TABLE}: no columns 'norms', 'norms_shape' "):
+        load_captures(raw, TABLE, column="norms")
+    with pytest.raises(ReadBackError, match=r"steps must be a \(first, stop\) pair.* got 5"):
+        load_captures(raw, TABLE, steps=5)  # type: ignore[arg-type]

@@ -70,6 +70,55 @@ def _glob_regex(pattern: str) -> str:
     return "".join(out) + "$"
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_ORDER_TERM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s+(ASC|DESC))?\s*\Z", re.IGNORECASE)
+
+
+def _name(what: str, value: object) -> str:
+    """A table or column name, plain (letters, digits, underscores): it is put
+    into the query between backquotes, so anything else could end the name."""
+    if isinstance(value, str) and _NAME.match(value):
+        return value
+    raise ReadBackError(
+        f"{what} must be a plain name (letters, digits and underscores), got {value!r}"
+    )
+
+
+def _order(table: str, order_by: str, columns: list[str]) -> str:
+    """``order_by`` (``"key, head DESC"``) as an ORDER BY clause over ``columns``;
+    anything but column names with an optional ASC/DESC is refused (it is not
+    SQL to run: ``"key; DROP TABLE t"`` ran as a second statement)."""
+    if not isinstance(order_by, str):
+        raise ReadBackError(f"order_by must be a str, got {type(order_by).__name__}")
+    terms = []
+    for part in order_by.split(","):
+        match = _ORDER_TERM.match(part)
+        if match is None:
+            raise ReadBackError(
+                f"{table}: order_by takes column names, each optionally ASC or DESC, "
+                f"separated by commas; got {order_by!r}"
+            )
+        column, direction = match.group(1), (match.group(2) or "ASC").upper()
+        if column not in columns:
+            raise ReadBackError(
+                f"{table}: order_by names {column!r}, not a column read ({', '.join(columns)})"
+            )
+        terms.append(f"`{column}` {direction}")
+    return " ORDER BY " + ", ".join(terms)
+
+
+def _steps(steps: Any) -> tuple[int, int]:
+    first: object
+    stop: object
+    try:
+        first, stop = steps
+    except (TypeError, ValueError):
+        raise ReadBackError(
+            f"steps must be a (first, stop) pair, a half-open range, got {steps!r}"
+        ) from None
+    return _integer("steps", first), _integer("steps", stop)
+
+
 def _integer(name: str, value: object) -> int:
     """``value`` as a filter's integer; anything else (``1.5``, ``"3"``, a bool)
     is refused by name, never rounded into another key, step or layer."""
@@ -102,8 +151,8 @@ def _where(
             keys = [_integer("key", key)]
         terms.append(f"key IN ({', '.join(map(str, keys)) or 'NULL'})")
     if steps is not None:
-        first, stop = steps
-        terms.append(f"step >= {_integer('steps', first)} AND step < {_integer('steps', stop)}")
+        first, stop = _steps(steps)
+        terms.append(f"step >= {first} AND step < {stop}")
     if layer is not None:
         terms.append(f"extract(hook, '[0-9]+') = {_literal(str(_integer('layer', layer)))}")
     for column, value in (extra or {}).items():
@@ -121,11 +170,19 @@ def _lists(column: pa.ChunkedArray) -> tuple[npt.NDArray[Any], npt.NDArray[np.in
     return flat, offsets
 
 
-def _query(transport: Transport, table: str, sql: str) -> pa.Table:
-    """``sql`` over ``table``, refused by name when the table does not exist."""
-    if transport.describe(table) is None:
+def _check_table(transport: Transport, table: str, needed: list[str], kind: str) -> None:
+    """Refuse, by name, a table that does not exist or lacks a column to be read."""
+    described = transport.describe(table)
+    if described is None:
         raise ReadBackError(f"table {table!r} does not exist in {transport.description}")
-    return transport.query(sql)
+    has = [name for name, _type in described]
+    missing = [name for name in needed if name not in has]
+    if missing:
+        raise ReadBackError(
+            f"{table}: no column{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(repr, missing))} ({kind}); "
+            f"the table has {', '.join(has)}"
+        )
 
 
 def load_captures(
@@ -142,11 +199,15 @@ def load_captures(
 ) -> list[Capture]:
     """Raw records of ``table`` (e.g. ``raw_activations``) matching the filters,
     ordered by hook, key, step, seq; ``values`` in the shape they were captured in."""
+    table, column = _name("table", table), _name("column", column)
+    where = _where(hook=hook, key=key, steps=steps, layer=layer)
+    needed = ["hook", "key", "step", "seq", column, f"{column}_shape"]
+    _check_table(transport, table, needed, "a raw capture table has them")
     sql = (
         f"SELECT hook, key, step, seq, `{column}` AS v, `{column}_shape` AS s FROM `{table}`"
-        f"{_where(hook=hook, key=key, steps=steps, layer=layer)} ORDER BY hook, key, step, seq"
+        f"{where} ORDER BY hook, key, step, seq"
     )
-    result = _query(transport, table, sql)
+    result = transport.query(sql)
     if result.num_rows == 0:
         return []
     flat, offsets = _lists(result.column("v"))
@@ -195,6 +256,7 @@ def load_rows(
     Filters apply only to columns the layout has (``key``/``step`` for rows
     that carry them); ``equal`` adds ``column = value`` terms (``window=3``).
     """
+    table = _name("table", table)
     names = [c.name for c in layout.columns]
     for column, value in (("hook", hook), ("key", key), ("step", steps)):
         if value is not None and column not in names:
@@ -203,9 +265,10 @@ def load_rows(
         if column not in names:
             raise ReadBackError(f"{table}: layout {layout.name!r} has no {column!r} column")
     where = _where(hook=hook, key=key, steps=steps, layer=layer, extra=equal)
-    order = f" ORDER BY {order_by}" if order_by else ""
+    order = _order(table, order_by, names) if order_by else ""
+    _check_table(transport, table, names, f"layout {layout.name!r} has it")
     columns = ", ".join(f"`{n}`" for n in names)
-    result = _query(transport, table, f"SELECT {columns} FROM `{table}`{where}{order}")
+    result = transport.query(f"SELECT {columns} FROM `{table}`{where}{order}")
     rows = np.zeros(result.num_rows, dtype=layout.dtype)
     if result.num_rows == 0:
         return rows
