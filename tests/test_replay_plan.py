@@ -61,3 +61,22 @@ def test_packing_edge_cases():
     # Keys and rows come back as Python ints (unit ids are JSON of them).
     (unit,) = packed(["a"], [2**40], [3], 1)
     assert all(type(v) is int for v in unit[1:])
+
+
+@pytest.mark.parametrize("name", ["x`; DROP TABLE head_norms; --", "1st", "db.table", ""])
+def test_a_table_name_that_is_not_plain_is_refused_before_anything_runs(chdb_transport, name):
+    """``--output 'lane=clickhouse:x`; DROP TABLE t; --'`` was taken (a dry run
+    listed it) and the run sent it into a CREATE TABLE between backquotes,
+    failing with chDB's INCORRECT_QUERY and a traceback; a corpus layout
+    holding a backquote went into ``raw_<layout>`` the same way. Both are
+    refused naming the table, as the live sinks' table names are."""
+    from taproute.service import ClickHouseCorpus, ClickHouseTable
+    from taproute.service.replay.errors import ReplayConfigError
+    from taproute.service.replay.lanes import parse_target
+
+    with pytest.raises(ReplayConfigError, match=r"table name .* must be letters, digits and"):
+        parse_target(f"clickhouse:{name}") if name else ClickHouseTable(name)
+    with pytest.raises(ReplayConfigError, match=r"corpus: table name .* must be letters"):
+        ClickHouseCorpus(chdb_transport, "acts", table=name or " ")
+    assert ClickHouseTable("replay_ok").table == "replay_ok"
+    assert ClickHouseCorpus(chdb_transport, "acts").table == "raw_acts"

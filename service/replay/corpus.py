@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from taproute.routing.schema import RecordSchema
 from taproute.service.replay.decode import DESCRIPTOR_NAMES
-from taproute.service.replay.errors import LayoutMismatch, MissingSource
+from taproute.service.replay.errors import LayoutMismatch, MissingSource, plain_table
 from taproute.service.replay.units import Filters, WorkUnit, pack_keys, unit_id
 from taproute.service.sinks.clickhouse.tables import (
     SchemaMismatch,
@@ -76,7 +76,7 @@ class ClickHouseCorpus:
     ) -> None:
         self.transport = transport
         self.layout = layout
-        self.table = table or f"raw_{layout}"
+        self.table = plain_table("corpus", table or f"raw_{layout}")
         self.filters = filters or Filters()
         self._spec: TableSpec | None = None
         self._hooks: list[str] | None = None

@@ -3,7 +3,11 @@ naming what was wrong and where (expected vs found)."""
 
 from __future__ import annotations
 
+import re
+
 from taproute.routing.errors import ConfigError, TaprouteError
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class ReplayError(TaprouteError):
@@ -54,3 +58,15 @@ class UnitsFailed(ReplayError):
 
 class WorkerLost(ReplayError):
     """A worker process died (killed, crashed) while the run needed it."""
+
+
+def plain_table(what: str, value: object) -> str:
+    """``value`` if it is a plain table name (letters, digits, underscores, not
+    starting with a digit), as the live sinks' tables are; it goes into the
+    queries between backquotes, so a backquote would end it early."""
+    if isinstance(value, str) and _PLAIN_NAME.match(value):
+        return value
+    raise ReplayConfigError(
+        f"{what}: table name {value!r} must be letters, digits and underscores, "
+        "not starting with a digit"
+    )

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from taproute.routing.layout import Layout
-from taproute.service.replay.errors import NotExactlyOnce, ReplayConfigError
+from taproute.service.replay.errors import NotExactlyOnce, ReplayConfigError, plain_table
 from taproute.service.sinks.clickhouse.deduplication import NoDeduplication, check_deduplication
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
@@ -38,7 +38,11 @@ from taproute.service.sinks.clickhouse.transport import Transport
 class ClickHouseTable:
     """A lane target: a table on the run's ClickHouse (created if missing)."""
 
-    table: str
+    table: str = attrs.field()
+
+    @table.validator
+    def _plain(self, _attribute: attrs.Attribute[str], value: str) -> None:
+        plain_table(f"output target clickhouse:{value}", value)
 
     def describe(self) -> str:
         return f"clickhouse:{self.table}"
