@@ -575,8 +575,13 @@ def test_cli_dry_run_then_run_then_failing_run(corpus, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 1
     assert "2 work unit(s) failed" in captured.err and "cannot handle key(s) [13]" in captured.err
-    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--keys", "9")) == 1
+    # Bad input exits 2, as the README's exit codes say (it exited 1, as failed work).
+    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--keys", "9")) == 2
     assert "--keys '9': expected LO:HI" in capsys.readouterr().err
+    assert main(cli(ch, tmp_path, "--processor", "test.nope", "--output", out)) == 2
+    assert "unknown processor 'test.nope'" in capsys.readouterr().err
+    assert main(cli(ch, tmp_path, "--processor", "test.norms", "--output", "norm=nowhere")) == 2
+    assert "expected clickhouse:TABLE or parquet:DIRECTORY" in capsys.readouterr().err
 
 
 # -- backends ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from taproute.routing.errors import ConfigError
 from taproute.routing.schema import RecordSchema
 from taproute.service.replay.config import ReplayConfig
 from taproute.service.replay.corpus import ClickHouseCorpus, Corpus, ParquetCorpus
@@ -198,8 +199,21 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     )
 
 
+#: Exit code of bad input (arguments, or what they name), as every subcommand's.
+BAD_INPUT = 2
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the subcommand; 1 when units failed (the message lists them)."""
+    """Run the subcommand; 1 when units failed (the message lists them), 2 when
+    it is configured wrongly (an argument, or what it names), before any unit."""
+    try:
+        return _main(args)
+    except ConfigError as exc:  # ReplayConfigError, an unknown processor, a bad layout
+        print(f"taproute: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return BAD_INPUT
+
+
+def _main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.dry_run:
         report = run_replay(config, dry_run=True)
