@@ -401,3 +401,63 @@ def test_a_hook_whose_per_position_shape_varies_reports_flat_shapes():
             assert rt.hooks.token_shape_of(binding.output_id) is None
             ident(torch.zeros(1, 2, 3, 3))
             assert rt.hooks.token_shape_of(binding.output_id) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pool": 5}, r"pool must be a HostBufferPool .*found int"),
+        ({"token_major": "yes"}, r"token_major must be True or False, found str 'yes'"),
+        ({"narrow": "no"}, r"narrow must be True or False, found str 'no'"),
+    ],
+)
+def test_bind_options_of_the_wrong_kind_are_refused_at_bind_time(options, message):
+    """pool=5 was taken and the first forward pass detached the hook with
+    "capture failed (AttributeError: 'int' object has no attribute
+    'cpu_outputs')", counted as runtime_failed; narrow="no" meant narrow (a
+    truthy string). Each is refused at bind, naming the option."""
+    model = gpt2()
+    with runtime() as rt:
+        with pytest.raises(CaptureError, match=message):
+            bind_modules(rt, model, "transformer.h.*.mlp", layout="acts", **options)
+        assert rt.hooks.names() == ()  # nothing bound
+
+
+def test_what_is_bound_and_to_what_is_checked_at_bind_time():
+    """A runtime that is not one (a sink), a model given by name, a prefix that
+    is not a str: AttributeError 'CaptureSink' object has no attribute
+    'schema', 'str' object has no attribute 'named_modules', and "unsupported
+    operand type(s) for +: 'int' and 'str'"."""
+    model = gpt2()
+    with runtime() as rt:
+        with pytest.raises(
+            CaptureError, match=r"runtime must be .*create_record_runtime.*found CaptureSink"
+        ):
+            bind_module(CaptureSink(), model.transformer.h[0], "h0", layout="acts")  # type: ignore[arg-type]
+        with pytest.raises(
+            CaptureError, match=r"bind_modules: model must be a torch.nn.Module, found str"
+        ):
+            bind_modules(rt, "gpt2", "transformer.h.*", layout="acts")  # type: ignore[arg-type]
+        with pytest.raises(
+            CaptureError, match=r"bind_module\('h0'\): module must be a torch.nn.Module"
+        ):
+            bind_module(rt, model.transformer.h[0].mlp.c_fc.weight, "h0", layout="acts")  # type: ignore[arg-type]
+        with pytest.raises(CaptureError, match=r"bind_modules: prefix must be a str, found int 5"):
+            bind_modules(rt, model, "transformer.h.*.mlp", layout="acts", prefix=5)  # type: ignore[arg-type]
+        assert rt.hooks.names() == ()
+
+
+def test_a_select_callable_that_raises_is_a_bad_output_not_a_failed_runtime():
+    """Its exception (anything but IndexError/KeyError/AttributeError/TypeError)
+    went to the catch-all: counted as runtime_failed, so /metrics said the
+    runtime failed when the user's select did."""
+    module = Returns(lambda x: (x, x))
+    with runtime() as rt:
+        bind_module(rt, module, "m", layout="acts", select=lambda out: 1 / 0)
+        with (
+            capture_context([1, 2]),
+            pytest.warns(CaptureWarning, match=r"select=.* raised ZeroDivisionError"),
+        ):
+            module(torch.randn(2, 3, 4))
+        assert rt.counters().ingress.dropped == {"m": {"bad_output": 2}}
+        assert rt.failure is None

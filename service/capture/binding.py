@@ -95,6 +95,56 @@ def _check_parameters(
             return
 
 
+#: What a capture hook calls on its runtime (CaptureTarget's methods).
+_TARGET_CALLS = ("bind_hook", "offer_captured", "count_dropped", "count_skipped")
+#: What a hook takes from its buffer pool (HostBufferPool, a writer's SharedBufferPool).
+_POOL_CALLS = ("take", "take_host", "give_back")
+
+
+def _check_options(
+    where: str,
+    runtime: object,
+    *,
+    token_major: object,
+    narrow: object,
+    pool: object,
+) -> None:
+    """Refuse, at bind time, what a hook's first call would trip on (and then
+    count as a failed runtime): a runtime that is not one, a pool that is not
+    one, a flag that is not a bool (narrow="no" was narrow)."""
+    if not (
+        all(callable(getattr(runtime, call, None)) for call in _TARGET_CALLS)
+        and hasattr(runtime, "hooks")
+        and hasattr(runtime, "schema")
+    ):
+        raise CaptureError(
+            f"{where}: runtime must be the runtime the hooks submit to (what "
+            f"create_record_runtime returns), found {type(runtime).__name__}"
+        )
+    for flag, value in (("token_major", token_major), ("narrow", narrow)):
+        if not isinstance(value, bool):
+            raise CaptureError(
+                f"{where}: {flag} must be True or False, found {type(value).__name__} {value!r}"
+            )
+    if pool is not None and not (
+        all(callable(getattr(pool, call, None)) for call in _POOL_CALLS)
+        and hasattr(pool, "cpu_outputs")
+    ):
+        raise CaptureError(
+            f"{where}: pool must be a HostBufferPool (or a writer sink's buffer_pool), "
+            f"found {type(pool).__name__} {pool!r:.60}"
+        )
+
+
+def _check_module(where: str, what: str, value: object) -> None:
+    import torch
+
+    if not isinstance(value, torch.nn.Module):
+        raise CaptureError(
+            f"{where}: {what} must be a torch.nn.Module, found {type(value).__name__}"
+        )
+
+
 def bind_module(
     runtime: CaptureTarget,
     module: torch.nn.Module,
@@ -128,6 +178,9 @@ def bind_module(
     """
     import torch
 
+    where = f"bind_module({name!r})"
+    _check_options(where, runtime, token_major=token_major, narrow=narrow, pool=pool)
+    _check_module(where, "module", module)
     if on_error not in ("detach", "raise"):
         raise CaptureError(f"bind_module({name!r}): on_error must be 'detach' or 'raise'")
     check_select(select, hook=name)
@@ -339,6 +392,12 @@ def bind_modules(
     Hook names are ``prefix + qualified name``; one buffer pool serves all;
     the other options are :func:`bind_module`'s.  Raises if nothing matches.
     """
+    _check_options("bind_modules", runtime, token_major=token_major, narrow=narrow, pool=pool)
+    _check_module("bind_modules", "model", model)
+    if not isinstance(prefix, str):
+        raise CaptureError(
+            f"bind_modules: prefix must be a str, found {type(prefix).__name__} {prefix!r}"
+        )
     model = uncompiled(model)  # a compiled model's submodules under their own names
     matches = [
         (qualified, module)

@@ -72,6 +72,11 @@ def pick(output: Any, select: Select, *, hook: str) -> torch.Tensor:
             f"hook {hook!r}: select={select!r} does not apply to {_describe(output)} "
             f"({type(exc).__name__}: {exc})"
         ) from None
+    except Exception as exc:  # the user's select callable: an output it can't take
+        raise CaptureError(
+            f"hook {hook!r}: select={select!r} raised {type(exc).__name__} on "
+            f"{_describe(output)}: {exc}"
+        ) from exc
     if not isinstance(value, torch.Tensor):
         raise CaptureError(
             f"hook {hook!r}: select={select!r} picked {_describe(value)} out of "
