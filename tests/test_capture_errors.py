@@ -20,6 +20,7 @@ from taproute.service.capture import (
     bind_module,
     bind_modules,
     capture_context,
+    capture_decode,
     carry_context,
 )
 from tests.capture_models import ACTS, VOCAB, as_float32, gpt2, qwen2_moe
@@ -461,3 +462,33 @@ def test_a_select_callable_that_raises_is_a_bad_output_not_a_failed_runtime():
             module(torch.randn(2, 3, 4))
         assert rt.counters().ingress.dropped == {"m": {"bad_output": 2}}
         assert rt.failure is None
+
+
+def test_what_the_capture_blocks_take_is_checked_when_they_are_entered():
+    """end_keys that is not a runtime raised AttributeError on the way out of
+    the block, after the forward pass ran (and, when the pass raised, was
+    swallowed: the keys were never cancelled); capture_decode of a model given
+    by name raised AttributeError; carry_context(5) was taken and failed only
+    in the worker thread."""
+    entered = []
+    refused = pytest.raises(CaptureError, match=r"end_keys must be the runtime .*found str")
+    with refused, capture_context([1], end_keys="runtime"):  # type: ignore[arg-type]
+        entered.append(1)
+    assert entered == []  # refused before the pass
+    refused = pytest.raises(CaptureError, match=r"capture_decode: model must be a torch.nn.Module")
+    with refused, capture_decode("gpt2", [1]):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(CaptureError, match=r"carry_context: fn must be callable .*found int"):
+        carry_context(5)  # type: ignore[arg-type]
+
+    ended: list[tuple[int, ...]] = []
+
+    class Ends:  # what end_keys needs: complete and cancel
+        def complete(self, *keys: int) -> None:
+            ended.append(keys)
+
+        cancel = complete
+
+    with capture_context([1, 2], end_keys=Ends()):
+        pass
+    assert ended == [(1, 2)]

@@ -239,6 +239,14 @@ def capture_context(
     Neither waits for the router.
     """
     context = build_context(keys, lengths=lengths, attention_mask=attention_mask, step=step)
+    if end_keys is not None and not (
+        callable(getattr(end_keys, "complete", None))
+        and callable(getattr(end_keys, "cancel", None))
+    ):  # checked before the pass, not found on the way out of it
+        raise CaptureError(
+            "capture_context: end_keys must be the runtime (or service) whose keys end "
+            f"with the block (it has complete and cancel), found {type(end_keys).__name__}"
+        )
     token = _CONTEXT.set(context)
     try:
         yield context
@@ -261,6 +269,11 @@ def carry_context(fn: Callable[P, R]) -> Callable[P, R]:
     the hooks there see no context and capture nothing (counted as skipped,
     reason ``no_context``).
     """
+    if not callable(fn):
+        raise CaptureError(
+            f"carry_context: fn must be callable (the model, or a function running it), "
+            f"found {type(fn).__name__}"
+        )
     snapshot = contextvars.copy_context()
 
     def run(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -63,6 +63,10 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     """
     import torch
 
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(
+            f"capture_decode: model must be a torch.nn.Module, found {type(model).__name__}"
+        )
     state = DecodeSteps()
     key_list = list(_integers("keys", keys, caller="capture_decode"))
     model = uncompiled(model)  # generate on a compiled model runs the model it wraps
