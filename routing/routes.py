@@ -89,6 +89,19 @@ _outputs = config_check(
     v.min_len(1), v.deep_iterable(v.and_(*NAME)), must="non-empty names", owner=_route
 )
 _then = config_check(v.deep_iterable(v.and_(*NAME)), must="route names", owner=_route)
+_processor = config_check(
+    v.optional(v.and_(*NAME)), must="a registered processor's name (a str)", owner=_route
+)
+_policy = config_check(
+    v.instance_of(FailurePolicy),
+    must="a FailurePolicy (FailurePolicy(deadline=2.0, ...))",
+    owner=_route,
+)
+_predicate = config_check(
+    v.optional(v.is_callable()),
+    must="callable as predicate(descriptors) -> bool array",
+    owner=_route,
+)
 
 #: Outputs starting with this name another route's output (``route:norms``,
 #: or a glob over route names: ``route:norm*``) instead of hooks; derived
@@ -111,16 +124,20 @@ class Route:
     # What a route *is* (name, outputs, destination) may be positional; how it
     # runs is always spelled out.
     mode: RouteMode = attrs.field(default=RouteMode.FORWARD, converter=_to_mode, kw_only=True)
-    processor: str | None = attrs.field(default=None, kw_only=True)
+    processor: str | None = attrs.field(default=None, validator=_processor, kw_only=True)
     capacity: int = attrs.field(default=QUEUE_RECORDS, validator=_bounded("capacity"), kw_only=True)
     capacity_bytes: int = attrs.field(
         default=QUEUE_BYTES, validator=_bounded("capacity_bytes"), kw_only=True
     )
     workers: int = attrs.field(default=1, validator=_bounded("workers"), kw_only=True)
-    failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy, kw_only=True)
+    failure_policy: FailurePolicy = attrs.field(
+        factory=FailurePolicy, validator=_policy, kw_only=True
+    )
     #: ``predicate(descriptors) -> bool array`` (True: the route takes the
     #: record), or ``(bool array, reason)`` naming why it declined the rest.
-    predicate: Predicate | None = attrs.field(default=None, eq=False, kw_only=True)
+    predicate: Predicate | None = attrs.field(
+        default=None, eq=False, validator=_predicate, kw_only=True
+    )
     #: Routes that take this route's output again (its rows, or a forward
     #: route's records), as derived records; the same as naming
     #: ``"route:<this route>"`` in their ``outputs``.

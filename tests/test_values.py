@@ -55,6 +55,19 @@ def test_a_record_failure_is_built_by_keyword_only():
             {"capacity": "many"},
             "route 'r': capacity must be a positive int <= 2**32, got 'many'",
         ),
+        # Taken until now: a dict failed the build with AttributeError ('dict'
+        # object has no attribute 'max_parked_records'), a predicate of 5 was
+        # built and failed every record, a processor of 5 was "unknown".
+        (
+            {"failure_policy": {"deadline": 2.0}},
+            "route 'r': failure_policy must be a FailurePolicy (FailurePolicy(deadline=2.0, "
+            "...)), got {'deadline': 2.0}",
+        ),
+        ({"predicate": 5}, "route 'r': predicate must be callable as predicate(descriptors)"),
+        (
+            {"mode": "stateless", "processor": 5},
+            "route 'r': processor must be a registered processor's name (a str), got 5",
+        ),
     ],
 )
 def test_route_fields_are_checked_into_config_errors(fields, message):
