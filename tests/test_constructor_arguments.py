@@ -113,3 +113,34 @@ def test_the_runtime_names_an_option_of_the_wrong_kind(options, message):
     the option, what it takes and what was found, before anything starts."""
     with pytest.raises(TypeError, match=message):
         create_record_runtime(record_sink=CaptureSink(), **{"schema": SCHEMA, **options})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batching": {"linger": 1.0}}, r"batching must be a Batching \(.*found dict"),
+        ({"retry": 3}, r"retry must be a Retry \(.*found int 3"),
+        ({"create_tables": "no"}, r"create_tables must be True or False, found str 'no'"),
+        ({"raw": 5}, r"raw must be layout names \(a str or a list of str\), found int 5"),
+        (
+            {"raw_table": "x`; DROP TABLE t; --"},
+            r"raw_table .* makes table name 'x`; DROP TABLE t; --' \(for layout 'acts'\): "
+            r"it must be letters, digits and underscores",
+        ),
+        ({"rows_table": "out_{name}"}, r"rows_table 'out_\{name\}': unknown field \{name\}"),
+    ],
+)
+def test_a_clickhouse_sink_argument_of_the_wrong_kind_is_refused_naming_it(
+    chdb_transport, options, message
+):
+    """batching as a dict raised AttributeError ('dict' object has no attribute
+    'inserts_in_flight'); retry=3 and create_tables='no' were taken (the
+    latter as True); raw=5 raised "'int' object is not iterable"; a table
+    template making no plain name went into CREATE TABLE between backquotes
+    (chDB's INCORRECT_QUERY); an unknown template field raised KeyError.
+    A config file refused all of these when read; Python now does too."""
+    from taproute.routing import ConfigError
+
+    given = {"raw": ["acts"], "rows": ["norm"], "create_tables": True, **options}
+    with pytest.raises(ConfigError, match=rf"ClickHouseSink: {message}"):
+        ClickHouseSink(chdb_transport, SCHEMA, owns_transport=False, **given)

@@ -35,6 +35,7 @@ from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema, expect_schema
+from taproute.service.sinks.clickhouse import arguments
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
 from taproute.service.sinks.clickhouse.blocks import (
@@ -110,6 +111,12 @@ class ClickHouseSink(OwnerInserts):
         when_unreachable: WhenUnreachable = "refuse",
         close_timeout: float = 10.0,
     ) -> None:
+        arguments.check_kinds(
+            batching=batching,
+            retry=retry,
+            create_tables=create_tables,
+            require_deduplication=require_deduplication,
+        )
         if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < math.inf):
             raise ConfigError(f"close_timeout must be seconds >= 0, got {close_timeout!r}")
         if when_unreachable not in ("refuse", "check_later"):
@@ -133,18 +140,17 @@ class ClickHouseSink(OwnerInserts):
         try:  # a failed constructor releases what it opened (the chDB directory)
             self._raw: dict[int, TableSpec] = {}
             self._rows: dict[str, TableSpec] = {}
-            # One layout's name alone is that layout, not its letters.
-            raw = (raw,) if isinstance(raw, str) else raw
-            rows = (rows,) if isinstance(rows, str) else rows
-            for name in raw:
+            for name in arguments.layouts("raw", raw):
                 layout = schema.layout(name)
                 layout.check_payload_layout()
                 self._raw[schema.layout_id(name)] = raw_table_spec(
-                    layout, raw_table.format(layout=name)
+                    layout, arguments.table_name("raw_table", raw_table, name)
                 )
-            for name in rows:
+            for name in arguments.layouts("rows", rows):
                 layout = schema.layout(name)
-                self._rows[name] = rows_table_spec(layout, rows_table.format(layout=name))
+                self._rows[name] = rows_table_spec(
+                    layout, arguments.table_name("rows_table", rows_table, name)
+                )
             if not self._raw and not self._rows:
                 raise ConfigError(
                     "ClickHouseSink needs raw=[payload layouts] and/or rows=[output layouts] "
