@@ -168,7 +168,16 @@ class Route:
 
 
 def _to_routes(value: Iterable[Route]) -> tuple[Route, ...]:
+    if isinstance(value, Route) or not isinstance(value, Iterable):
+        raise ConfigError(
+            "RoutingConfig takes a list of routes (RoutingConfig([Route(...), ...])), "
+            f"found {type(value).__name__}"
+        )
     return tuple(value)
+
+
+def _config_owner(_instance: object) -> str:
+    return "RoutingConfig"
 
 
 @attrs.frozen
@@ -182,10 +191,18 @@ class RoutingConfig:
 
     routes: tuple[Route, ...] = attrs.field(converter=_to_routes)
     allow_cycles: bool = attrs.field(
-        default=False, validator=attrs.validators.instance_of(bool), kw_only=True
+        default=False,
+        validator=config_check(v.instance_of(bool), must="True or False", owner=_config_owner),
+        kw_only=True,
     )
     causal_limits: CausalLimits = attrs.field(
-        factory=CausalLimits, validator=attrs.validators.instance_of(CausalLimits), kw_only=True
+        factory=CausalLimits,
+        validator=config_check(
+            v.instance_of(CausalLimits),
+            must="a CausalLimits (CausalLimits(max_depth=32, ...))",
+            owner=_config_owner,
+        ),
+        kw_only=True,
     )
 
     def __attrs_post_init__(self) -> None:

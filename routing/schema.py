@@ -96,7 +96,19 @@ def fits(fixed: int, prefix: int, element: int, size: int) -> bool:
 
 
 def _to_layouts(value: Iterable[Layout] | Mapping[str, Layout]) -> tuple[Layout, ...]:
-    return tuple(value.values() if isinstance(value, Mapping) else value)
+    if isinstance(value, Layout) or not isinstance(value, Iterable):
+        raise ConfigError(
+            "RecordSchema takes a list of Layout objects (RecordSchema([Layout(...), ...])), "
+            f"found {type(value).__name__}"
+        )
+    layouts = tuple(value.values() if isinstance(value, Mapping) else value)
+    for i, layout in enumerate(layouts):
+        if not isinstance(layout, Layout):  # a name, a tuple: AttributeError 'name' otherwise
+            raise ConfigError(
+                f"RecordSchema: layouts[{i}] must be a Layout (Layout(name, columns)), "
+                f"found {type(layout).__name__} {layout!r:.60}"
+            )
+    return layouts
 
 
 @attrs.frozen

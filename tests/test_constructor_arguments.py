@@ -144,3 +144,44 @@ def test_a_clickhouse_sink_argument_of_the_wrong_kind_is_refused_naming_it(
     given = {"raw": ["acts"], "rows": ["norm"], "create_tables": True, **options}
     with pytest.raises(ConfigError, match=rf"ClickHouseSink: {message}"):
         ClickHouseSink(chdb_transport, SCHEMA, owns_transport=False, **given)
+
+
+def test_the_other_public_constructors_name_an_argument_of_the_wrong_kind(tmp_path):
+    """Each raised from deep inside, or was taken and failed later:
+    RecordSchema(["acts"]) "'str' object has no attribute 'name'";
+    RoutingConfig(Route(...)) "'Route' object is not iterable";
+    RoutingConfig(..., allow_cycles="yes") attrs' tuple-shaped TypeError;
+    SnapshotCollector(5) failed at every scrape; ParkedRecordStore(path)
+    "'str' object has no attribute 'path'"; SpoolingSink(name, 5, spool) and
+    SpoolingSink(name, sink, "dir") were taken."""
+    from taproute.routing import ConfigError, Route, RoutingConfig
+    from taproute.service import (
+        DeadLetterStore,
+        ParkedRecordStore,
+        SnapshotCollector,
+        Spool,
+        SpoolConfig,
+        SpoolingSink,
+    )
+
+    with pytest.raises(ConfigError, match=r"RecordSchema: layouts\[0\] must be a Layout .*str"):
+        RecordSchema(["acts"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"RecordSchema takes a list of Layout objects"):
+        RecordSchema(Layout("acts", [("values", "Array(Float32)")]))  # type: ignore[arg-type]
+    route = Route("raw", "layers.*", "out")
+    with pytest.raises(ConfigError, match=r"RoutingConfig takes a list of routes .*found Route"):
+        RoutingConfig(route)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"RoutingConfig: allow_cycles must be True or False"):
+        RoutingConfig([route], allow_cycles="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"SnapshotCollector takes the function .*found int"):
+        SnapshotCollector(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ParkedRecordStore\(DeadLetterStore\(path\)\)"):
+        ParkedRecordStore(str(tmp_path / "parked.sqlite"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"destination 'ch': spool must be a Spool .*found str"):
+        SpoolingSink("ch", CaptureSink(), str(tmp_path / "spool"))  # type: ignore[arg-type]
+    spool = Spool.open(SpoolConfig(directory=tmp_path / "spool"))
+    with pytest.raises(TypeError, match=r"destination 'ch': inner must be a RecordSink"):
+        SpoolingSink("ch", 5, spool)  # type: ignore[arg-type]
+    store = DeadLetterStore(tmp_path / "letters.sqlite")
+    ParkedRecordStore(store)  # what it takes
+    store.close()

@@ -26,6 +26,11 @@ class SnapshotCollector(Collector):
     """Collects taproute's counters from ``snapshot()`` at scrape time."""
 
     def __init__(self, snapshot: Callable[[], ServiceSnapshot]) -> None:
+        if not callable(snapshot):  # else every scrape fails, far from here
+            raise TypeError(
+                "SnapshotCollector takes the function that returns the snapshot "
+                f"(SnapshotCollector(runtime.counters)), found {type(snapshot).__name__}"
+            )
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:

@@ -63,6 +63,12 @@ class ParkedRecordStore:
     """
 
     def __init__(self, dead_letters: DeadLetterStore) -> None:
+        if not isinstance(dead_letters, DeadLetterStore):
+            raise TypeError(
+                "ParkedRecordStore keeps parked records in a dead-letter store's file: give "
+                "the store (ParkedRecordStore(DeadLetterStore(path))), found "
+                f"{type(dead_letters).__name__} {dead_letters!r:.60}"
+            )
         self.dead_letters = dead_letters
         self._file = dead_letters.path.resolve()
         with dead_letters.transaction() as db:

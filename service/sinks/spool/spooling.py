@@ -94,6 +94,16 @@ class SpoolingSink:
             raise ConfigError(f"destination {name!r}: spool must be one of {MODES}, got {mode!r}")
         if mode != "off" and spool is None:
             raise ValueError(f"destination {name!r}: spool={mode!r} needs a Spool")
+        if spool is not None and not isinstance(spool, Spool):
+            raise TypeError(
+                f"destination {name!r}: spool must be a Spool (Spool.open(SpoolConfig("
+                f"directory=...))), found {type(spool).__name__} {spool!r:.60}"
+            )
+        if isinstance(inner, type) or not isinstance(inner, RecordSink):
+            raise TypeError(
+                f"destination {name!r}: inner must be a RecordSink instance (submit/flush/"
+                f"close), found {type(inner).__name__} {inner!r:.60}"
+            )
         if not 0 < spill_at <= 1:
             raise ConfigError(f"destination {name!r}: spill_at must be in (0, 1], got {spill_at}")
         self.name = name
