@@ -205,3 +205,14 @@ def test_a_release_that_cannot_be_called_is_refused_at_submit():
         runtime.flush()
         assert runtime.counters().routes["raw"].processed == 2
         assert runtime.failure is None
+
+
+@pytest.mark.parametrize(("timeout", "error"), [("1", TypeError), (float("nan"), ValueError)])
+def test_a_timeout_that_is_not_seconds_is_refused_naming_it(timeout, error):
+    """flush(timeout="1") raised "'>=' not supported between instances of
+    'str' and 'float'"; flush(timeout=nan) was taken as a wait already past
+    (TimeoutError "not done within nan s")."""
+    with create_record_runtime(record_sink=_sink(NullSink())) as runtime:
+        with pytest.raises(error, match=r"timeout must be seconds \(a number\) or None, found"):
+            runtime.flush(timeout=timeout)
+        runtime.flush(timeout=5)

@@ -23,6 +23,7 @@ fills ingress, and full ingress blocks (or refuses) the producer.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections import deque
@@ -56,8 +57,17 @@ def thread_wait(timeout: float | None) -> float | None:
     """``timeout`` for a thread wait (``Condition.wait``, ``Future.result``,
     ``Thread.join``): None (no bound) for None or one past what the platform's
     waits take (``math.inf``: as long as it takes), which raise
-    OverflowError there."""
-    return None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout
+    OverflowError there.  A timeout that is not a number of seconds (``"1"``,
+    NaN) is refused naming it, not compared (a bare TypeError) or taken as
+    already past."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+        raise (ValueError if isinstance(timeout, numbers.Real) else TypeError)(
+            f"timeout must be seconds (a number) or None, found {type(timeout).__name__} "
+            f"{timeout!r}"
+        )
+    return None if timeout >= threading.TIMEOUT_MAX else timeout
 
 
 class PendingOffer:
