@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 
 from taproute.routing.batch import RecordBatch
-from taproute.routing.checks import Limit, Validator
+from taproute.routing.checks import Limit, Validator, config_check
 from taproute.routing.limits import capped_backoff
 
 logger = logging.getLogger("taproute.routing")
@@ -160,7 +160,12 @@ class FailurePolicy:
         default=100_000, validator=_bounded("max_parked_records", int)
     )
     terminal_records: str = attrs.field(
-        default="drop", validator=attrs.validators.in_(("drop", "dead_letter"))
+        default="drop",
+        validator=config_check(
+            attrs.validators.in_(("drop", "dead_letter")),
+            must="'drop' or 'dead_letter'",
+            owner=lambda _: "failure policy",
+        ),
     )
 
     def backoff(self, failures: int) -> float:

@@ -717,3 +717,25 @@ def test_two_destinations_on_one_spool_directory_are_refused_when_loaded(tmp_pat
         f"destinations.two.spool_dir: {tmp_path / 'sp'} is also the spool of destinations.one "
         "(a spool has one writer: give each destination its own)"
     ]
+
+
+def test_an_empty_producer_hook_and_a_bad_terminal_policy_are_named_when_read(
+    capsys, tmp_path, chdb_transport
+):
+    """A [[producer.hooks]] entry with name = "" passed check ("OK") and then
+    refused taproute run (HookBindingError, exit 1); terminal_records = "keep"
+    in a failure_policy was "routes[1].failure_policy: invalid value", naming
+    neither the key nor what it takes."""
+    text = base(chdb_transport, unique("np"))
+    nameless = text.replace('name = "layers.0"', 'name = ""')
+    assert refused(capsys, tmp_path, nameless) == (
+        "producer.hooks[0].name: must be a non-empty hook name"
+    )
+    keep = text.replace(
+        'processor = "test.norms"\n',
+        'processor = "test.norms"\nfailure_policy = { terminal_records = "keep" }\n',
+    )
+    assert refused(capsys, tmp_path, keep) == (
+        "routes[1].failure_policy: failure policy: terminal_records must be 'drop' or "
+        "'dead_letter', got 'keep'"
+    )

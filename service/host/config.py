@@ -390,6 +390,8 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
         if not token or not token.isascii() or not token.isprintable() or " " in token:
             yield "http.token: must be printable ASCII without spaces (it is sent in a header)"
     for i, hook in enumerate(config.producer.hooks):
+        if not hook.name:  # refused only once run bound it (HookBindingError, exit 1)
+            yield f"producer.hooks[{i}].name: must be a non-empty hook name"
         if hook.layout not in names:
             yield f"producer.hooks[{i}].layout: unknown layout {hook.layout!r} (have {names})"
             continue
