@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import DESCRIPTOR_DTYPE, native_root_ids
-from taproute.routing.checks import Limit
+from taproute.routing.checks import Limit, config_check
 
 Roots = npt.NDArray[np.int64]
 Depths = npt.NDArray[np.int32]
@@ -83,7 +83,12 @@ class CausalLimits:
     per_root_per_minute: int = attrs.field(
         default=128, validator=CAUSAL_LIMITS["per_root_per_minute"].check(int, _owner)
     )
-    redact_payload: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    redact_payload: bool = attrs.field(
+        default=True,
+        validator=config_check(
+            attrs.validators.instance_of(bool), must="True or False", owner=_owner
+        ),
+    )
     retention_minutes: int = attrs.field(
         default=15, validator=CAUSAL_LIMITS["retention_minutes"].check(int, _owner)
     )

@@ -156,6 +156,7 @@ def test_the_other_public_constructors_name_an_argument_of_the_wrong_kind(tmp_pa
     SpoolingSink(name, sink, "dir") were taken."""
     from taproute.routing import ConfigError, Route, RoutingConfig
     from taproute.service import (
+        CausalLimits,
         DeadLetterStore,
         ParkedRecordStore,
         SnapshotCollector,
@@ -173,6 +174,8 @@ def test_the_other_public_constructors_name_an_argument_of_the_wrong_kind(tmp_pa
         RoutingConfig(route)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"RoutingConfig: allow_cycles must be True or False"):
         RoutingConfig([route], allow_cycles="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"causal limits: redact_payload must be True or False"):
+        CausalLimits(redact_payload="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"SnapshotCollector takes the function .*found int"):
         SnapshotCollector(5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"ParkedRecordStore\(DeadLetterStore\(path\)\)"):
