@@ -33,7 +33,7 @@ from taproute.actors.counters import DestinationCounters
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
-from taproute.routing.errors import ConfigError, SinkClosed, at
+from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed, at
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import (
@@ -188,6 +188,31 @@ class DestinationActor:
         self._spools = sink if isinstance(sink, Spools) else None
         self.sink = sink
         return sink
+
+    async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the owned sink's ``run()`` task (started with ``nursery.start``)
+        until its close, or until a cut (which cancels it), saying which
+        destination's task failed: one that fails to start keeps its
+        exception (a note names the destination); one that fails once running
+        raises a :class:`RoutingFailure` naming the destination, which the
+        runtime latches as it is (it read "runtime loop failed: OSError")."""
+        assert self.background is not None
+        started = False
+
+        class _Started:
+            def started(self, value: object = None) -> None:
+                nonlocal started
+                started = True
+                task_status.started(value)
+
+        try:
+            with self._background_scope:
+                await self.background.run(task_status=_Started())
+        except Exception as exc:
+            if not started:
+                exc.add_note(f"starting destination {self.name!r} (its run() task)")
+                raise
+            raise RoutingFailure(exc, destination=self.name, where="its run() task") from exc
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)
@@ -386,12 +411,6 @@ class DestinationActor:
             self._background_scope.cancel()
         self.abandon()
         return busy
-
-    async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the owned sink's background task until its close, or until a cut."""
-        assert self.background is not None
-        with self._background_scope:
-            await self.background.run(task_status=task_status)
 
     def _count_abandoned(self, batch: Batch | Settle) -> None:
         if not isinstance(batch, Settle):

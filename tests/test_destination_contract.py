@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 import pytest
+import trio
 
 from taproute.native import make_descriptors
 from taproute.routing import ConfigError, Route, RoutingConfig
@@ -108,3 +109,58 @@ def test_a_factory_that_raises_names_its_destination():
     with pytest.raises(OSError, match="Permission denied") as caught:
         create_record_runtime(record_sink=_routing_sink(broken))
     assert "opening destination 'db' (its factory raised)" in caught.value.__notes__
+
+
+class LosesItsConnection(NullSink):
+    """A background sink whose run() task fails: at start, or once its first
+    batch arrives (a connection lost while running)."""
+
+    def __init__(self, *, at_start: bool) -> None:
+        super().__init__()
+        self.at_start = at_start
+        self.running = False
+        self._first = trio.Event()
+        self._lost = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.at_start:
+            raise OSError(111, "Connection refused")
+        self.running = True
+        task_status.started()
+        await self._first.wait()
+        self._lost.set()
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    async def submit(self, batch) -> None:
+        await super().submit(batch)
+        self._first.set()
+
+    async def flush(self) -> None:
+        await self._lost.wait()  # a flush that meets the lost connection
+
+
+def test_a_destinations_run_task_that_fails_names_the_destination():
+    """A run() task failing once running was latched as "runtime loop failed:
+    ConnectionResetError: ..." and one failing at start went out of
+    create_record_runtime bare: neither said which destination. The running
+    one is now latched as a RoutingFailure naming the destination and its
+    task; the one at start keeps its type, with a note naming the destination."""
+    from taproute.service import RoutingFailure
+
+    with pytest.raises(OSError, match="Connection refused") as caught:
+        create_record_runtime(record_sink=_routing_sink(lambda: LosesItsConnection(at_start=True)))
+    assert "starting destination 'db' (its run() task)" in caught.value.__notes__
+
+    runtime = create_record_runtime(
+        record_sink=_routing_sink(lambda: LosesItsConnection(at_start=False))
+    )
+    q = runtime.bind_hook("layers.0.q", layout="vec")
+    runtime.submit_batch(
+        make_descriptors(q, 16, count=2, layout_ids=SCHEMA.layout_id("vec")),
+        np.zeros((2, 4), np.float32),
+    )
+    message = r"destination 'db', its run\(\) task failed: ConnectionResetError: .*reset by peer"
+    with pytest.raises(RoutingFailure, match=message) as failed:
+        runtime.close()  # the batch reaches the sink, whose task then fails
+    assert failed.value.destination == "db"
+    assert runtime.failure is failed.value
