@@ -480,6 +480,11 @@ def test_what_the_capture_blocks_take_is_checked_when_they_are_entered():
         pass
     with pytest.raises(CaptureError, match=r"carry_context: fn must be callable .*found int"):
         carry_context(5)  # type: ignore[arg-type]
+    with runtime() as plain:  # a CaptureSink keeps no keys: complete() raised after the pass
+        refused = pytest.raises(CaptureError, match=r"end_keys is a runtime whose record sink")
+        with refused, capture_context([1], end_keys=plain):
+            entered.append(2)
+        assert entered == [] and plain.ends_keys is False
 
     ended: list[tuple[int, ...]] = []
 

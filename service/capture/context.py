@@ -247,6 +247,11 @@ def capture_context(
             "capture_context: end_keys must be the runtime (or service) whose keys end "
             f"with the block (it has complete and cancel), found {type(end_keys).__name__}"
         )
+    if end_keys is not None and getattr(end_keys, "ends_keys", True) is False:
+        raise CaptureError(  # its complete() would raise after the forward pass
+            "capture_context: end_keys is a runtime whose record sink keeps no keys (only a "
+            "routing sink's stateful routes do): its keys cannot be completed"
+        )
     token = _CONTEXT.set(context)
     try:
         yield context

@@ -143,6 +143,12 @@ class SinkControls:
         """Let completed or cancelled ``keys`` take records again."""
         return self._key_control(KeyAction.REOPEN, keys)
 
+    @property
+    def ends_keys(self) -> bool:
+        """Whether ``complete``/``cancel``/``reopen`` can be asked of this runtime
+        (its record sink keeps keys: a routing sink does)."""
+        return self._keys is not None
+
     def _key_control(self, kind: KeyAction, keys: tuple[int, ...]) -> Future[None]:
         if self._keys is None:
             raise TypeError(
