@@ -188,3 +188,23 @@ def test_the_other_public_constructors_name_an_argument_of_the_wrong_kind(tmp_pa
     store = DeadLetterStore(tmp_path / "letters.sqlite")
     ParkedRecordStore(store)  # what it takes
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"raw": 5}, r"raw must be layout names .*found int 5"),
+        ({"raw": ["acts"], "batching": {"linger": 1.0}}, r"batching must be a Batching"),
+        ({"raw": ["acts"], "create_tables": "no"}, r"create_tables must be True or False"),
+    ],
+)
+def test_a_writer_sink_names_a_table_argument_of_the_wrong_kind(tmp_path, options, message):
+    """WriterProcessSink takes ClickHouseSink's table arguments, but checked
+    them only in the writer process: raw=5 raised "'int' object is not
+    iterable" and batching as a dict "'dict' object has no attribute
+    'inserts_in_flight'" here, and create_tables='no' was taken."""
+    from taproute.routing import ConfigError
+    from taproute.service import WriterProcessSink
+
+    with pytest.raises(ConfigError, match=message):
+        WriterProcessSink.embedded(SCHEMA, tmp_path / "data", **options)

@@ -8,6 +8,7 @@ from typing import Any
 
 from taproute.routing.errors import ConfigError
 from taproute.routing.schema import RecordSchema, expect_schema
+from taproute.service.sinks.clickhouse import arguments
 from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.writer.protocol import WriterConfig
 
@@ -17,6 +18,14 @@ def writer_config(
 ) -> WriterConfig:
     """A :class:`WriterConfig` from the table keywords in ``kwargs`` (removed from it)."""
     expect_schema(schema, f"WriterProcessSink.{'embedded' if kind == 'chdb' else 'server'}")
+    # The ClickHouseSink's own checks, here where they are taken (its
+    # constructor runs in the writer process, behind a start).
+    arguments.check_kinds(
+        batching=kwargs.get("batching"),
+        retry=kwargs.get("retry"),
+        create_tables=kwargs.get("create_tables", False),
+        require_deduplication=kwargs.get("require_deduplication", True),
+    )
     batching = kwargs.get("batching") or Batching()
     table_options = {
         name: kwargs.pop(name)
@@ -31,12 +40,12 @@ def writer_config(
         nice=nice,
         where=where,
         schema=schema,
-        raw=tuple(table_names(kwargs.pop("raw", ()))),
-        rows=tuple(table_names(kwargs.pop("rows", ()))),
+        raw=tuple(table_names(kwargs.pop("raw", ()), "raw")),
+        rows=tuple(table_names(kwargs.pop("rows", ()), "rows")),
         inserts_in_flight=batching.inserts_in_flight,
         **table_options,
     )
 
 
-def table_names(value: Iterable[str]) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
+def table_names(value: Iterable[str], key: str = "raw") -> list[str]:
+    return list(arguments.layouts(key, value))
