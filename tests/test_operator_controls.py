@@ -284,6 +284,25 @@ def test_cli_trace_prints_verdicts(tmp_path, chdb_transport, capsys):
     assert lines[-1] == f"  traced: candidate configuration {path} (not applied)"
 
 
+def test_cli_trace_of_a_layout_or_record_the_file_refuses_is_bad_input(
+    tmp_path, chdb_transport, capsys
+):
+    """A --layout the file does not have exited 1 with UnknownLayout's repr,
+    where the README's exit codes (and the same trace asked of a running
+    service, HTTP 400) say bad input: 2, one line."""
+    path = tmp_path / "router.toml"
+    path.write_text(
+        config_text(chdb_transport.path, tmp_path / "d.sqlite", "tr" + uuid.uuid4().hex[:6])
+    )
+    argv = ["trace", "--config", str(path), "--hook", "layers.1.k"]
+    assert main([*argv, "--layout", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("taproute: trace refused: ") and "nope" in err[0]
+    assert main([*argv, "--length", "3"]) == 2  # no layout holds 3 bytes of float32
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("taproute: trace refused: ")
+
+
 def test_reroute_goes_only_to_the_failed_route_once_and_refuses_what_it_cannot_do(tmp_path):
     from taproute.routing.errors import RerouteRefused
 

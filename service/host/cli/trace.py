@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from taproute.routing.errors import RecordError, UnknownLayout
 from taproute.routing.routes import DERIVED_PREFIX
 from taproute.service.host.cli.errors import BAD_INPUT, CommandError
 from taproute.service.host.config import load_config
@@ -34,9 +35,16 @@ def trace(path: Path, hook: str, fields: dict[str, int], *, layout: str | None =
     if layout is None:
         layout = next((h.layout for h in config.producer.hooks if h.name == hook), None)
     sink = config.candidate_sink()
-    if not hook.startswith(DERIVED_PREFIX):  # derived hooks are the router's own
-        sink.bind_hook(hook, layout=layout)
-    result = attrs.evolve(sink.trace(hook, layout=layout, **fields), generation="candidate")
+    try:
+        if not hook.startswith(DERIVED_PREFIX):  # derived hooks are the router's own
+            sink.bind_hook(hook, layout=layout)
+        traced = sink.trace(hook, layout=layout, **fields)
+    except (UnknownLayout, RecordError) as exc:
+        # What the command line asked for (a --layout the file does not
+        # have, a record the router would refuse): bad input, as the same
+        # trace asked of a running service answers (HTTP 400, exit 2).
+        raise CommandError(f"trace refused: {exc}", BAD_INPUT) from None
+    result = attrs.evolve(traced, generation="candidate")
     _print(hook, fields, attrs.asdict(result), f"candidate configuration {path} (not applied)")
     return 0
 
