@@ -23,7 +23,7 @@ import attrs
 
 from taproute.native import make_descriptors
 from taproute.routing.batch import Descriptors
-from taproute.routing.errors import UnboundOutputId
+from taproute.routing.errors import PayloadSizeMismatch, UnboundOutputId
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.plan import RoutePlan
 from taproute.routing.predicates import evaluate_predicate
@@ -102,6 +102,12 @@ def traced_descriptor(
         layout = hooks.layout_of(output_id)
     if layout is not None:
         fields["layout_id"] = schema.layout_id(layout)
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 0
+    ):
+        # Named as the caller named it (it reached the native check as
+        # "payload_size", a field no trace takes).
+        raise PayloadSizeMismatch(f"trace: length must be payload bytes >= 0, got {length!r}")
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise TypeError(

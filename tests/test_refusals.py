@@ -117,6 +117,11 @@ def test_trace_refuses_what_submission_would_refuse():
     assert [v.verdict for v in sink.trace(Q, length=16, step=2).verdicts][:1] == ["match"]
     with pytest.raises(PayloadSizeMismatch, match="layout 'norm'"):
         sink.trace(Q, layout="norm", length=16)
+    # A negative length was refused as "payload_size must be >= 0", a field
+    # the trace's caller never gave.
+    for bad in (-5, 1.5, True):
+        with pytest.raises(PayloadSizeMismatch, match=r"trace: length must be payload bytes >= 0"):
+            sink.trace(Q, length=bad)
 
 
 def test_cli_trace_against_a_running_service_prints_refusals_and_recent_unmatched(capsys):
