@@ -177,6 +177,8 @@ class Layout:
         self.__attrs_init__(name, built)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise LayoutError(f"layout name: expected a non-empty str, found {self.name!r}")
         if not self.columns:
             raise LayoutError(f"layout {self.name!r} has no columns")
         seen: set[str] = set()

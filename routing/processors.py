@@ -48,7 +48,15 @@ class ProcessorKind(enum.StrEnum):
 
 
 def _positive_shape(value: Any) -> tuple[int, ...]:
-    shape = (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+    dims = (value,) if isinstance(value, int) else value
+    if isinstance(value, str | bytes) or not isinstance(dims, Iterable):
+        raise ConfigError(f"SlotSpec shape: expected an int or a tuple of ints, found {value!r}")
+    dims = tuple(dims)
+    if not dims or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in dims):
+        raise ConfigError(
+            f"SlotSpec shape: expected an int or a non-empty tuple of ints, found {value!r}"
+        )
+    shape = tuple(int(v) for v in dims)
     if any(v <= 0 for v in shape):
         raise ConfigError(f"SlotSpec shape must be positive, got {shape}")
     return shape
@@ -63,9 +71,16 @@ class SlotSpec:
 
     def __attrs_post_init__(self) -> None:
         try:
-            np.dtype(self.dtype)
+            dtype = np.dtype(self.dtype)
         except TypeError as exc:
             raise ConfigError(f"SlotSpec dtype {self.dtype!r} is not a numpy dtype") from exc
+        # A slot lives in one numeric K x N array (native StateRegion): Python
+        # objects, text or records there are not state it can hold.
+        if dtype.kind not in "biufc" or dtype.fields is not None:
+            raise ConfigError(
+                f"SlotSpec dtype {self.dtype!r}: expected a numeric dtype (bool, int, uint, float, "
+                f"complex), found kind {dtype.kind!r}"
+            )
 
 
 @attrs.frozen(kw_only=True)

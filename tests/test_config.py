@@ -175,6 +175,27 @@ def test_processor_registry_refuses_a_second_function_under_one_name():
         SlotSpec((0,))
 
 
+@pytest.mark.parametrize("shape", ["abc", (), (2.5,), (True,), None])
+def test_a_slot_shape_that_is_not_ints_is_refused_naming_it(shape):
+    # "abc" gave int()'s bare "invalid literal", () a zero-sized slot.
+    with pytest.raises(ConfigError, match="SlotSpec shape: expected an int"):
+        SlotSpec(shape)
+
+
+@pytest.mark.parametrize("dtype", ["object", "U8", "datetime64[ns]", [("a", "f4")]])
+def test_a_slot_dtype_that_is_not_numeric_is_refused(dtype):
+    # A slot of Python objects was accepted (a K x N state region holds numbers).
+    with pytest.raises(ConfigError, match="expected a numeric dtype"):
+        SlotSpec((2,), dtype)
+    assert SlotSpec((2,), "int32").dtype == "int32"
+
+
+@pytest.mark.parametrize("name", ["", None, 5])
+def test_a_layout_without_a_name_is_refused(name):
+    with pytest.raises(LayoutError, match="layout name: expected a non-empty str"):
+        Layout(name, [("x", "Float32")])
+
+
 def test_hook_binding_is_stable_and_checks_layout():
     hooks = HookRegistry()
     a = hooks.bind("a", layout="vec")
