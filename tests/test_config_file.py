@@ -217,7 +217,8 @@ token = "a b"
     with pytest.raises(ConfigFileError) as caught:
         load_config(path)
     assert caught.value.problems == [
-        "http.token: must be printable ASCII without spaces (it is sent in a header)",
+        "http: HttpConfig token: expected None or printable ASCII without spaces (it is sent "
+        "in a header), found str of length 3",
         "routes[0]: route 'r': unknown destination 'nowhere'; given ['d']",
     ]
     path.write_text(path.read_text().replace('token = "a b"', 'token = "ab"'))
@@ -506,7 +507,7 @@ def refused(capsys, tmp_path, text: str) -> str:
         ),
         (
             ("port = 0", 'port = 0\ntoken = "sécret"'),
-            "http.token: must be printable ASCII without spaces",
+            "http: HttpConfig token: expected None or printable ASCII without spaces",
         ),
     ],
 )

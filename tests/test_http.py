@@ -163,6 +163,20 @@ def test_an_empty_http_host_is_refused_not_taken_as_every_interface(host):
     assert HttpConfig(host="0.0.0.0").host == "0.0.0.0"  # every interface, said so
 
 
+@pytest.mark.parametrize("token", ["", "two words", "caf\u00e9", "tab\there", 5])
+def test_a_token_no_header_can_carry_is_refused_without_echoing_it(token):
+    """An empty token was accepted in Python (the config file refused it):
+    every mutating request then answered 401, as if the caller's were wrong."""
+    from taproute.routing import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="HttpConfig token: expected None or printable ASCII"
+    ) as e:
+        HttpConfig(token=token)
+    assert not token or str(token) not in str(e.value)
+    assert HttpConfig(token="s3cret-token").token == "s3cret-token"
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("port", True), ("port", 1.5), ("port", "9464"), ("port", -1), ("max_body_bytes", 2.5)],

@@ -385,10 +385,6 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
                 f"destinations.{name}.spool_when_full: 'dead_letter' needs a dead-letter "
                 "store: set dead_letters.path (none is implied without a chDB destination)"
             )
-    if config.http is not None and config.http.token is not None:
-        token = config.http.token
-        if not token or not token.isascii() or not token.isprintable() or " " in token:
-            yield "http.token: must be printable ASCII without spaces (it is sent in a header)"
     for i, hook in enumerate(config.producer.hooks):
         if not hook.name:  # refused only once run bound it (HookBindingError, exit 1)
             yield f"producer.hooks[{i}].name: must be a non-empty hook name"

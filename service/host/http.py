@@ -46,6 +46,27 @@ def _host_named(_instance: object, attribute: attrs.Attribute[str], value: str) 
         )
 
 
+def _token_sendable(
+    _instance: object, attribute: attrs.Attribute[str | None], value: object
+) -> None:
+    """None (the mutating endpoints refused), or what a header can carry: an
+    empty token made every request answer 401, as if the caller's were wrong."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, str)
+        or not value
+        or not value.isascii()
+        or not value.isprintable()
+        or " " in value
+    ):
+        raise ConfigError(
+            f"HttpConfig {attribute.name}: expected None or printable ASCII without spaces "
+            f"(it is sent in a header), found {type(value).__name__} of length "
+            f"{len(value) if isinstance(value, str) else '?'}"
+        )
+
+
 def _whole(low: int, high: int) -> Callable[[object, attrs.Attribute[int], object], None]:
     """An int (not a bool, not a float) in ``[low, high]``: a port of 1.5 or
     True reached the socket (TypeError, or "Name or service not known")."""
@@ -71,7 +92,7 @@ class HttpConfig:
 
     host: str = attrs.field(default="127.0.0.1", validator=_host_named)
     port: int = attrs.field(default=9464, validator=_whole(0, 65_535))
-    token: str | None = attrs.field(default=None, repr=False)
+    token: str | None = attrs.field(default=None, repr=False, validator=_token_sendable)
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_whole(1, 2**30))
 
 
