@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
+from taproute.routing.hooks import HookRegistry
 from taproute.service.sinks.spool.codec import decode, encode
 from taproute.service.sinks.spool.config import SpoolConfig
 from taproute.service.sinks.spool.files import NO_ROOM
@@ -145,6 +146,13 @@ class Spool:
         self._no_room: OSError | None = None  # the last disk-full error, until an append succeeds
         self._disk_slow = False  # the last timed append was slow: mid-size frames go to a thread
         self._timer: Callable[[], float] = time.perf_counter  # times appends (tests replace it)
+        self._hooks: HookRegistry | None = None  # names records' hooks in frames
+
+    def use_hooks(self, hooks: HookRegistry) -> None:
+        """Store the names of records' hooks from ``hooks`` with them, and map
+        the names of frames read back to the output ids ``hooks`` gives them
+        (a restart may bind hooks in another order)."""
+        self._hooks = hooks
 
     @classmethod
     def open(
@@ -211,7 +219,7 @@ class Spool:
         """
         batches = [batch] if isinstance(batch, (RecordBatch, RowBatch)) else list(batch)
         records = sum(len(b) for b in batches)
-        buffers = encode(batches, token)
+        buffers = encode(batches, token, self._hooks)
         size = HEADER.size + sum(memoryview(b).nbytes for b in buffers)
         if not self._has_room(size):
             shed = await self._shed(batches, records)
@@ -382,7 +390,7 @@ class Spool:
         """The batches of ``entry``, decoded from disk."""
         async with self._reading:
             body = await trio.to_thread.run_sync(self._log.read, entry)
-        batches, token = decode(body)
+        batches, token = decode(body, self._hooks)
         records = sum(len(b) for b in batches)
         self._records.setdefault(entry.seq, (records, len(batches)))
         return Spooled(entry.seq, tuple(batches), token or self.token(entry.seq), records)
@@ -421,7 +429,7 @@ class Spool:
         token: str | None = None
         taken = 0
         for i, body in enumerate(bodies):
-            frame, fixed = decode(body)
+            frame, fixed = decode(body, self._hooks)
             if fixed is not None and i > 0 and intent is None:
                 break  # a frame with its own token goes alone, next time
             batches.extend(frame)

@@ -186,7 +186,10 @@ class SpoolingSink:
             self.spool.use_blocking_budget(seconds)
 
     def use_hooks(self, hooks: HookRegistry) -> None:
-        """Hand the producer's hook registry to the inner sink, if it names hooks."""
+        """Hand the producer's hook registry to the spool (frames keep their
+        records' hook names) and to the inner sink, if it names hooks."""
+        if self.spool is not None:
+            self.spool.use_hooks(hooks)
         if isinstance(self.inner, NamesHooks):
             self.inner.use_hooks(hooks)
 
