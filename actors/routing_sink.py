@@ -72,11 +72,13 @@ from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import BoundsClose
 
 
-def _name_hooks_of(on_failure: FailureHandler, hooks: HookRegistry) -> None:
-    """A store's bound ``handle`` given as ``on_failure`` (``DeadLetterStore(p).handle``)
-    names its letters' hooks from this sink's registry, unless it already has one:
-    without names, a letter shows ``#<output_id>`` and no route takes its reroute."""
-    store = getattr(on_failure, "__self__", None)
+def _name_hooks_of(store: object, hooks: HookRegistry) -> None:
+    """A store (the park store, or the owner of a bound ``handle`` given as
+    ``on_failure``: ``DeadLetterStore(p).handle``, ``ParkedRecordStore.handle``)
+    names its records' hooks from this sink's registry, unless it already has
+    one: without names, a letter shows ``#<output_id>`` and no route takes its
+    reroute, and a parked record restored by a run that bound its hooks in
+    another order would be read as another hook's."""
     attach = getattr(store, "attach_hooks", None)
     if callable(attach) and getattr(store, "hooks", hooks) is None:
         attach(hooks)
@@ -145,7 +147,8 @@ class RoutingSink(SinkFlushing):
         self.schema = schema
         self._on_failure = on_failure
         self._registry = registry
-        _name_hooks_of(on_failure, self.hooks)
+        _name_hooks_of(getattr(on_failure, "__self__", None), self.hooks)
+        _name_hooks_of(park, self.hooks)
         #: Every give-up of every route is logged here (rate-limited per route).
         self.give_up_log = GiveUpLog()
         self._in_flight = InFlight()

@@ -24,6 +24,7 @@ import trio
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import RecordFailure
+from taproute.routing.hooks import HookRegistry
 from taproute.routing.parking import ParkIds, Parking, Restored
 from taproute.service.ops.dead_letters import DeadLetterStore
 
@@ -40,7 +41,8 @@ CREATE TABLE IF NOT EXISTS parked (
     last_failure_at REAL NOT NULL,
     parked_at REAL NOT NULL,
     descriptor BLOB NOT NULL,
-    payload BLOB NOT NULL
+    payload BLOB NOT NULL,
+    hook TEXT
 );
 CREATE INDEX IF NOT EXISTS parked_by_route ON parked (route, id);
 """
@@ -49,8 +51,8 @@ CREATE INDEX IF NOT EXISTS parked_by_route ON parked (route, id);
 _LIVE: dict[Path, set[str]] = {}
 _LIVE_LOCK = threading.Lock()
 
-#: id, route, grp, failures, first_failure_at, last_failure_at, descriptor, payload
-_Row = tuple[int, str, int, int, float, float, bytes, bytes]
+#: id, route, grp, failures, first_failure_at, last_failure_at, descriptor, payload, hook
+_Row = tuple[int, str, int, int, float, float, bytes, bytes, str | None]
 
 _IN_CHUNK = 500  # ids per `IN (...)` (SQLite's variable limit is far above)
 
@@ -75,6 +77,20 @@ class ParkedRecordStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(parked)")}
+            if "hook" not in columns:  # a file from before hooks were named
+                db.execute("ALTER TABLE parked ADD COLUMN hook TEXT")
+
+    @property
+    def hooks(self) -> HookRegistry | None:
+        """The registry naming parked records' hooks (the dead-letter store's)."""
+        return self.dead_letters.hooks
+
+    def attach_hooks(self, hooks: HookRegistry) -> None:
+        """Name hooks from ``hooks``, here and in the dead letters (the routing
+        sink calls this): a parked record keeps its hook's name, so a restart
+        that binds hooks in another order restores it under the same hook."""
+        self.dead_letters.attach_hooks(hooks)
 
     # -- ParkStore -----------------------------------------------------------
 
@@ -82,13 +98,15 @@ class ParkedRecordStore:
         batch = parking.records
         desc = np.ascontiguousarray(batch.descriptors)
         raw = desc.view(np.uint8).reshape(len(desc), DESCRIPTOR_DTYPE.itemsize)
+        names = self.hooks.names() if self.hooks is not None else ()
+        output_ids = desc["output_id"].tolist()
         now = time.time()
         with self.dead_letters.transaction() as db:
             first = db.execute("SELECT COALESCE(MAX(id), 0) FROM parked").fetchone()[0] + 1
             db.executemany(
                 "INSERT INTO parked (id, run, route, grp, code, error, failures, "
-                "first_failure_at, last_failure_at, parked_at, descriptor, payload) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "first_failure_at, last_failure_at, parked_at, descriptor, payload, hook) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         first + i,
@@ -103,6 +121,7 @@ class ParkedRecordStore:
                         now,
                         raw[i].tobytes(),
                         batch.payload_of(i).tobytes(),
+                        names[output_ids[i]] if 0 <= output_ids[i] < len(names) else None,
                     )
                     for i in range(len(batch))
                 ],
@@ -133,7 +152,7 @@ class ParkedRecordStore:
         with self.dead_letters.transaction() as db:
             rows: list[_Row] = db.execute(
                 "SELECT id, route, grp, failures, first_failure_at, last_failure_at, "
-                f"descriptor, payload FROM parked WHERE route IN ({_marks(routes)}) "
+                f"descriptor, payload, hook FROM parked WHERE route IN ({_marks(routes)}) "
                 f"AND run NOT IN ({not_live}) ORDER BY id",
                 (*routes, *others),
             ).fetchall()
@@ -147,7 +166,7 @@ class ParkedRecordStore:
                 groups[-1].append(row)
             else:
                 groups.append([row])
-        return [_restored(group) for group in groups]
+        return [_restored(group, self.hooks) for group in groups]
 
     def release(self, run: str) -> None:
         with _LIVE_LOCK:
@@ -178,9 +197,14 @@ class ParkedRecordStore:
             )
 
 
-def _restored(group: list[_Row]) -> Restored:
+def _restored(group: list[_Row], hooks: HookRegistry | None) -> Restored:
     ids = np.array([row[0] for row in group], dtype=np.int64)
     descriptors = np.frombuffer(b"".join(row[6] for row in group), dtype=DESCRIPTOR_DTYPE).copy()
+    if hooks is not None:  # output ids are per process: this one's for the names kept
+        for i, row in enumerate(group):
+            if row[8] is not None:
+                now = hooks.id_of(row[8])
+                descriptors["output_id"][i] = hooks.bind(row[8]) if now is None else now
     payloads = [row[7] for row in group]
     lengths = np.array([len(p) for p in payloads], dtype=np.int64)
     offsets = np.zeros(len(group), dtype=np.int64)
