@@ -373,6 +373,43 @@ def test_run_progress_counts_records_once_and_labels_rows_per_destination(
     )
 
 
+def test_run_prints_its_summary_when_the_shutdown_grace_runs_out(tmp_path, chdb_transport, capsys):
+    """A close cut off by the grace raised ShutdownAbandoned through the
+    command before anything was printed: the operator got the error line and
+    no word of what the routes and destinations did.  The summary comes
+    first now; the error line and exit code 1 still follow."""
+    from tests.failing_processors import SCRIPT
+
+    text = base(chdb_transport, unique("grace")).replace(
+        'processors = ["tests.processors"]',
+        'processors = ["tests.processors", "tests.failing_processors"]',
+    )
+    text = text.replace('processor = "test.norms"', 'processor = "fail.hangs"\nworkers = 1')
+    text = text.replace(
+        'destination = "ch"\n\n[destinations.ch]',
+        'destination = "ch"\nfailure_policy = { deadline = 600.0 }\n\n[destinations.ch]',
+    )
+    # spool = "off": the destination a cut-off close never closes keeps no
+    # spool locked for the tests after this one (they share its directory).
+    text = text.replace('rows = ["norm"]', 'rows = ["norm"]\nspool = "off"')
+    path = write(tmp_path, text + "\n[shutdown]\ngrace = 0.5\n")
+    SCRIPT.release_hang.clear()
+    try:
+        code = main(["run", "--config", str(path), "--rate", "2000", "--duration", "0.2"])
+    finally:
+        SCRIPT.release_hang.set()  # the abandoned call's thread may end now
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "ShutdownAbandoned: close: the shutdown grace of 0.5 s ran out" in captured.err
+    assert "route 'norms' (processing) still busy" in captured.err
+    submitted = int(re.findall(r"([\d,]+) records submitted", captured.out)[-1].replace(",", ""))
+    assert f"route raw: processed {submitted:,}, emitted {submitted:,}, failed 0" in captured.out
+    assert "route norms: processed 0, emitted 0, failed 0" in captured.out
+    assert f"destination ch: {submitted:,} rows sent (from routes raw {submitted:,}, norms 0)" in (
+        captured.out
+    )
+
+
 class _HangUpOnServing(io.StringIO):
     """Output that sends this process SIGHUP the moment the ``serving`` line is
     written, as a supervisor (or a test) that read the line may do."""

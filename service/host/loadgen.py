@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.native import make_descriptors
+from taproute.routing.errors import ShutdownAbandoned
 from taproute.routing.layout import Layout
 from taproute.service.host.config import (
     BuiltService,
@@ -57,6 +58,7 @@ def run_load(
     seed: int = 0,
     out: TextIO | None = None,
     call_timeout: float | None = None,
+    summary: bool = False,
 ) -> ServiceSnapshot:
     """Submit ``rate`` records/s for ``duration`` seconds; return the final counters.
 
@@ -64,66 +66,137 @@ def run_load(
     to apply to it again); the outcome is printed on its own line. SIGINT or
     SIGTERM stops the producer between two submissions, then closes (drains,
     flushes, closes, within the config's ``[shutdown] grace``) as at the end
-    of ``duration`` (a second SIGINT interrupts at once)."""
+    of ``duration`` (a second SIGINT interrupts at once).  ``summary``: also
+    print a line per route and per destination at the end, also when the
+    close was cut off by the grace (then :class:`ShutdownAbandoned` follows)."""
     out = sys.stdout if out is None else out  # the one in place now, not at import
     if not config.producer.hooks:
         raise ConfigFileError(
             config.source, ["producer.hooks: [[producer.hooks]] names no hook to generate for"]
         )
     rng = np.random.default_rng(seed)
-    with config.build() as built, _serving(built).start() as runtime:
-        schema = built.sink.schema
-        feeds = []
-        for hook in config.producer.hooks:
-            output_id = runtime.bind_hook(hook.name, layout=hook.layout)
-            payload, record = synthetic_payload(schema.layout(hook.layout), hook, rng)
-            feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
-        reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
-        runtime.reloader = reloader
-        hangup = threading.Event()
-        stop = threading.Event()
-        restore = _on_signals(hangup, stop)
-        try:
-            # Only once the handlers are in place: whoever reads this line may
-            # signal at once (SIGHUP's default action would end the process).
-            urls = ", ".join(f"{u}/metrics" for u in runtime.http_urls)
-            print(f"serving {urls}", file=out, flush=True)
-            started = time.monotonic()
-            submitted = 0
-            seq = 0
-            next_report = started + 0.5
-            while (now := time.monotonic()) - started < duration and not stop.is_set():
-                if hangup.is_set():
-                    hangup.clear()
-                    _reload(reloader, runtime, out)
-                due = rate * (now - started)
-                if submitted >= due:
-                    time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
-                    continue
-                output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
-                descriptors = make_descriptors(
-                    output_id,
-                    record,
-                    count=batch,
-                    layout_ids=layout_id,
-                    keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
-                    seqs=np.arange(seq * batch, (seq + 1) * batch),
-                )
-                runtime.submit_batch(descriptors, payload)
-                submitted += batch
-                seq += 1
-                if now >= next_report:
-                    _progress(out, now - started, duration, submitted, runtime.counters())
-                    next_report = now + 0.5
-        finally:
-            restore()
-        elapsed = min(time.monotonic() - started, duration)  # less when stopped early
+    runtime: RecordService | None = None
+    submitted, elapsed = 0, 0.0
+    try:
+        with config.build() as built, _serving(built).start() as runtime:
+            submitted, elapsed = _drive(
+                config, built, runtime, rate, duration, rng, out, call_timeout
+            )
+    except ShutdownAbandoned:
+        # Closing was cut off by the grace: what the routes and destinations
+        # did is still what the operator needs first; the error follows.
+        if runtime is not None:
+            _end(runtime, out, elapsed, duration, submitted, summary)
+        raise
     # Closed (leaving the block): drained, flushed and closed within the
-    # shutdown grace, or what was still busy cut off (ShutdownAbandoned).
+    # shutdown grace.
+    assert runtime is not None
+    return _end(runtime, out, elapsed, duration, submitted, summary)
+
+
+def _end(
+    runtime: RecordService,
+    out: TextIO,
+    elapsed: float,
+    duration: float,
+    submitted: int,
+    summary: bool,
+) -> ServiceSnapshot:
+    """The last progress line (and the summary), from the closed runtime's counters."""
     counters = runtime.counters()
     _progress(out, elapsed, duration, submitted, counters)
     print(file=out)
+    if summary:
+        print_summary(counters, out)
     return counters
+
+
+def _drive(
+    config: ServiceConfig,
+    built: BuiltService,
+    runtime: RecordService,
+    rate: float,
+    duration: float,
+    rng: np.random.Generator,
+    out: TextIO,
+    call_timeout: float | None,
+) -> tuple[int, float]:
+    """Submit at ``rate`` until ``duration`` or a stop signal; (records
+    submitted, seconds it took)."""
+    schema = built.sink.schema
+    feeds = []
+    for hook in config.producer.hooks:
+        output_id = runtime.bind_hook(hook.name, layout=hook.layout)
+        payload, record = synthetic_payload(schema.layout(hook.layout), hook, rng)
+        feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
+    reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
+    runtime.reloader = reloader
+    hangup = threading.Event()
+    stop = threading.Event()
+    restore = _on_signals(hangup, stop)
+    try:
+        # Only once the handlers are in place: whoever reads this line may
+        # signal at once (SIGHUP's default action would end the process).
+        urls = ", ".join(f"{u}/metrics" for u in runtime.http_urls)
+        print(f"serving {urls}", file=out, flush=True)
+        started = time.monotonic()
+        submitted = 0
+        seq = 0
+        next_report = started + 0.5
+        while (now := time.monotonic()) - started < duration and not stop.is_set():
+            if hangup.is_set():
+                hangup.clear()
+                _reload(reloader, runtime, out)
+            due = rate * (now - started)
+            if submitted >= due:
+                time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
+                continue
+            output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
+            descriptors = make_descriptors(
+                output_id,
+                record,
+                count=batch,
+                layout_ids=layout_id,
+                keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
+                seqs=np.arange(seq * batch, (seq + 1) * batch),
+            )
+            runtime.submit_batch(descriptors, payload)
+            submitted += batch
+            seq += 1
+            if now >= next_report:
+                _progress(out, now - started, duration, submitted, runtime.counters())
+                next_report = now + 0.5
+    finally:
+        restore()
+    return submitted, min(time.monotonic() - started, duration)  # less when stopped early
+
+
+def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
+    """One line per route (processed, emitted, failed) and per destination
+    (rows sent, from which routes, and what its spool still holds)."""
+    for route in counters.routes.values():
+        print(
+            f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
+            f"failed {route.failed:,}",
+            file=out,
+        )
+    for name, destination in counters.destinations.items():
+        feeding = [r for r in counters.routes.values() if r.destination == name]
+        sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
+        held = ""  # sent to a spooling destination is not delivered: say what is not
+        if destination.healthy is False:
+            held += f"; unhealthy: {destination.unhealthy_reason}"
+        if destination.spool_bytes:
+            held += (
+                f"; {destination.spool_bytes:,} bytes held in its spool, "
+                "delivered once it is reachable (this run or the next start)"
+            )
+        print(
+            f"destination {name}: {destination.records:,} rows sent"
+            + (f" (from routes {sources})" if sources else "")
+            + held,
+            file=out,
+        )
 
 
 def _on_signals(hangup: threading.Event, stop: threading.Event) -> Callable[[], None]:

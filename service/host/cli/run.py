@@ -44,28 +44,9 @@ def run(path: Path, rate: float, duration: float, call_timeout: float | None = N
         config = config.with_call_timeout(call_timeout)
     http = config.http if config.http is not None else HttpConfig()
     _check_listen(config, http)
-    counters = run_load(config, rate=rate, duration=duration, call_timeout=call_timeout)
-    for route in counters.routes.values():
-        print(
-            f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
-            f"failed {route.failed:,}"
-        )
-    for name, destination in counters.destinations.items():
-        feeding = [r for r in counters.routes.values() if r.destination == name]
-        sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
-        held = ""  # sent to a spooling destination is not delivered: say what is not
-        if destination.healthy is False:
-            held += f"; unhealthy: {destination.unhealthy_reason}"
-        if destination.spool_bytes:
-            held += (
-                f"; {destination.spool_bytes:,} bytes held in its spool, "
-                "delivered once it is reachable (this run or the next start)"
-            )
-        print(
-            f"destination {name}: {destination.records:,} rows sent"
-            + (f" (from routes {sources})" if sources else "")
-            + held
-        )
+    counters = run_load(
+        config, rate=rate, duration=duration, call_timeout=call_timeout, summary=True
+    )
     return 0 if counters.failure is None else 1
 
 
