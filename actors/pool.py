@@ -122,6 +122,9 @@ class StatelessRoute(RouteActor):
                     await self._handle(attempt, outcome)
                 else:
                     await self._process(attempt)
+            except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
+                self.counters.abandoned += len(attempt.batch)
+                raise
             except Exception as exc:
                 self._latch.latch(exc, route=self.name, where="stateless worker")
             finally:

@@ -206,6 +206,10 @@ class RoutingSink(SinkFlushing):
         self._started = False
         self._blocking_budget: float | None = None
         self._closing = False
+        #: A shutdown's grace ran out with routes still processing: close
+        #: stops waiting for them (see :meth:`cut_routes`).
+        self._routes_cut = False
+        self._idle_scope: trio.CancelScope | None = None
         self._close_inputs = trio.Event()
         self._stopped = trio.Event()
 
@@ -401,7 +405,9 @@ class RoutingSink(SinkFlushing):
         async with self._lock:
             try:
                 if not self._stopped.is_set():
-                    await self._in_flight.wait_idle()
+                    with trio.CancelScope() as self._idle_scope:
+                        if not self._routes_cut:
+                            await self._in_flight.wait_idle()
                     if self._latch.failure is None:
                         # Together: one destination whose flush does not
                         # return holds up none of the others.
@@ -434,6 +440,25 @@ class RoutingSink(SinkFlushing):
         for name in cut:
             self._destinations[name].cut()
         return cut
+
+    def cut_routes(self) -> tuple[str, ...]:
+        """Stop waiting for the routes still processing (a processor that
+        outlives a shutdown's grace): their actors are cancelled (a call in a
+        worker thread is abandoned), what they held is given back and counted
+        as abandoned once they are gone, and :meth:`close` goes on to flush and
+        close the destinations with what the routes had delivered, instead of
+        leaving them unflushed when the loop is cancelled.  Only during
+        :meth:`close`; returns the routes that were busy (none: nothing cut)."""
+        if not self._closing or self._routes_cut or self._nursery is None:
+            return ()
+        busy = tuple(r.name for r in [*self._gen.routes, *self._retiring] if r.counters.backlog > 0)
+        if not busy:
+            return ()
+        self._routes_cut = True
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
+        self._nursery.cancel_scope.cancel()
+        return busy
 
     def busy(self) -> dict[str, str]:
         """``{destination: what keeps it busy}`` for every destination not cut

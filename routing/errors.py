@@ -162,7 +162,8 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
     was given up there (queued for it or in its unfinished call: never
     delivered); ``busy_routes`` are the routes still processing at the end of
     the grace (records accepted and not done); ``route_records`` are records
-    queued in routes' mailboxes and ``ingress_records`` records still in the
+    queued in routes' mailboxes or in a processor call that was cut off, and
+    ``ingress_records`` records still in the
     runtime's ingress, given up too.
     ``loop_ended`` is False when the loop thread could not be stopped (it is
     blocked in a call that cannot be cancelled: a sink or processor that
@@ -208,7 +209,7 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
             if n
         ]
         if route_records:
-            lost.append(f"{route_records} records queued in routes")
+            lost.append(f"{route_records} records in routes")
         if ingress_records:
             lost.append(f"{ingress_records} records in ingress")
         parts = [head, "abandoned: " + ("; ".join(lost) if lost else "nothing queued")]

@@ -155,10 +155,15 @@ class CutsShort(Protocol):
     returns ``{destination: what kept it busy}`` (``"submit"``, ``"flush"``,
     ``"close"``, ``"queued"``) for those it cut now.  ``busy`` says the same
     without cutting anything (read from another thread only while the loop
-    is blocked: a best effort).
+    is blocked: a best effort).  ``cut_routes``, called on the loop first,
+    stops waiting for the routes still processing (their work given back
+    and counted), so the close goes on to flush and close the destinations;
+    it returns the routes it cut.
     """
 
     def cut_short(self) -> dict[str, str]: ...
+
+    def cut_routes(self) -> tuple[str, ...]: ...
 
     def busy(self) -> dict[str, str]: ...
 

@@ -27,7 +27,7 @@ from taproute.routing import (
     ShutdownAbandoned,
     stateless_processor,
 )
-from taproute.service import RoutingSink, create_record_runtime
+from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
 from taproute.service.host.config import ConfigFileError, ShutdownOptions, load_config
 from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.host.runtime import LOOP_END_S, RecordRuntime
@@ -355,11 +355,80 @@ def test_a_processor_that_does_not_return_is_cancelled_at_the_end_of_the_grace()
         assert time.monotonic() - started < 0.5 + SLACK_S
         error = caught.value
         assert error.busy == {} and error.busy_routes == ("slow",)
-        assert error.route_records == 12  # three batches queued behind the one in the call
+        # the batch in the call and the three queued behind it
+        assert error.route_records == 16
         assert "route 'slow' (processing) still busy" in str(error)
-        assert "12 records queued in routes" in str(error)
+        assert "16 records in routes" in str(error)
         assert error.loop_ended and _loop_threads() == []
         assert ok.records == 16  # the forward route's, all
-        assert runtime.snapshot().routes["slow"].abandoned == 12
+        assert ok.flushes == 1  # flushed (a leased sink: not closed), as the grace promises
+        slow = runtime.snapshot().routes["slow"]
+        assert slow.abandoned == 16 and slow.processed == 0
     finally:
         HANG.set()
+
+
+def test_a_hung_processor_does_not_keep_the_other_routes_rows_from_clickhouse(chdb_transport):
+    """A processor that outlived the grace kept the close waiting for the
+    routes until the loop was cancelled: the destinations were never flushed
+    or closed, so rows a ClickHouse sink had buffered for the healthy route
+    were lost, counted as sent and abandoned nowhere.  Now the busy routes
+    are cut near the end of the grace and the destinations flushed and
+    closed with what the routes had delivered."""
+    HANG.clear()
+    HUNG.clear()
+    table = "grace_routes_raw_{layout}"
+    made: list[ClickHouseSink] = []
+
+    def clickhouse() -> ClickHouseSink:
+        made.append(
+            ClickHouseSink(
+                chdb_transport,
+                SCHEMA,
+                raw=["vec"],
+                raw_table=table,
+                rows=["norm"],
+                rows_table="grace_routes_{layout}",
+                create_tables=True,
+                owns_transport=False,
+            )
+        )
+        return made[0]
+
+    hung = Route(
+        "slow",
+        "h.*",
+        "ch",
+        mode="stateless",
+        processor="test.grace_hang",
+        workers=1,
+        failure_policy=FailurePolicy(deadline=600.0),
+    )
+    sink = RoutingSink(
+        RoutingConfig([hung, Route("raw", "h.*", "ch")]),
+        SCHEMA,
+        {"ch": clickhouse},
+        unmatched="drop",
+    )
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    released = threading.Semaphore(0)
+    hook = runtime.bind_hook("h.0", layout="vec")
+    try:
+        for _ in range(5):
+            runtime.submit_batch(
+                make_descriptors(hook, 16, count=4, layout_ids=VEC),
+                np.zeros((4, 4), np.float32),
+                release=released.release,
+            )
+        assert HUNG.wait(10)
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=1.0)
+        assert caught.value.busy_routes == ("slow",) and caught.value.busy == {}
+        assert caught.value.route_records == 20 and caught.value.loop_ended
+    finally:
+        HANG.set()
+    # Every buffer goes back once; the one the abandoned call reads, when it returns.
+    assert all(released.acquire(timeout=10) for _ in range(5))
+    rows = chdb_transport.query("SELECT count() AS n FROM grace_routes_raw_vec").to_pylist()
+    assert rows == [{"n": 20}]  # every record of the healthy route, in ClickHouse
+    assert made[0].table_counters()["grace_routes_raw_vec"].buffered_rows == 0

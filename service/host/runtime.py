@@ -325,7 +325,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self._cut()
         if self._observable is not None:  # what the cancel below cuts short
             routes = self._observable.snapshot().routes
-            self._busy_routes = [name for name, r in routes.items() if r.backlog > 0]
+            for name, r in routes.items():
+                if r.backlog > 0 and name not in self._busy_routes:
+                    self._busy_routes.append(name)
         self._stopped_short = True
         assert self._main_scope is not None
         self._main_scope.cancel()
@@ -334,6 +336,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         """Cut off what is still busy (a routing sink's destinations), noting what."""
         sink = self.record_sink
         if isinstance(sink, CutsShort):
+            for route in sink.cut_routes():  # first: the close then reaches the destinations
+                if route not in self._busy_routes:
+                    self._busy_routes.append(route)
             for name, call in sink.cut_short().items():
                 self._busy.setdefault(name, call)
         elif self._sink_call is not None:
@@ -505,7 +510,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             failure = exc
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         loop_ended = not self._thread.is_alive()
-        if self._busy or self._stopped_short or not loop_ended:
+        if self._busy or self._busy_routes or self._stopped_short or not loop_ended:
             raise self._abandoned(grace, loop_ended)
         if failure is not None:
             raise failure
