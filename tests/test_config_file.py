@@ -389,9 +389,6 @@ def test_run_prints_its_summary_when_the_shutdown_grace_runs_out(tmp_path, chdb_
         'destination = "ch"\n\n[destinations.ch]',
         'destination = "ch"\nfailure_policy = { deadline = 600.0 }\n\n[destinations.ch]',
     )
-    # spool = "off": the destination a cut-off close never closes keeps no
-    # spool locked for the tests after this one (they share its directory).
-    text = text.replace('rows = ["norm"]', 'rows = ["norm"]\nspool = "off"')
     path = write(tmp_path, text + "\n[shutdown]\ngrace = 0.5\n")
     SCRIPT.release_hang.clear()
     try:
