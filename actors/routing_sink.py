@@ -248,6 +248,9 @@ class RoutingSink(SinkFlushing):
                         self._nursery = routes  # rerouted copies are sent from here
                         await self._restore_parked()
                         task_status.started()
+                    # Cut (cut_routes) before close() came: the destinations
+                    # still serve a flush until close() asks for the rest.
+                    await self._close_inputs.wait()
                     # The routes' inputs were closed and they drained: so do the destinations.
                     for destination in self._destinations.values():
                         destination.mailbox.close()
@@ -447,9 +450,10 @@ class RoutingSink(SinkFlushing):
         worker thread is abandoned), what they held is given back and counted
         as abandoned once they are gone, and :meth:`close` goes on to flush and
         close the destinations with what the routes had delivered, instead of
-        leaving them unflushed when the loop is cancelled.  Only during
-        :meth:`close`; returns the routes that were busy (none: nothing cut)."""
-        if not self._closing or self._routes_cut or self._nursery is None:
+        leaving them unflushed when the loop is cancelled (a flush waiting for
+        them raises :class:`FlushCutOff`).  For a closing runtime whose grace
+        runs out; returns the routes that were busy (none: nothing cut)."""
+        if self._routes_cut or self._nursery is None:
             return ()
         busy = tuple(r.name for r in [*self._gen.routes, *self._retiring] if r.counters.backlog > 0)
         if not busy:
@@ -458,6 +462,10 @@ class RoutingSink(SinkFlushing):
         if self._idle_scope is not None:
             self._idle_scope.cancel()
         self._nursery.cancel_scope.cancel()
+        # Their queued batches go back now, not when the run ends: a flush
+        # waiting for them (holding the sink's lock) then lets the close on.
+        for route in [*self._gen.routes, *self._retiring]:
+            route.abandon()
         return busy
 
     def busy(self) -> dict[str, str]:

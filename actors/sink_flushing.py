@@ -14,11 +14,15 @@ from __future__ import annotations
 from taproute.actors.accounting import flush_report
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.sink_operations import SinkOperations
+from taproute.routing.errors import FlushCutOff
 from taproute.routing.flush_report import FlushReport
 
 
 class SinkFlushing(SinkOperations):
     """Flush and park-store restore of a routing sink."""
+
+    #: Routes a shutdown's grace cut off (the routing sink sets it).
+    _routes_cut: bool
 
     async def flush(self, *, wait: bool = False) -> FlushReport:
         """Wait until every route and pool has drained, then flush every destination.
@@ -61,6 +65,24 @@ class SinkFlushing(SinkOperations):
             if wait:
                 await actor.wait_delivered()
         self._latch.raise_if_failed()
+        self._raise_if_cut()
+
+    def _raise_if_cut(self) -> None:
+        """A flush that a shutdown's grace overtook did not deliver what it
+        covers: what the cut routes and destinations held was given up."""
+        cut = [
+            f"destination {name!r} (in {actor.counters.cut_short or 'nothing'})"
+            for name, actor in self._destinations.items()
+            if actor.is_cut
+        ]
+        if self._routes_cut:
+            cut.insert(0, "the routes still processing")
+        if cut:
+            raise FlushCutOff(
+                "flush: the shutdown grace ran out and cut off "
+                + ", ".join(cut)
+                + "; what they held was given up, not delivered"
+            )
 
     async def _restore_parked(self) -> None:
         """Hand the routes what a previous run left in the park store (in parked

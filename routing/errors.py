@@ -140,6 +140,13 @@ class SinkClosed(TaprouteError, RuntimeError):
     names what is closed and the call refused."""
 
 
+class FlushCutOff(SinkClosed):
+    """A ``flush`` that a closing shutdown's grace overtook: the routes or
+    destinations it waited for were cut off, and what they held was given up
+    rather than delivered (the close raises :class:`ShutdownAbandoned`
+    saying how much).  The caller's flush fails; the runtime does not."""
+
+
 class RerouteRefused(TaprouteError):
     """A dead letter that cannot be rerouted (already rerouted, skipped, or no
     route would take it); it stays as it was."""

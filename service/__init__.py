@@ -46,6 +46,7 @@ from taproute.routing.causal import (
 from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.errors import (
     ConfigError,
+    FlushCutOff,
     PayloadDtypeMismatch,
     PayloadSizeMismatch,
     PlanErrors,
@@ -200,6 +201,7 @@ __all__ += [
     "RerouteRefused",
     "RoutingFailure",
     "ShutdownAbandoned",
+    "FlushCutOff",
     "SinkClosed",
     "SpoolLocked",
     "UnboundOutputId",

@@ -22,6 +22,7 @@ from taproute.native import make_descriptors
 from taproute.routing import (
     ConfigError,
     FailurePolicy,
+    FlushCutOff,
     Route,
     RoutingConfig,
     ShutdownAbandoned,
@@ -432,3 +433,91 @@ def test_a_hung_processor_does_not_keep_the_other_routes_rows_from_clickhouse(ch
     rows = chdb_transport.query("SELECT count() AS n FROM grace_routes_raw_vec").to_pylist()
     assert rows == [{"n": 20}]  # every record of the healthy route, in ClickHouse
     assert made[0].table_counters()["grace_routes_raw_vec"].buffered_rows == 0
+
+
+def _flush_in_thread(runtime: RecordRuntime) -> tuple[threading.Thread, list[BaseException]]:
+    """A flush (no timeout) in a thread of its own; what it raised goes in the list."""
+    raised: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            runtime.flush()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=flush, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_flush_overtaken_by_the_grace_raises_instead_of_reporting_delivery():
+    """A flush waiting on a destination that the closing grace cut off
+    returned a FlushReport as if it had finished (delivered=4 for records
+    its flush never confirmed): now it raises FlushCutOff naming what was
+    cut, and the runtime's failure stays the shutdown's."""
+    held = HeldInThread(in_flush=True)
+    ok = NullSink()
+    runtime = _fan_out(held, ok)
+    released: list[int] = []
+    _submit(runtime, 1, released)
+    thread, raised = _flush_in_thread(runtime)
+    try:
+        assert held.entered.wait(10)  # the flush waits in the held destination's flush
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.5)
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], FlushCutOff)
+        assert "cut off destination 'held' (in flush)" in str(raised[0])
+        assert caught.value.failure is None  # the flush's error is the caller's, not latched
+        assert caught.value.busy == {"held": "flush"}
+    finally:
+        held.release.set()
+
+
+def test_a_flush_waiting_on_a_hung_processor_does_not_hold_the_close_up():
+    """A flush waiting for a hung route held the routing sink's lock, so the
+    close could not start its own flush until the loop was cancelled: the
+    healthy destination was never flushed.  Cutting the route frees the
+    flush (FlushCutOff) and the close flushes the healthy destination."""
+    HANG.clear()
+    HUNG.clear()
+    ok = NullSink()
+    sink = RoutingSink(
+        RoutingConfig(
+            [
+                Route(
+                    "slow",
+                    "h.*",
+                    "ok",
+                    mode="stateless",
+                    processor="test.grace_hang",
+                    workers=1,
+                    failure_policy=FailurePolicy(deadline=600.0),
+                ),
+                Route("raw", "h.*", "ok"),
+            ]
+        ),
+        SCHEMA,
+        {"ok": ok},
+        unmatched="drop",
+    )
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    released: list[int] = []
+    try:
+        _submit(runtime, 3, released)
+        assert HUNG.wait(10)
+        thread, raised = _flush_in_thread(runtime)
+        started = time.monotonic()
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=1.0)
+        assert time.monotonic() - started < 1.0 + SLACK_S
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], FlushCutOff)
+        assert "the routes still processing" in str(raised[0])
+        assert caught.value.busy_routes == ("slow",) and caught.value.route_records == 12
+        # the forward route's, all; flushed by the overtaken flush, then by the close
+        assert ok.records == 12 and ok.flushes == 2
+    finally:
+        HANG.set()

@@ -18,7 +18,7 @@ from contextlib import suppress
 from typing import Any
 
 from taproute.actors.routing_sink import RoutingSink
-from taproute.routing.errors import KeyNotHeld, SinkClosed
+from taproute.routing.errors import FlushCutOff, KeyNotHeld, SinkClosed
 from taproute.routing.flush_report import FlushReport
 from taproute.routing.keys import KeyAction, request_keys
 from taproute.routing.latch import FailureLatch
@@ -62,6 +62,8 @@ class SinkControls:
             else:
                 await self.record_sink.close()
         except KeyNotHeld as exc:  # the caller's mistake, refused whole: not a failure
+            control.future.set_exception(exc)
+        except FlushCutOff as exc:  # the closing shutdown's grace overtook it: its failure
             control.future.set_exception(exc)
         except Exception as exc:
             failure = self._latch.latch(exc, where=f"record sink {control.kind}")
