@@ -222,8 +222,12 @@ class StatefulRoute(KeyedRoute):
                 if more:
                     await self._admit_together(held, attempt, more, mailbox)
                     continue
+            settled = self._settled_records()
             try:
                 await self._admit(held, attempt)
+            except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
+                self._count_cut(batch, settled)
+                raise
             except Exception as exc:
                 self._latch.latch(exc, route=self.name, where="stateful owner")
             finally:
@@ -299,6 +303,7 @@ class StatefulRoute(KeyedRoute):
         in one thread hop until one fails; those after it are admitted again
         one by one (behind its key, if it was held)."""
         attempts = [first] + [Attempt(*message) for message, _, _ in more]
+        settled = self._settled_records()
         try:
             screened = []
             for attempt in attempts:  # no key is held: screening is all _admit does first
@@ -332,6 +337,10 @@ class StatefulRoute(KeyedRoute):
                     await self._admit(held, attempt)  # screened again: its key may wait
                 else:
                     await self._process(attempt)
+        except trio.Cancelled:  # a shutdown whose grace ran out: counted unless settled
+            if self._settled_records() == settled:
+                self.counters.abandoned += sum(len(a.batch) for a in attempts)
+            raise
         except Exception as exc:
             self._latch.latch(exc, route=self.name, where="stateful owner")
         finally:

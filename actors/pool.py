@@ -116,6 +116,7 @@ class StatelessRoute(RouteActor):
                 return
             finally:
                 self._idle_workers -= 1
+            settled = self._settled_records()
             try:
                 if attempt.pending is not None:  # a failed call made by the record worker
                     outcome, attempt.pending = attempt.pending, None
@@ -123,7 +124,7 @@ class StatelessRoute(RouteActor):
                 else:
                     await self._process(attempt)
             except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
-                self.counters.abandoned += len(attempt.batch)
+                self._count_cut(attempt.batch, settled)
                 raise
             except Exception as exc:
                 self._latch.latch(exc, route=self.name, where="stateless worker")

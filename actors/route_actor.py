@@ -167,6 +167,18 @@ class RouteActor(RouteScreening):
             if isinstance(item, Attempt):
                 self.parked.release(item)
 
+    def _settled_records(self) -> int:
+        """Records this route finished one way or another so far (processed,
+        given up, dropped): unchanged across a call a shutdown's grace cut
+        off, whose records are then counted as abandoned."""
+        return self.counters.processed + self.counters.failed + self.counters.dropped
+
+    def _count_cut(self, batch: RecordBatch, settled_before: int) -> None:
+        """``batch``'s call was cancelled (a shutdown's grace ran out): count
+        its records as abandoned unless the call had already settled them."""
+        if self._settled_records() == settled_before:
+            self.counters.abandoned += len(batch)
+
     def _message_batch(self, message: Any) -> RecordBatch | None:
         """The batch a queued message holds a lease on (None: it holds none)."""
         return message.batch if isinstance(message, Attempt) else None

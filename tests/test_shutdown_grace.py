@@ -26,6 +26,8 @@ from taproute.routing import (
     Route,
     RoutingConfig,
     ShutdownAbandoned,
+    SlotSpec,
+    stateful_processor,
     stateless_processor,
 )
 from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
@@ -519,5 +521,55 @@ def test_a_flush_waiting_on_a_hung_processor_does_not_hold_the_close_up():
         assert caught.value.busy_routes == ("slow",) and caught.value.route_records == 12
         # the forward route's, all; flushed by the overtaken flush, then by the close
         assert ok.records == 12 and ok.flushes == 2
+    finally:
+        HANG.set()
+
+
+@stateful_processor(
+    "test.grace_hang_keyed",
+    key=lambda d: d["key"] % 4,
+    key_range=4,
+    slot=SlotSpec((1,), "float64"),
+    input="vec",
+    output="norm",
+    needs_thread=True,
+)
+def grace_hang_keyed(records, keys, state):
+    HUNG.set()
+    HANG.wait()
+    return np.zeros(0, SCHEMA.layout("norm").dtype)
+
+
+def test_a_stateful_call_cut_off_at_the_grace_counts_its_records():
+    """The records in a stateful owner's call that the grace cut off were
+    counted nowhere (accepted 24 = processed 0 + abandoned 20): every
+    accepted record is now processed or counted as abandoned."""
+    HANG.clear()
+    HUNG.clear()
+    ok = NullSink()
+    keyed = Route(
+        "keyed",
+        "h.*",
+        "ok",
+        mode="stateful",
+        processor="test.grace_hang_keyed",
+        workers=2,
+        failure_policy=FailurePolicy(deadline=600.0),
+    )
+    sink = RoutingSink(
+        RoutingConfig([keyed, Route("raw", "h.*", "ok")]), SCHEMA, {"ok": ok}, unmatched="drop"
+    )
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    released: list[int] = []
+    try:
+        _submit(runtime, 6, released)
+        assert HUNG.wait(10)
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.6)
+        assert caught.value.busy_routes == ("keyed",)
+        route = runtime.snapshot().routes["keyed"]
+        assert route.accepted == 24 and route.processed == 0 and route.abandoned == 24
+        assert caught.value.route_records == 24
+        assert ok.records == 24 and ok.flushes == 1
     finally:
         HANG.set()
