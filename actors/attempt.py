@@ -138,6 +138,23 @@ class CallingFor:
         _calling.token = self._before
 
 
+class _NotesStart:
+    """A thread limiter (what ``trio.to_thread.run_sync`` takes) that tells a
+    :class:`HeldWhileRunning` when its call got a slot: Trio starts the
+    thread right after, with no checkpoint between."""
+
+    def __init__(self, threads: trio.CapacityLimiter, held: HeldWhileRunning) -> None:
+        self._threads = threads
+        self._held = held
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self._threads.acquire_on_behalf_of(borrower)
+        self._held._started()
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._threads.release_on_behalf_of(borrower)
+
+
 class HeldWhileRunning:
     """Holds a batch's buffer while a worker thread reads it, even past the call.
 
@@ -153,7 +170,21 @@ class HeldWhileRunning:
         self._lock = threading.Lock()
         self._returned = False
         self._left = False
+        self._will_run = False  # its thread got a slot: it runs :meth:`run`
         self._token = trio.lowlevel.current_trio_token()
+
+    def limiter(self, threads: trio.CapacityLimiter) -> trio.CapacityLimiter:
+        """``threads`` for the ``to_thread.run_sync`` of this hold's call,
+        noting when the call gets its slot: from then its thread runs
+        :meth:`run`.  A call cancelled while it waited for a slot (a shutdown's
+        grace ran out) never runs, so :meth:`leave` lets go at once: waiting
+        for a thread that never starts kept the buffer, and its release
+        callback never ran."""
+        return _NotesStart(threads, self)  # type: ignore[return-value]  # duck-typed limiter
+
+    def _started(self) -> None:
+        with self._lock:
+            self._will_run = True
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` (in the worker thread); then let go if the caller left."""
@@ -176,7 +207,8 @@ class HeldWhileRunning:
         with self._lock:
             self._left = True
             returned = self._returned
-        if returned:
+            will_run = self._will_run
+        if returned or not will_run:  # done, or never to run: nothing reads it
             self._hold.release()
         elif self._abandoned is not None:
             self._abandoned(1)
@@ -415,7 +447,7 @@ async def call_processor(
                             fn,
                             records,
                             *args,
-                            limiter=threads,
+                            limiter=held.limiter(threads),
                             abandon_on_cancel=True,
                         )
                 finally:

@@ -114,7 +114,10 @@ async def call_processor_in_one_hop(
     assert planned.processor is not None and not planned.processor.needs_thread
     deadline = planned.route.failure_policy.deadline or math.inf
     hop = _Hop(planned, calls, hook_name)
-    holds = [call.batch.retain() for call in calls]
+    # Taken once the thread has its slot (no checkpoint until it starts): a
+    # hop cancelled while it waited for one (a shutdown's grace ran out)
+    # never runs, and holds taken before would never be let go.
+    holds: list[Any] = []
     token = trio.lowlevel.current_trio_token()
     returned = trio.Event()
     left = False
@@ -136,6 +139,7 @@ async def call_processor_in_one_hop(
 
     async with limiter:
         await threads.acquire_on_behalf_of(hop)
+        holds.extend(call.batch.retain() for call in calls)
         try:
             trio.lowlevel.start_thread_soon(hop.run, deliver)
         except BaseException:

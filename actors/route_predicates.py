@@ -76,7 +76,7 @@ class RouteScreening:
                         evaluate_predicate,
                         self.planned,
                         batch.descriptors,
-                        limiter=self._threads,
+                        limiter=held.limiter(self._threads),
                         abandon_on_cancel=True,
                     )
             except Exception as exc:
