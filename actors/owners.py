@@ -259,7 +259,7 @@ class StatefulRoute(KeyedRoute):
         held.clear()
 
     def _message_batch(self, message: Any) -> RecordBatch | None:
-        if isinstance(message, _RetryKey):
+        if isinstance(message, (_RetryKey, KeyControl)):  # no batch; counted in flight
             self._in_flight.done()
             return None
         if isinstance(message, Attempt):

@@ -573,3 +573,38 @@ def test_a_stateful_call_cut_off_at_the_grace_counts_its_records():
         assert ok.records == 24 and ok.flushes == 1
     finally:
         HANG.set()
+
+
+def test_a_key_control_queued_behind_a_hung_stateful_call_is_given_up_with_it():
+    """Giving back what a stateful owner still had queued tripped over a
+    complete/cancel queued there ('KeyControl' object is not subscriptable):
+    the loop crashed, and close raised SinkClosed instead of saying what the
+    grace cut off."""
+    HANG.clear()
+    HUNG.clear()
+    ok = NullSink()
+    keyed = Route(
+        "keyed",
+        "h.*",
+        "ok",
+        mode="stateful",
+        processor="test.grace_hang_keyed",
+        workers=1,
+        failure_policy=FailurePolicy(deadline=600.0),
+    )
+    sink = RoutingSink(RoutingConfig([keyed]), SCHEMA, {"ok": ok}, unmatched="drop")
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    released: list[int] = []
+    try:
+        _submit(runtime, 2, released)  # the first call hangs, the second waits behind it
+        assert HUNG.wait(10)
+        runtime.complete(1).result(10)  # queued in the owner's mailbox behind them
+        runtime.cancel(2).result(10)
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.5)
+        assert caught.value.busy_routes == ("keyed",) and caught.value.loop_ended
+        snapshot = runtime.snapshot()
+        assert snapshot.failure is not None and "ShutdownAbandoned" in snapshot.failure
+        assert snapshot.routes["keyed"].abandoned == 8
+    finally:
+        HANG.set()
