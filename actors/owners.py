@@ -273,7 +273,7 @@ class StatefulRoute(KeyedRoute):
             for queue in held.values():
                 for attempt in queue:
                     if isinstance(attempt, Attempt):
-                        self.parked.release(attempt)
+                        self._let_go_parked(attempt)
             held.clear()
 
     def _queued_with(self, held: Held, mailbox: Mailbox[Any]) -> list[tuple[Any, int, int]]:

@@ -165,7 +165,15 @@ class RouteActor(RouteScreening):
                     self._settle(batch)
         for item in self.parked.drain():
             if isinstance(item, Attempt):
-                self.parked.release(item)
+                self._let_go_parked(item)
+
+    def _let_go_parked(self, attempt: Attempt) -> None:
+        """Give back a parked ``attempt``'s buffer as the run ends: in a
+        durable park store it stays parked for the next start; otherwise it
+        is given up here, counted as abandoned (once: its hold goes with it)."""
+        if attempt.hold is not None and not self.parker.durable:
+            self.counters.abandoned += len(attempt.batch)
+        self.parked.release(attempt)
 
     def _settled_records(self) -> int:
         """Records this route finished one way or another so far (processed,

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from taproute.native import make_descriptors
 from taproute.routing import (
     ConfigError,
+    Failed,
     FailurePolicy,
     FlushCutOff,
     Route,
@@ -606,5 +607,59 @@ def test_a_key_control_queued_behind_a_hung_stateful_call_is_given_up_with_it():
         snapshot = runtime.snapshot()
         assert snapshot.failure is not None and "ShutdownAbandoned" in snapshot.failure
         assert snapshot.routes["keyed"].abandoned == 8
+    finally:
+        HANG.set()
+
+
+@stateful_processor(
+    "test.grace_key0_down_key1_hangs",
+    key=lambda d: d["key"] % 4,
+    key_range=4,
+    slot=SlotSpec((1,), "float64"),
+    input="vec",
+    output="norm",
+    needs_thread=True,
+)
+def key0_down_key1_hangs(records, keys, state):
+    if 1 in keys.tolist():
+        HUNG.set()
+        HANG.wait()
+    if 0 in keys.tolist():
+        return Failed("feature store down for key 0")
+    return np.zeros(0, SCHEMA.layout("norm").dtype)
+
+
+def test_records_parked_or_waiting_behind_their_key_when_the_grace_cuts_are_counted():
+    """A record parked for a retry, and the records of its key waiting behind
+    it, were let go without a count when the grace cut their owner off:
+    accepted records were neither processed, dropped, failed nor abandoned.
+    Without a park store they are counted as abandoned now."""
+    HANG.clear()
+    HUNG.clear()
+    route = Route(
+        "keyed",
+        "h.*",
+        "ok",
+        mode="stateful",
+        processor="test.grace_key0_down_key1_hangs",
+        workers=1,
+        failure_policy=FailurePolicy(deadline=600.0, initial_backoff=60.0),
+    )
+    sink = RoutingSink(RoutingConfig([route]), SCHEMA, {"ok": NullSink()}, unmatched="drop")
+    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    hook = runtime.bind_hook("h.0", layout="vec")
+    try:
+        for key in (0, 0, 0, 1):  # key 0 fails and parks; two wait behind it; key 1 hangs
+            runtime.submit_batch(
+                make_descriptors(hook, 16, count=1, layout_ids=VEC, keys=np.array([key])),
+                np.zeros((1, 4), np.float32),
+            )
+        assert HUNG.wait(10)
+        assert runtime.snapshot().routes["keyed"].parked == 3
+        with pytest.raises(ShutdownAbandoned):
+            runtime.close(timeout=0.5)
+        counted = runtime.snapshot().routes["keyed"]
+        assert counted.accepted == 4 and counted.processed == 0
+        assert counted.abandoned == 4  # the parked three and the hung call's one
     finally:
         HANG.set()
