@@ -114,6 +114,20 @@ def one_line_error(capsys, argv: list[str], code: int) -> str:
     return err[0]
 
 
+def test_a_second_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch, tmp_path):
+    """A second SIGINT to ``taproute run`` (its escape hatch past the graceful
+    stop) raised KeyboardInterrupt out of the command: a traceback, where the
+    README says errors are one line and never one."""
+    from taproute.service.host.cli import run as run_command
+
+    def interrupted(*_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_command, "run", interrupted)
+    line = one_line_error(capsys, ["run", "--config", str(tmp_path / "x.toml")], 130)
+    assert line.startswith("taproute: interrupted")
+
+
 def test_listing_a_missing_store_refuses_and_creates_nothing(capsys, tmp_path):
     typo = tmp_path / "typo.sqlite"
     line = one_line_error(capsys, ["dead-letters", "list", "--store", str(typo)], 2)

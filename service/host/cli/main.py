@@ -9,11 +9,15 @@ stderr, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from taproute.routing.errors import TaprouteError
 from taproute.service.host.cli import arguments, check, dead_letters, errors, run, trace
+
+#: Exit code after an interrupt (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("trace needs --hook (or --samples with --config)")
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:
+        # A second Ctrl-C, the escape hatch past the graceful stop: one line,
+        # the shell's exit code of an interrupt, no traceback.
+        print("taproute: interrupted (a second Ctrl-C): stopped without waiting", file=sys.stderr)
+        return INTERRUPTED
     except ExceptionGroup as group:  # raised from a task of the service's loop
         found = errors.taproute_error(group)
         if found is None:
