@@ -119,6 +119,7 @@ def metadata(params: Mapping[str, Any], *, started: float | None = None) -> dict
         "load_average_start": _LOAD_AT_IMPORT,
         "load_average_end": load_average(),
         "platform": platform.platform(),
+        "script": Path(sys.argv[0]).name,
         "argv": sys.argv[1:],
         "max_repeat": max_repeat(),
         "versions": versions(),

@@ -343,7 +343,12 @@ def render(results: dict[str, dict[str, Any]], folder: Path, suite: dict[str, An
         ]
     for name, result in results.items():
         meta = result["meta"]
-        lines += [f"## {result.get('title') or name} (`{name}.py`)", ""]
+        # The script and the options that made it (inference_cost_pinned is
+        # inference_cost.py --pin apart); older results name only the bench.
+        script = meta.get("script") or f"{name}.py"
+        options = [a for a in meta.get("argv", []) if name != script.removesuffix(".py")]
+        command = " ".join([script, *options])
+        lines += [f"## {result.get('title') or name} (`{command}`)", ""]
         if result.get("description"):
             lines += [result["description"], ""]
         lines += [
