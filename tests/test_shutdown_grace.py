@@ -322,13 +322,12 @@ def grace_hang(records):
     return np.zeros(0, SCHEMA.layout("norm").dtype)
 
 
-def test_a_processor_that_does_not_return_is_cancelled_at_the_end_of_the_grace():
-    """No destination is busy: nothing is cut near the end; at the end the
-    loop is cancelled, the route's queued records are given back and counted,
-    and the error names the route still processing."""
+def _hung_route_beside_a_forward_one(ok: NullSink) -> RecordRuntime:
+    """A runtime whose route "slow" calls ``test.grace_hang`` (it does not
+    return until HANG is set; HUNG says it is in the call) beside a forward
+    route "raw", both into ``ok``."""
     HANG.clear()
     HUNG.clear()
-    ok = NullSink()
     sink = RoutingSink(
         RoutingConfig(
             [
@@ -348,7 +347,15 @@ def test_a_processor_that_does_not_return_is_cancelled_at_the_end_of_the_grace()
         {"ok": ok},
         unmatched="drop",
     )
-    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    return create_record_runtime(record_sink=sink, name="taproute-grace")
+
+
+def test_a_processor_that_does_not_return_is_cancelled_at_the_end_of_the_grace():
+    """No destination is busy: nothing is cut near the end; at the end the
+    loop is cancelled, the route's queued records are given back and counted,
+    and the error names the route still processing."""
+    ok = NullSink()
+    runtime = _hung_route_beside_a_forward_one(ok)
     released: list[int] = []
     try:
         _submit(runtime, 4, released)
@@ -483,29 +490,8 @@ def test_a_flush_waiting_on_a_hung_processor_does_not_hold_the_close_up():
     close could not start its own flush until the loop was cancelled: the
     healthy destination was never flushed.  Cutting the route frees the
     flush (FlushCutOff) and the close flushes the healthy destination."""
-    HANG.clear()
-    HUNG.clear()
     ok = NullSink()
-    sink = RoutingSink(
-        RoutingConfig(
-            [
-                Route(
-                    "slow",
-                    "h.*",
-                    "ok",
-                    mode="stateless",
-                    processor="test.grace_hang",
-                    workers=1,
-                    failure_policy=FailurePolicy(deadline=600.0),
-                ),
-                Route("raw", "h.*", "ok"),
-            ]
-        ),
-        SCHEMA,
-        {"ok": ok},
-        unmatched="drop",
-    )
-    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    runtime = _hung_route_beside_a_forward_one(ok)
     released: list[int] = []
     try:
         _submit(runtime, 3, released)
