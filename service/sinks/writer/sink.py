@@ -220,6 +220,11 @@ class WriterProcessSink(WriterConversation):
         self._closing = True
         process.kill()
         process.close_sockets()
+        self._drop_unsent()
+
+    def _drop_unsent(self) -> None:
+        """The writer is gone: settle what waited on it, give the buffered
+        block's buffers back and forget its rows and bytes."""
         self._finish_all(None)
         for hold in self._buffer.holds:
             hold.release()
@@ -337,12 +342,7 @@ class WriterProcessSink(WriterConversation):
                 # A replacement writer starting now is stopped by the supervisor
                 # (it sees _closing); close returns once it has been.
                 await self._run_done.wait()
-            self._finish_all(None)
-            for hold in self._buffer.holds:
-                hold.release()
-            self._buffer = Block(0, "")
-            self.counters.buffered_rows = 0
-            self._pending_bytes = 0
+            self._drop_unsent()
             if self._owns_pool:
                 self.buffer_pool.close()
 
