@@ -55,29 +55,29 @@ def test_str_and_numpy_str_values_pass():
     assert check_rows(rows, LABEL, route="r", processor="p") is rows
 
 
-def test_bad_string_values_fail_their_records_and_the_rest_land_in_clickhouse(chdb_transport):
-    table = "labels_" + uuid.uuid4().hex[:8]
+def _route_eight_records_into_chdb(chdb_transport, schema, layout, processor, table):
+    """Eight records (keys 0..7) through one stateless route calling
+    ``processor`` into a chDB table of ``layout``; returns the route's flush
+    report and ``(key, error message)`` for each record given up."""
+    failures: list[tuple[int, str]] = []
 
     def destination() -> ClickHouseSink:
         return ClickHouseSink(
             chdb_transport,
-            SCHEMA,
-            rows=["label"],
+            schema,
+            rows=[layout],
             rows_table=table,
             create_tables=True,
             owns_transport=False,
         )
 
-    given_up: list[int] = []
     sink = RoutingSink(
-        RoutingConfig(
-            [Route("labels", "h.*", "ch", mode="stateless", processor="test.string_labels")]
-        ),
-        SCHEMA,
+        RoutingConfig([Route("r", "h.*", "ch", mode="stateless", processor=processor)]),
+        schema,
         {"ch": destination},
         unmatched="drop",
-        on_failure=lambda failure: given_up.extend(
-            int(k) for k in failure.records.descriptors["key"]
+        on_failure=lambda failure: failures.extend(
+            (int(k), str(failure.error)) for k in failure.records.descriptors["key"]
         ),
     )
     with create_record_runtime(record_sink=sink) as runtime:
@@ -87,10 +87,18 @@ def test_bad_string_values_fail_their_records_and_the_rest_land_in_clickhouse(ch
             np.zeros((8, 4), np.float32),
         )
         report = runtime.flush()
-        assert report is not None
-        assert report.routes["labels"].delivered == 5
-        assert report.routes["labels"].dead_lettered == 3
-    assert sorted(given_up) == sorted(BAD)
+    assert report is not None
+    return report.routes["r"], failures
+
+
+def test_bad_string_values_fail_their_records_and_the_rest_land_in_clickhouse(chdb_transport):
+    table = "labels_" + uuid.uuid4().hex[:8]
+    report, failures = _route_eight_records_into_chdb(
+        chdb_transport, SCHEMA, "label", "test.string_labels", table
+    )
+    assert report.delivered == 5
+    assert report.dead_lettered == 3
+    assert sorted(k for k, _ in failures) == sorted(BAD)
     rows = chdb_transport.query(f"SELECT request, name FROM `{table}` ORDER BY request")
     assert rows.to_pylist() == [{"request": k, "name": f"r{k}"} for k in range(8) if k not in BAD]
 
@@ -217,38 +225,11 @@ def wide_ints(records) -> np.ndarray:
 
 def test_an_array_value_too_wide_fails_its_record_and_the_rest_land(chdb_transport):
     table = "wide_" + uuid.uuid4().hex[:8]
-    schema = RecordSchema([VEC, INTS])
-
-    def destination() -> ClickHouseSink:
-        return ClickHouseSink(
-            chdb_transport,
-            schema,
-            rows=["ints_out"],
-            rows_table=table,
-            create_tables=True,
-            owns_transport=False,
-        )
-
-    failures: list[tuple[int, str]] = []
-    sink = RoutingSink(
-        RoutingConfig([Route("wide", "h.*", "ch", mode="stateless", processor="test.wide_ints")]),
-        schema,
-        {"ch": destination},
-        unmatched="drop",
-        on_failure=lambda failure: failures.extend(
-            (int(k), str(failure.error)) for k in failure.records.descriptors["key"]
-        ),
+    report, failures = _route_eight_records_into_chdb(
+        chdb_transport, RecordSchema([VEC, INTS]), "ints_out", "test.wide_ints", table
     )
-    with create_record_runtime(record_sink=sink) as runtime:
-        hook = runtime.bind_hook("h.0", layout="vec4")
-        runtime.submit_batch(
-            make_descriptors(hook, 16, count=8, keys=np.arange(8), layout_ids=0),
-            np.zeros((8, 4), np.float32),
-        )
-        report = runtime.flush()
-        assert report is not None
-        assert report.routes["wide"].delivered == 6
-        assert report.routes["wide"].dead_lettered == 2
+    assert report.delivered == 6
+    assert report.dead_lettered == 2
     assert sorted(k for k, _ in failures) == sorted(WIDE)
     assert all("column 'vals' (Array(Int32))" in m and "fit int32" in m for _, m in failures)
     rows = chdb_transport.query(f"SELECT vals FROM `{table}` ORDER BY vals[1]")
