@@ -61,6 +61,16 @@ def vec_batch(
     return RecordBatch.from_buffer(desc, values, release)
 
 
+@pytest.fixture
+def parking(tmp_path):
+    """A durable park store over a dead-letter store in ``tmp_path``."""
+    from taproute.service import DeadLetterStore, ParkedRecordStore
+
+    store = DeadLetterStore(tmp_path / "dead.sqlite")
+    yield ParkedRecordStore(store)
+    store.close()
+
+
 @pytest.fixture(scope="session")
 def chdb_transport(tmp_path_factory):
     from taproute.service.sinks.clickhouse import ChdbTransport

@@ -18,7 +18,7 @@ from taproute.actors import RoutingSink, open_routing_sink
 from taproute.routing import FailurePolicy, HookRegistry, Route, RoutingConfig
 from taproute.routing.flush_report import RouteAccount
 from taproute.routing.sink import RecordSink
-from taproute.service import CaptureSink, DeadLetterStore
+from taproute.service import CaptureSink
 from taproute.service.ops.parking import ParkedRecordStore
 from tests.conftest import vec_batch
 from tests.failing_processors import SCRIPT
@@ -33,13 +33,6 @@ def fresh_script():
     SCRIPT.reset()
     yield
     SCRIPT.release_hang.set()
-
-
-@pytest.fixture
-def parking(tmp_path):
-    store = DeadLetterStore(tmp_path / "dead.sqlite")
-    yield ParkedRecordStore(store)
-    store.close()
 
 
 def hooks_with_q() -> tuple[HookRegistry, int]:

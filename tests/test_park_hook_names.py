@@ -15,7 +15,7 @@ import pytest
 
 from taproute.actors import open_routing_sink
 from taproute.routing import FailurePolicy, HookRegistry, Route, RoutingConfig
-from taproute.service import CaptureSink, DeadLetterStore
+from taproute.service import CaptureSink
 from taproute.service.ops.parking import ParkedRecordStore
 from tests.conftest import vec_batch
 from tests.failing_processors import SCRIPT
@@ -31,13 +31,6 @@ def fresh_script():
     SCRIPT.reset()
     yield
     SCRIPT.release_hang.set()
-
-
-@pytest.fixture
-def parking(tmp_path):
-    store = DeadLetterStore(tmp_path / "dead.sqlite")
-    yield ParkedRecordStore(store)
-    store.close()
 
 
 def _sink(hooks: HookRegistry, parking: ParkedRecordStore, policy: FailurePolicy):
