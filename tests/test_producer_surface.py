@@ -216,3 +216,8 @@ def test_a_timeout_that_is_not_seconds_is_refused_naming_it(timeout, error):
         with pytest.raises(error, match=r"timeout must be seconds \(a number\) or None, found"):
             runtime.flush(timeout=timeout)
         runtime.flush(timeout=5)
+        # close(timeout=...) the same: "1" was converted by float(), and NaN
+        # became a grace of 0 s; refused, the runtime is still open to close.
+        with pytest.raises(error, match=r"timeout must be seconds \(a number\) or None, found"):
+            runtime.close(timeout=timeout)
+        runtime.flush(timeout=5)

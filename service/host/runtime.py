@@ -99,6 +99,13 @@ def check_grace(value: object, key: str = "shutdown_grace") -> float:
     return float(value)
 
 
+def check_grace_timeout(timeout: object) -> float:
+    """``close(timeout)`` as seconds (``math.inf``: no bound), checked as a
+    thread wait's timeout is (:func:`thread_wait`)."""
+    bounded = thread_wait(timeout)  # type: ignore[arg-type]  # checks what it is given
+    return math.inf if bounded is None else float(bounded)
+
+
 def _sole(exc: BaseException) -> BaseException:
     """The one exception inside nested one-member groups (Trio nurseries wrap)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
@@ -490,7 +497,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         """
         if self._thread is None:
             return
-        grace = self.shutdown_grace if timeout is None else max(0.0, float(timeout))
+        # A timeout that is not seconds ("1", NaN) is refused as flush's is,
+        # not converted (float("1")) or taken as no grace (max(0, nan)).
+        grace = self.shutdown_grace if timeout is None else max(0.0, check_grace_timeout(timeout))
         self._ingress.refuse_on_loop("close()")
         if self._shutdown_error is not None:
             self._thread.join(thread_wait(grace))
