@@ -30,6 +30,7 @@ import trio
 
 from taproute.actors.attempt import Placement
 from taproute.actors.counters import DestinationCounters
+from taproute.actors.cuttable import CuttableCalls
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
@@ -142,8 +143,8 @@ class DestinationActor:
         #: Batches submitted by their deliverer (for tests and profiles).
         self.submitted_here = 0
         #: The sink calls under way (``"submit"``, ``"flush"``, ``"close"``),
-        #: each with the cancel scope a cut cancels.
-        self._calls: dict[trio.CancelScope, str] = {}
+        #: which a cut cancels.
+        self._calls = CuttableCalls()
         #: Set by :meth:`cut`: nothing more reaches the sink.
         self.is_cut = False
         #: Wraps the sink's background task (when owned): a cut cancels it.
@@ -367,25 +368,15 @@ class DestinationActor:
     async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
         """Await ``fn(*args)``, a call of the sink, where :meth:`cut` can cancel
         it: True once it returned, False when a cut cancelled it."""
-        scope = trio.CancelScope()
-        if self.is_cut:
-            scope.cancel()
-        self._calls[scope] = what
-        try:
-            with scope:
-                await fn(*args)
-                return True
-            return False
-        finally:
-            del self._calls[scope]
+        return await self._calls.run(what, fn(*args))
 
     @property
     def busy(self) -> str | None:
         """What keeps this destination busy now: the sink call under way
         (``"submit"``, ``"flush"``, ``"close"``), ``"queued"`` when batches wait
         for it (none under way), else None."""
-        for what in self._calls.values():
-            return what
+        if under_way := self._calls.under_way:
+            return under_way
         if self._submitting or self.mailbox.messages:
             return "queued"
         return None
@@ -405,8 +396,7 @@ class DestinationActor:
             return self.counters.cut_short
         self.is_cut = True
         self.counters.cut_short = busy
-        for scope in self._calls:
-            scope.cancel()
+        self._calls.cut()
         if self.background is not None:
             self._background_scope.cancel()
         self.abandon()
