@@ -6,8 +6,8 @@ around each.  Entering and leaving one costs about 3.7 µs here, more than a
 quick sink's whole ``submit`` (an append to a buffer), and the record worker
 pays it on its own task for every batch it delivers inline.  But a call that
 returns without suspending can never be cut: a cut runs in another task, so
-only while the call waits.  :class:`CuttableCalls` therefore runs a call's
-first step bare and enters the scope only when the call suspends, before its
+only while the call waits.  :class:`CuttableCalls` therefore runs a frequent
+call's first step bare and enters the scope only when the call suspends, before its
 first wait reaches Trio: everything the call waits for is inside the scope,
 as if the scope had been entered first.
 
@@ -62,15 +62,21 @@ class CuttableCalls:
         for scope in self._waiting:
             scope.cancel()
 
-    async def run(self, what: str, call: Awaitable[Any]) -> bool:
+    async def run(self, what: str, call: Awaitable[Any], *, scope_when_waiting: bool) -> bool:
         """Await ``call``, a call of kind ``what``, where :meth:`cut` can cancel
         it: True once it returned, False when a cut cancelled it (the
         :class:`trio.Cancelled` is absorbed).  An exception the call raises
-        propagates."""
+        propagates.
+
+        ``scope_when_waiting``: run its first step bare and enter the scope
+        only if it waits (for frequent calls that usually return at once);
+        else the scope is entered first, as a ``with`` block would.
+        """
         task = trio.lowlevel.current_task()
         status = getattr(task, "_cancel_status", None)
         if (
-            what in self._scope_first
+            not scope_when_waiting
+            or what in self._scope_first
             or status is None
             or (type(call) is not types.CoroutineType and not isinstance(call, Coroutine))
         ):

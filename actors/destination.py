@@ -367,8 +367,10 @@ class DestinationActor:
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
         """Await ``fn(*args)``, a call of the sink, where :meth:`cut` can cancel
-        it: True once it returned, False when a cut cancelled it."""
-        return await self._calls.run(what, fn(*args))
+        it: True once it returned, False when a cut cancelled it.  A submit
+        (once per batch, usually returning at once) enters its cancel scope
+        only if it waits; a flush or close, first."""
+        return await self._calls.run(what, fn(*args), scope_when_waiting=what == "submit")
 
     @property
     def busy(self) -> str | None:
