@@ -26,6 +26,11 @@ class HookRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Held while a new name's listeners run (and while a subscriber is told
+        # of the names bound so far): a binding is published only once every
+        # listener took it, and one bind at a time is told to them.  Reentrant:
+        # a listener may bind another name.
+        self._binding = threading.RLock()
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
         self._layouts: list[str | None] = []
@@ -34,28 +39,44 @@ class HookRegistry:
         self._names_view: tuple[str, ...] = ()
 
     def bind(self, name: str, *, layout: str | None = None) -> int:
-        """Return the output_id for ``name``, allocating one on first use."""
+        """Return the output_id for ``name``, allocating one on first use.
+
+        All or nothing: a new name is bound (``id_of`` and ``names`` show it,
+        another ``bind`` of it returns its id) only once every listener has
+        taken it.  A listener that raises leaves it unbound and raises
+        :class:`HookBindingError` naming the hook (the listener's exception
+        is its ``__cause__``); the listeners told before it were told an
+        output_id that the next new name gets, and they are told again then.
+        """
         if not isinstance(name, str) or not name:
             raise HookBindingError(f"hook name must be a non-empty string, got {name!r}")
-        with self._lock:
-            existing = self._ids.get(name)
-            if existing is not None:
-                bound_layout = self._layouts[existing]
-                if layout is not None and bound_layout not in (None, layout):
-                    raise HookBindingError(
-                        f"hook {name!r} is bound with layout {bound_layout!r}, not {layout!r}"
-                    )
-                if layout is not None:
-                    self._layouts[existing] = layout
-                return existing
-            output_id = len(self._names)
-            self._ids[name] = output_id
-            self._names.append(name)
-            self._layouts.append(layout)
-            self._names_view = tuple(self._names)
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(name, output_id)
+        with self._binding:
+            with self._lock:
+                existing = self._ids.get(name)
+                if existing is not None:
+                    bound_layout = self._layouts[existing]
+                    if layout is not None and bound_layout not in (None, layout):
+                        raise HookBindingError(
+                            f"hook {name!r} is bound with layout {bound_layout!r}, not {layout!r}"
+                        )
+                    if layout is not None:
+                        self._layouts[existing] = layout
+                    return existing
+                output_id = len(self._names)
+                listeners = list(self._listeners)
+            try:
+                for listener in listeners:
+                    listener(name, output_id)
+            except Exception as exc:
+                raise HookBindingError(
+                    f"hook {name!r} is not bound: a listener of its binding raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            with self._lock:
+                self._ids[name] = output_id
+                self._names.append(name)
+                self._layouts.append(layout)
+                self._names_view = tuple(self._names)
         return output_id
 
     def subscribe(self, listener: BindListener) -> Callable[[], None]:
@@ -63,11 +84,12 @@ class HookRegistry:
 
         Returns a function that unsubscribes.
         """
-        with self._lock:
-            self._listeners.append(listener)
-            existing = list(enumerate(self._names))
-        for output_id, name in existing:
-            listener(name, output_id)
+        with self._binding:  # no binding is half told: it is in ``existing`` or told later
+            with self._lock:
+                self._listeners.append(listener)
+                existing = list(enumerate(self._names))
+            for output_id, name in existing:
+                listener(name, output_id)
 
         def unsubscribe() -> None:
             with self._lock:
