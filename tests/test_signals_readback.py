@@ -133,3 +133,26 @@ def test_a_table_of_another_kind_or_steps_not_a_pair_is_a_read_back_error(raw):
         load_captures(raw, TABLE, column="norms")
     with pytest.raises(ReadBackError, match=r"steps must be a \(first, stop\) pair.* got 5"):
         load_captures(raw, TABLE, steps=5)  # type: ignore[arg-type]
+
+
+def test_width_on_records_stored_with_their_shape_must_match_it(raw):
+    """``width`` was ignored on records written with their real shape (layer 1
+    here, ``[3, 2]``): ``width=3`` returned ``[3, 2]`` arrays as if it had been
+    honoured. A width that agrees with the stored shape (values per position)
+    is accepted; another is refused, naming ``width`` and the stored shape."""
+    (shaped,) = load_captures(raw, TABLE, hook="model.layers.1.out", key=2, steps=(3, 4), width=2)
+    assert shaped.values.shape == (3, 2)
+    with pytest.raises(ReadBackError) as refused:
+        load_captures(raw, TABLE, hook="model.layers.1.out", key=2, steps=(3, 4), width=3)
+    assert str(refused.value) == (
+        f"{TABLE}: width=3 does not match record hook='model.layers.1.out' key=2, stored "
+        "with its shape [3, 2] (values_shape): 2 values per position; width only reshapes "
+        "records stored flat (a one-dimensional values_shape): leave it out, or give 2"
+    )
+
+
+@pytest.mark.parametrize("width", [0, -2, 2.0, "2", True])
+def test_a_width_that_is_not_a_positive_integer_is_refused_by_name(raw, width):
+    """``width=0`` was a bare ZeroDivisionError, ``width="2"`` a TypeError."""
+    with pytest.raises(ReadBackError, match=r"^width must be a positive integer, got "):
+        load_captures(raw, TABLE, hook="head", width=width)

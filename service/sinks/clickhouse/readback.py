@@ -8,7 +8,8 @@ server through clickhouse-connect.
 - :func:`load_captures`: raw records by hook (name or glob), key, step range
   and layer, each with its real shape restored (``values_shape`` as written;
   a one-dimensional shape from older tables is reshaped to ``[-1, width]``
-  when ``width`` is given), as numpy arrays or torch tensors.
+  when ``width`` is given, which must agree with any other stored shape),
+  as numpy arrays or torch tensors.
 - :func:`load_rows`: processor rows of a table as a numpy structured array of
   the output layout's dtype (fixed-shape arrays restored), filtered alike.
 
@@ -127,6 +128,17 @@ def _integer(name: str, value: object) -> int:
     raise ReadBackError(f"{name} must be integers, got {type(value).__name__} {value!r}")
 
 
+def _positive(name: str, value: object) -> int:
+    """``value`` as a positive integer; anything else is refused by name."""
+    if (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, (bool, np.bool_))
+        and value > 0
+    ):
+        return int(value)
+    raise ReadBackError(f"{name} must be a positive integer, got {type(value).__name__} {value!r}")
+
+
 def _where(
     *,
     hook: str | None,
@@ -198,8 +210,16 @@ def load_captures(
     as_torch: bool = False,
 ) -> list[Capture]:
     """Raw records of ``table`` (e.g. ``raw_activations``) matching the filters,
-    ordered by hook, key, step, seq; ``values`` in the shape they were captured in."""
+    ordered by hook, key, step, seq; ``values`` in the shape they were captured in.
+
+    ``width``: the values per position.  A record stored flat (a
+    one-dimensional ``values_shape``, older tables) is reshaped to
+    ``[-1, width]``; a record stored with its shape keeps it, and a ``width``
+    that disagrees with it (its values per position, the product of all but
+    its first dimension) is refused, naming the record."""
     table, column = _name("table", table), _name("column", column)
+    if width is not None:
+        width = _positive("width", width)
     where = _where(hook=hook, key=key, steps=steps, layer=layer)
     needed = ["hook", "key", "step", "seq", column, f"{column}_shape"]
     _check_table(transport, table, needed, "a raw capture table has them")
@@ -225,6 +245,16 @@ def load_captures(
                     f"values, not a multiple of width {width}"
                 )
             shape = (shape[0] // width, width)
+        elif len(shape) > 1 and width is not None:
+            per_position = int(np.prod(shape[1:]))
+            if per_position != width:
+                raise ReadBackError(
+                    f"{table}: width={width} does not match record hook={hooks[i]!r} "
+                    f"key={int(keys[i])}, stored with its shape {list(shape)} "
+                    f"({column}_shape): {per_position} values per position; width only "
+                    f"reshapes records stored flat (a one-dimensional {column}_shape): "
+                    f"leave it out, or give {per_position}"
+                )
         if int(np.prod(shape)) != len(values):
             raise ReadBackError(
                 f"{table}: record hook={hooks[i]!r} key={int(keys[i])}: {column}_shape "
