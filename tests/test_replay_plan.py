@@ -80,3 +80,41 @@ def test_a_table_name_that_is_not_plain_is_refused_before_anything_runs(chdb_tra
         ClickHouseCorpus(chdb_transport, "acts", table=name or " ")
     assert ClickHouseTable("replay_ok").table == "replay_ok"
     assert ClickHouseCorpus(chdb_transport, "acts").table == "raw_acts"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "found"),
+    [
+        ("keys", "x", "'x'"),
+        ("keys", "ab", "'ab'"),
+        ("steps", (0, "5"), "(0, '5')"),
+        ("keys", (1.5, 3), "(1.5, 3)"),
+        ("time_ns", 7, "7"),
+        ("keys", (0, 1, 2), "(0, 1, 2)"),
+        ("steps", (True, 3), "(True, 3)"),
+    ],
+)
+def test_a_filter_range_that_is_not_two_integers_is_refused_naming_it(field, value, found):
+    """``Filters(keys="x")`` was int()'s bare ``ValueError: invalid literal``
+    (or tuple unpacking's "not enough values"), naming no field; ``(1.5, 3)``
+    was silently read as ``[1, 3)``."""
+    from taproute.service.replay.errors import ReplayConfigError
+    from taproute.service.replay.units import Filters
+
+    with pytest.raises(ReplayConfigError) as refused:
+        Filters(**{field: value})
+    assert str(refused.value) == (
+        f"Filters {field}: expected a [low, high) pair of integers, found {found}"
+    )
+
+
+def test_an_empty_filter_range_is_refused_naming_it():
+    from taproute.service.replay.errors import ReplayConfigError
+    from taproute.service.replay.units import Filters
+
+    with pytest.raises(ReplayConfigError) as refused:
+        Filters(steps=(3, 3))
+    assert str(refused.value) == (
+        "Filters steps: expected a [low, high) range with low < high, found [3, 3)"
+    )
+    assert Filters(keys=(np.int64(0), 8), steps=[1, 3]).as_dict()["keys"] == [0, 8]

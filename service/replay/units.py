@@ -21,13 +21,47 @@ import numpy.typing as npt
 from taproute.service.replay.errors import ReplayConfigError
 
 
-def _range(value: Any) -> tuple[int, int] | None:
+def _range(name: str, value: Any) -> tuple[int, int] | None:
+    """The range field ``name``: a ``[low, high)`` pair of integers (``low <
+    high``), or None; anything else is refused naming the field."""
     if value is None:
         return None
-    lo, hi = (int(v) for v in value)
+    pair = _integers(value)
+    if pair is None:
+        raise ReplayConfigError(
+            f"Filters {name}: expected a [low, high) pair of integers, found {value!r}"
+        )
+    lo, hi = pair
     if lo >= hi:
-        raise ReplayConfigError(f"a range is [low, high) with low < high, got [{lo}, {hi})")
+        raise ReplayConfigError(
+            f"Filters {name}: expected a [low, high) range with low < high, found [{lo}, {hi})"
+        )
     return (lo, hi)
+
+
+def _keys(value: Any) -> tuple[int, int] | None:
+    return _range("keys", value)
+
+
+def _steps(value: Any) -> tuple[int, int] | None:
+    return _range("steps", value)
+
+
+def _time_ns(value: Any) -> tuple[int, int] | None:
+    return _range("time_ns", value)
+
+
+def _integers(value: object) -> tuple[int, int] | None:
+    """``value`` as two integers, or None: never a str's characters, and never
+    a float or a bool read as an integer."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return None
+    items = list(value)
+    if len(items) != 2 or not all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in items
+    ):
+        return None
+    return int(items[0]), int(items[1])
 
 
 @attrs.frozen(kw_only=True)
@@ -40,9 +74,9 @@ class Filters:
     """
 
     hooks: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    keys: tuple[int, int] | None = attrs.field(default=None, converter=_range)
-    steps: tuple[int, int] | None = attrs.field(default=None, converter=_range)
-    time_ns: tuple[int, int] | None = attrs.field(default=None, converter=_range)
+    keys: tuple[int, int] | None = attrs.field(default=None, converter=_keys)
+    steps: tuple[int, int] | None = attrs.field(default=None, converter=_steps)
+    time_ns: tuple[int, int] | None = attrs.field(default=None, converter=_time_ns)
 
     def select_hooks(self, names: Iterable[str]) -> list[str]:
         """The hook names (sorted) that match ``hooks``."""
