@@ -121,3 +121,58 @@ def _batch(output_id: int, keys: list[int]):
 
     n = len(keys)
     return make_descriptors(output_id, 16, count=n, keys=keys), np.zeros((n, 4), np.float32)
+
+
+def test_a_refusal_from_capture_context_is_counted_and_logged_not_raised(caplog):
+    """``capture_context(end_keys=runtime)`` dropped the future its complete or
+    cancel returned: a key no stateful route holds was refused with
+    ``KeyNotHeld`` and nobody saw it (no count, no log, no raise).  Now the
+    runtime counts every refused key control (``ingress.refused_key_controls``,
+    on /metrics too) and capture_context logs the first refusal per runtime
+    and action; nothing is raised into the forward pass, and the runtime
+    goes on."""
+    import logging
+
+    from taproute.service.capture import capture_context
+    from taproute.service.host.metrics import SnapshotCollector
+
+    sink = RoutingSink(_config(), SCHEMA, {"out": CaptureSink()}, "out")
+    caplog.set_level(logging.WARNING, logger="taproute.capture")
+    with create_record_runtime(record_sink=sink) as runtime:
+        q = runtime.bind_hook(Q, layout="vec")
+        with capture_context([2, 64], end_keys=runtime):
+            runtime.submit_batch(*_batch(q, [2, 102]))
+        failing = pytest.raises(RuntimeError, match="the forward pass")
+        with failing, capture_context([65], end_keys=runtime):
+            raise RuntimeError("the forward pass")
+        with capture_context([66], end_keys=runtime):  # counted, not logged again
+            pass
+        # The key controls run in order before the flush: their refusals are in.
+        runtime.flush()
+        assert runtime.counters().ingress.refused_key_controls == 3
+        assert runtime.failure is None
+        routes = runtime.counters().routes
+        assert routes["small"].completed_keys == 0  # refused whole: key 2 not completed
+        runtime.complete(2, 102).result(timeout=60)  # the runtime goes on
+        runtime.flush()
+        routes = runtime.counters().routes
+        assert routes["small"].completed_keys == 1 and routes["big"].completed_keys == 1
+        exported = {
+            sample.name: sample.value
+            for family in SnapshotCollector(runtime.counters).collect()
+            for sample in family.samples
+        }
+        assert exported["taproute_ingress_refused_key_controls_total"] == 3
+    messages = [r.getMessage() for r in caplog.records if r.name == "taproute.capture"]
+    assert messages == [
+        "capture_context: complete of keys (2, 64) at the end of the block was refused: "
+        "complete: key(s) 64 held by no stateful route: route 'small' maps 64 to 64, "
+        "outside [0, 8); route 'big' maps 64 to -36, outside [0, 32); nothing was "
+        "completed (counted in ingress.refused_key_controls; later refusals of complete "
+        "by this runtime are counted, not logged)",
+        "capture_context: cancel of keys (65,) at the end of the block was refused: "
+        "cancel: key(s) 65 held by no stateful route: route 'small' maps 65 to 65, "
+        "outside [0, 8); route 'big' maps 65 to -35, outside [0, 32); nothing was "
+        "cancelled (counted in ingress.refused_key_controls; later refusals of cancel "
+        "by this runtime are counted, not logged)",
+    ]

@@ -10,8 +10,13 @@ contextvars on its own.
 from __future__ import annotations
 
 import contextvars
+import functools
+import logging
 import operator
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
@@ -19,6 +24,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from taproute.routing.errors import KeyNotHeld
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 
 if TYPE_CHECKING:
@@ -236,7 +242,10 @@ def capture_context(
     normal exit they are completed (``end_keys.complete``: each stateful
     route's ``finalize`` emits the key's final rows after every record
     captured inside), on exit by an exception cancelled (``end_keys.cancel``).
-    Neither waits for the router.
+    Neither waits for the router; a key the runtime then refuses
+    (:class:`KeyNotHeld`: no stateful route holds it) is not raised into the
+    caller: the runtime counts it (``ingress.refused_key_controls``) and the
+    first refusal of each action is logged (logger ``taproute.capture``).
     """
     context = build_context(keys, lengths=lengths, attention_mask=attention_mask, step=step)
     if end_keys is not None and not (
@@ -258,12 +267,53 @@ def capture_context(
     except BaseException:
         if end_keys is not None and context.keys:
             with suppress(Exception):  # the caller's exception is the one to see
-                end_keys.cancel(*context.keys)
+                _end_keys(end_keys, "cancel", context.keys)
         raise
     finally:
         _CONTEXT.reset(token)
     if end_keys is not None and context.keys:
-        end_keys.complete(*context.keys)
+        _end_keys(end_keys, "complete", context.keys)
+
+
+_log = logging.getLogger("taproute.capture")
+
+#: Per runtime, the key actions whose refusal capture_context has logged.
+_LOGGED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_LOGGED_LOCK = threading.Lock()
+
+
+def _end_keys(end_keys: EndsKeys, action: str, keys: tuple[int, ...]) -> None:
+    """``end_keys.complete`` / ``.cancel`` of ``keys``.  A runtime answers
+    with a future that nobody here waits for: a refusal it reports later
+    (:class:`KeyNotHeld`, counted by the runtime) is logged, never raised."""
+    outcome = getattr(end_keys, action)(*keys)
+    if isinstance(outcome, Future):
+        outcome.add_done_callback(functools.partial(_refused, end_keys, action, keys))
+
+
+def _refused(end_keys: object, action: str, keys: tuple[int, ...], future: Future[Any]) -> None:
+    """Log the first :class:`KeyNotHeld` of ``action`` per runtime (the
+    runtime counts every one).  Called on the runtime's loop thread when the
+    control ran: never raises."""
+    if future.cancelled() or not isinstance(future.exception(), KeyNotHeld):
+        return
+    with _LOGGED_LOCK:
+        try:
+            logged = _LOGGED.setdefault(end_keys, set())
+        except TypeError:  # not weakly referable: nowhere to remember it, log each
+            logged = set()
+        if action in logged:
+            return
+        logged.add(action)
+    _log.warning(
+        "capture_context: %s of keys %s at the end of the block was refused: %s "
+        "(counted in ingress.refused_key_controls; later refusals of %s by this runtime "
+        "are counted, not logged)",
+        action,
+        keys,
+        future.exception(),
+        action,
+    )
 
 
 def carry_context(fn: Callable[P, R]) -> Callable[P, R]:

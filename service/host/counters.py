@@ -19,7 +19,10 @@ class IngressCounters:
     when full, seconds producers spent blocked in ``submit``, records shed
     past ``max_block``, batches merged with others of their wake-up into
     one dispatch; records given up at a shutdown whose grace ran out before
-    the record worker handed them on (``abandoned``); what capture hooks
+    the record worker handed them on (``abandoned``); key controls refused
+    because no stateful route holds a key (``refused_key_controls``: the
+    caller's future raised :class:`KeyNotHeld`, or nobody looked, as
+    ``capture_context(end_keys=...)`` does not); what capture hooks
     dropped or skipped, by hook and reason.  Live: records queued now and producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
@@ -44,6 +47,11 @@ class IngressCounters:
     abandoned: int = count(
         "taproute_ingress_abandoned_records",
         "Records still in ingress when a shutdown's grace ran out, given up.",
+    )
+    refused_key_controls: int = count(
+        "taproute_ingress_refused_key_controls",
+        "Key controls (complete, cancel, reopen) refused with KeyNotHeld: a key no "
+        "stateful route holds.",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

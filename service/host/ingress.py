@@ -482,6 +482,11 @@ class Ingress:
             by_reason = self.counters.dropped.setdefault(hook, {})
             by_reason[reason] = by_reason.get(reason, 0) + records
 
+    def count_refused_key_control(self) -> None:
+        """A complete/cancel/reopen was refused: a key no stateful route holds."""
+        with self._lock:
+            self.counters.refused_key_controls += 1
+
     def count_skipped(self, hook: str, reason: str) -> None:
         """A producer's hook ran and captured nothing (why: ``reason``)."""
         with self._lock:

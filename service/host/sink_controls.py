@@ -62,6 +62,7 @@ class SinkControls:
             else:
                 await self.record_sink.close()
         except KeyNotHeld as exc:  # the caller's mistake, refused whole: not a failure
+            self._ingress.count_refused_key_control()  # seen even if the future is not
             control.future.set_exception(exc)
         except FlushCutOff as exc:  # the closing shutdown's grace overtook it: its failure
             control.future.set_exception(exc)
