@@ -91,3 +91,22 @@ async def test_the_trio_programs_submit_gives_the_buffer_back_as_the_readme_says
         kept.clear()  # gives the destination's hold back: the callback runs now
         assert released == [1]
     assert released == [1]  # once
+
+
+def test_how_long_flush_waits_for_an_unreachable_server_is_the_default_retry_budget():
+    """The README did not say that a flush without a timeout, while a server
+    destination without a spool is down, returns only when the sink's Retry
+    budget is spent. The figure it gives now is computed here from the
+    defaults, so the two cannot drift apart."""
+    from taproute.service.sinks.clickhouse.batching import Retry
+
+    retry = Retry()
+    waits = [retry.backoff(failures) for failures in range(1, retry.attempts)]
+    text = " ".join(README.read_text().split())
+    expected = (
+        f"`Retry.attempts = {retry.attempts}`, `initial_backoff = {retry.initial_backoff}`, "
+        f"`multiplier = {retry.multiplier}`, `max_backoff = {retry.max_backoff}`"
+    )
+    assert expected in text
+    sums = " + ".join(f"{w:g}" for w in waits[:2]) + f" + ... + {waits[-1]:g}"
+    assert f"{len(waits)} waits between them, {sums} = {sum(waits):.1f} s" in text
