@@ -93,6 +93,8 @@ colour = "blue"
 [destinations.d]
 path = "x"
 raw = "vec"
+[routing]
+unmatched = "drop"
 """,
     )
     with pytest.raises(ConfigFileError) as caught:
@@ -230,6 +232,64 @@ token = "a b"
     ]
 
 
+NARROW_AND_NO_DEFAULT = """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "d"
+narrow = { vec = "vec16", vek = "vec" }
+[destinations.d]
+path = "x"
+raw = ["vec"]
+"""
+
+
+def test_narrow_layouts_and_a_missing_default_destination_are_listed_with_type_problems(
+    tmp_path,
+):
+    """A route's ``narrow`` naming an unknown layout and a missing
+    ``routing.default_destination`` (unmatched records go to the default
+    destination unless ``unmatched = "drop"``) were found only at build, after
+    every type problem had been fixed: a round more for a file said to list
+    every problem. They are now read from the file with the other references,
+    in the build's words."""
+    path = write(tmp_path, NARROW_AND_NO_DEFAULT + '[ingress]\ncapacity_records = "x"\n')
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "ingress.capacity_records: expected an integer, found string 'x'",
+        "routing.default_destination: no default_destination for unmatched records; name one, "
+        "or pass unmatched='drop' to drop (and count) records no route takes",
+        "routes[0]: route 'raw', narrow: unknown layout 'vec16'; the schema defines ['vec']",
+        "routes[0]: route 'raw', narrow: unknown layout 'vek'; the schema defines ['vec']",
+    ]
+
+
+def test_narrow_layouts_are_checked_as_the_other_layout_references(tmp_path):
+    """Types fine: an unknown narrow layout is refused when the file is read,
+    as a destination's ``raw`` layout is, with the missing default destination
+    beside it; with ``unmatched = "drop"`` and the narrow layout defined the
+    file loads."""
+    path = write(tmp_path, NARROW_AND_NO_DEFAULT)
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "routes[0]: route 'raw', narrow: unknown layout 'vec16'; the schema defines ['vec']",
+        "routes[0]: route 'raw', narrow: unknown layout 'vek'; the schema defines ['vec']",
+        "routing.default_destination: no default_destination for unmatched records; name one, "
+        "or pass unmatched='drop' to drop (and count) records no route takes",
+    ]
+    text = NARROW_AND_NO_DEFAULT.replace(', vek = "vec"', "") + '[routing]\nunmatched = "drop"\n'
+    text += (
+        '[[layouts]]\nname = "vec16"\n'
+        'columns = [{ name = "values", type = "Array(BFloat16)", shape = [4] }]\n'
+    )
+    assert load_config(write(tmp_path, text)).routes[0].narrow == {"vec": "vec16"}
+
+
 def test_a_module_failing_to_import_is_listed_with_the_route_problems(tmp_path, chdb_transport):
     """The build stopped at the first processor module it could not import;
     the routes' problems (found without opening anything) came a round later."""
@@ -263,6 +323,8 @@ colour = "blue"
 [destinations.d]
 path = "x"
 batching = { linger = 0.0, lingr = 1.0 }
+[routing]
+unmatched = "drop"
 [ingress]
 capacity_records = 0
 max_blok = 0.01

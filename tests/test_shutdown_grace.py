@@ -217,6 +217,8 @@ layouts = []
 routes = []
 [destinations.d]
 path = "x"
+[routing]
+unmatched = "drop"
 [shutdown]
 grace = @GRACE@
 """

@@ -59,7 +59,7 @@ import importlib
 import os
 import sqlite3
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -385,6 +385,8 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
                 f"destinations.{name}.spool_when_full: 'dead_letter' needs a dead-letter "
                 "store: set dead_letters.path (none is implied without a chDB destination)"
             )
+    for i, route in enumerate(config.routes):
+        yield from _narrow_problems(i, route.name, route.narrow, names)
     for i, hook in enumerate(config.producer.hooks):
         if not hook.name:  # refused only once run bound it (HookBindingError, exit 1)
             yield f"producer.hooks[{i}].name: must be a non-empty hook name"
@@ -434,9 +436,10 @@ def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
     """Names one section gives that another must define, read from the file's
     raw tables, so they are reported with its type and bound problems instead
     of in a later round: a route's destination and ``routing.default_destination``
-    among ``[destinations]``; ``route:`` outputs and ``then`` among the routes'
-    names; with ``layouts``, destinations' ``raw``/``rows`` and producer hooks'
-    ``layout`` among the layouts.  A reference is checked wherever both its ends
+    among ``[destinations]`` (and the latter given while ``unmatched`` is
+    ``"default"``); ``route:`` outputs and ``then`` among the routes' names;
+    with ``layouts``, routes' ``narrow``, destinations' ``raw``/``rows`` and
+    producer hooks' ``layout`` among the layouts.  A reference is checked wherever both its ends
     can be read (a name that is a string, a section that is a table), whatever
     the values beside it; the messages are the build's.
 
@@ -477,14 +480,15 @@ def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
                     f"routes[{i}].then[{k}]: route {name!r}: then names {target!r}, which is "
                     f"not a route (routes: {listed})"
                 )
-    routing = raw.get("routing")
-    if isinstance(routing, dict) and known is not None:
+    routing = raw.get("routing", {})
+    if isinstance(routing, dict) and routing.get("unmatched", "default") == "default":
         default = routing.get("default_destination")
-        if (
-            routing.get("unmatched", "default") == "default"
-            and isinstance(default, str)
-            and default not in known
-        ):
+        if default is None:
+            problems.append(
+                "routing.default_destination: no default_destination for unmatched records; "
+                "name one, or pass unmatched='drop' to drop (and count) records no route takes"
+            )
+        elif known is not None and isinstance(default, str) and default not in known:
             problems.append(
                 f"routing.default_destination: default_destination {default!r} is not among "
                 f"the destinations {known}"
@@ -495,6 +499,12 @@ def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
     layout_names = [layout.get("name") for _, layout in layout_tables]
     if not all(isinstance(n, str) for n in layout_names):
         return problems  # a layout without a readable name: any reference may be to it
+    defined = [str(n) for n in layout_names]
+    for i, route in routes:
+        narrow = route.get("narrow")
+        if isinstance(narrow, dict):
+            pairs = {k: v for k, v in narrow.items() if isinstance(v, str)}
+            problems += _narrow_problems(i, route.get("name"), pairs, defined)
     for dest_name, dest in (destinations or {}).items():
         if not isinstance(dest, dict):
             continue
@@ -512,6 +522,20 @@ def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
                 f"producer.hooks[{i}].layout: unknown layout {named!r} (have {layout_names})"
             )
     return problems
+
+
+def _narrow_problems(
+    index: int, route: object, narrow: Mapping[str, str], layouts: list[str]
+) -> list[str]:
+    """Every layout a route's ``narrow`` names that ``layouts`` lacks, in the
+    build's words (:meth:`Narrowing.build` stops at the first)."""
+    return [
+        f"routes[{index}]: route {route!r}, narrow: unknown layout {name!r}; "
+        f"the schema defines {sorted(layouts)}"
+        for pair in narrow.items()
+        for name in pair
+        if name not in layouts
+    ]
 
 
 def _tables(value: object) -> list[tuple[int, dict[str, Any]]]:
