@@ -118,3 +118,22 @@ def test_an_empty_filter_range_is_refused_naming_it():
         "Filters steps: expected a [low, high) range with low < high, found [3, 3)"
     )
     assert Filters(keys=(np.int64(0), 8), steps=[1, 3]).as_dict()["keys"] == [0, 8]
+
+
+def test_one_hook_glob_given_as_a_string_is_one_glob():
+    """``Filters(hooks="layers.0.*")`` was split into its characters, and the
+    ``*`` among them matched every hook: a replay meant for one layer read
+    them all. A string is one glob (as a route's outputs take one name); an
+    item that is not a string is refused naming ``hooks``."""
+    from taproute.service.replay.errors import ReplayConfigError
+    from taproute.service.replay.units import Filters
+
+    names = ["layers.0.q", "layers.1.q", "e"]
+    assert Filters(hooks="layers.0.*").hooks == ("layers.0.*",)
+    assert Filters(hooks="layers.0.*").select_hooks(names) == ["layers.0.q"]
+    assert Filters(hooks=["layers.1.*", "e"]).select_hooks(names) == ["e", "layers.1.q"]
+    with pytest.raises(ReplayConfigError) as refused:
+        Filters(hooks=["layers.*", 3])
+    assert str(refused.value) == (
+        "Filters hooks: expected a glob or an iterable of globs (str), found ['layers.*', 3]"
+    )

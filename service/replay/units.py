@@ -39,6 +39,18 @@ def _range(name: str, value: Any) -> tuple[int, int] | None:
     return (lo, hi)
 
 
+def _hooks(value: Any) -> tuple[str, ...]:
+    """The hook globs: one string is one glob (never its characters)."""
+    if isinstance(value, str):
+        return (value,)
+    items = list(value) if isinstance(value, Iterable) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise ReplayConfigError(
+            f"Filters hooks: expected a glob or an iterable of globs (str), found {value!r}"
+        )
+    return tuple(items)
+
+
 def _keys(value: Any) -> tuple[int, int] | None:
     return _range("keys", value)
 
@@ -68,12 +80,13 @@ def _integers(value: object) -> tuple[int, int] | None:
 class Filters:
     """Which records of a corpus a replay reads.
 
-    ``hooks``: hook-name globs (``encoder.layer.*.output``; empty: every hook);
+    ``hooks``: hook-name globs (``encoder.layer.*.output``, or several in a
+    list; empty: every hook);
     ``keys``, ``steps``, ``time_ns``: half-open ``[low, high)`` ranges of the
     descriptor's key, step and capture time (ns since the epoch).
     """
 
-    hooks: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    hooks: tuple[str, ...] = attrs.field(default=(), converter=_hooks)
     keys: tuple[int, int] | None = attrs.field(default=None, converter=_keys)
     steps: tuple[int, int] | None = attrs.field(default=None, converter=_steps)
     time_ns: tuple[int, int] | None = attrs.field(default=None, converter=_time_ns)
