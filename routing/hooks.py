@@ -50,17 +50,14 @@ class HookRegistry:
         """
         if not isinstance(name, str) or not name:
             raise HookBindingError(f"hook name must be a non-empty string, got {name!r}")
+        with self._lock:  # bound already: no wait for another name's listeners
+            existing = self._bound(name, layout)
+        if existing is not None:
+            return existing
         with self._binding:
             with self._lock:
-                existing = self._ids.get(name)
-                if existing is not None:
-                    bound_layout = self._layouts[existing]
-                    if layout is not None and bound_layout not in (None, layout):
-                        raise HookBindingError(
-                            f"hook {name!r} is bound with layout {bound_layout!r}, not {layout!r}"
-                        )
-                    if layout is not None:
-                        self._layouts[existing] = layout
+                existing = self._bound(name, layout)
+                if existing is not None:  # bound by another thread meanwhile
                     return existing
                 output_id = len(self._names)
                 listeners = list(self._listeners)
@@ -78,6 +75,21 @@ class HookRegistry:
                 self._layouts.append(layout)
                 self._names_view = tuple(self._names)
         return output_id
+
+    def _bound(self, name: str, layout: str | None) -> int | None:
+        """``name``'s output_id if it is bound (its layout checked and noted),
+        else None.  Under ``_lock``."""
+        existing = self._ids.get(name)
+        if existing is None:
+            return None
+        bound_layout = self._layouts[existing]
+        if layout is not None and bound_layout not in (None, layout):
+            raise HookBindingError(
+                f"hook {name!r} is bound with layout {bound_layout!r}, not {layout!r}"
+            )
+        if layout is not None:
+            self._layouts[existing] = layout
+        return existing
 
     def subscribe(self, listener: BindListener) -> Callable[[], None]:
         """Call ``listener`` for each existing and every future binding.
