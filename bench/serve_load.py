@@ -564,6 +564,26 @@ def main() -> None:
                         unit="requests/s",
                     )
                 )
+        # What capture costs in CPU, whatever the cores' sharing did to the
+        # request rates: the server's CPU (its writer process included) per
+        # request, at saturation and at half load.
+        for phase, label in (("saturation", "at saturation"), ("load50", "at 50% load")):
+            cpu = {
+                mode: kept(f"{workload}/{phase}/{mode}", "server_cpu_ms_per_request")
+                for mode in ("on", "off")
+            }
+            if cpu["on"] and cpu["off"]:
+                comparisons.append(
+                    harness.comparison(
+                        f"{workload}: server CPU per request {label} (writer process included)",
+                        harness.summary(cpu["on"]),
+                        harness.summary(cpu["off"]),
+                        taproute_label="capture on",
+                        peer_label="capture off",
+                        unit="ms of CPU per request",
+                        higher_is_better=False,
+                    )
+                )
         ratio = persisted["median"] / capacity
         targets.append(
             harness.target(
