@@ -176,3 +176,92 @@ def test_a_refusal_from_capture_context_is_counted_and_logged_not_raised(caplog)
         "cancelled (counted in ingress.refused_key_controls; later refusals of cancel "
         "by this runtime are counted, not logged)",
     ]
+
+
+def _capture_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "taproute.capture"]
+
+
+def test_capture_context_raises_nothing_when_the_runtime_cannot_take_the_control(caplog):
+    """``end_keys.complete`` / ``.cancel`` raising at once at the end of the
+    block (a runtime not started) reached the caller, i.e. the model server's
+    request; a closed runtime's refusal was neither counted nor logged.  Now
+    neither raises: each is counted (``ingress.failed_key_controls``), the
+    first per runtime and action logged, and a block that exited by an
+    exception re-raises the caller's own exception."""
+    import logging
+
+    from taproute.service.capture import capture_context
+    from taproute.service.host.runtime import RecordRuntime
+
+    caplog.set_level(logging.WARNING, logger="taproute.capture")
+    idle = RecordRuntime(RoutingSink(_config(), SCHEMA, {"out": CaptureSink()}, "out"))
+    with capture_context([2], end_keys=idle):  # raised SinkClosed: runtime not started
+        pass
+    with pytest.raises(RuntimeError, match="the forward pass"), capture_context([3], end_keys=idle):
+        raise RuntimeError("the forward pass")
+    assert idle.counters().ingress.failed_key_controls == 2
+    assert _capture_messages(caplog) == [
+        "capture_context: complete of keys (2,) at the end of the block failed: SinkClosed: "
+        "runtime not started (not raised into the caller; counted in "
+        "ingress.failed_key_controls by a runtime; later failures of complete by this "
+        "runtime are not logged)",
+        "capture_context: cancel of keys (3,) at the end of the block failed: SinkClosed: "
+        "runtime not started (not raised into the caller; counted in "
+        "ingress.failed_key_controls by a runtime; later failures of cancel by this "
+        "runtime are not logged)",
+    ]
+    caplog.clear()
+
+    sink = RoutingSink(_config(), SCHEMA, {"out": CaptureSink()}, "out")
+    runtime = create_record_runtime(record_sink=sink)
+    runtime.close()
+    for key in (4, 5):
+        with capture_context([key], end_keys=runtime):
+            pass
+    assert runtime.counters().ingress.failed_key_controls == 2
+    assert runtime.counters().ingress.refused_key_controls == 0
+    assert _capture_messages(caplog) == [
+        "capture_context: complete of keys (4,) at the end of the block failed: SinkClosed: "
+        "runtime is closed; complete refused (not raised into the caller; counted in "
+        "ingress.failed_key_controls by a runtime; later failures of complete by this "
+        "runtime are not logged)"
+    ]
+
+
+def test_capture_context_raises_nothing_once_the_runtime_loop_is_gone(caplog):
+    """The runtime's loop died (a loop task failed): the block's complete is
+    refused with the loop's error, counted and logged, never raised."""
+    import logging
+    import threading
+
+    import trio
+
+    from taproute.service.capture import capture_context
+    from taproute.service.host.runtime import RecordRuntime
+
+    caplog.set_level(logging.WARNING, logger="taproute.capture")
+    runtime = RecordRuntime(RoutingSink(_config(), SCHEMA, {"out": CaptureSink()}, "out"))
+    boom = threading.Event()
+
+    async def doomed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.to_thread.run_sync(boom.wait, 60)
+        raise OSError("the loop task failed")
+
+    runtime.host(doomed)
+    runtime.start()
+    boom.set()
+    assert runtime._thread is not None
+    runtime._thread.join(60)
+    assert not runtime._thread.is_alive()
+    with capture_context([6], end_keys=runtime):
+        pass
+    assert runtime.counters().ingress.failed_key_controls == 1
+    (message,) = _capture_messages(caplog)
+    assert message.startswith(
+        "capture_context: complete of keys (6,) at the end of the block failed: RoutingFailure:"
+    )
+    assert "OSError: the loop task failed" in message
+    with pytest.raises(Exception, match="the loop task failed"):
+        runtime.close()

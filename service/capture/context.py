@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import attrs
@@ -242,10 +242,13 @@ def capture_context(
     normal exit they are completed (``end_keys.complete``: each stateful
     route's ``finalize`` emits the key's final rows after every record
     captured inside), on exit by an exception cancelled (``end_keys.cancel``).
-    Neither waits for the router; a key the runtime then refuses
-    (:class:`KeyNotHeld`: no stateful route holds it) is not raised into the
-    caller: the runtime counts it (``ingress.refused_key_controls``) and the
-    first refusal of each action is logged (logger ``taproute.capture``).
+    Neither waits for the router, and neither raises into the caller: a key
+    the runtime refuses (:class:`KeyNotHeld`: no stateful route holds it) is
+    counted by the runtime (``ingress.refused_key_controls``), a control it
+    cannot take any more (closed, failed, its loop gone, not started) too
+    (``ingress.failed_key_controls``), and the first of each per runtime,
+    action and kind is logged (logger ``taproute.capture``).  A block that
+    exited by an exception re-raises that exception, whatever its cancel met.
     """
     context = build_context(keys, lengths=lengths, attention_mask=attention_mask, step=step)
     if end_keys is not None and not (
@@ -266,8 +269,7 @@ def capture_context(
         yield context
     except BaseException:
         if end_keys is not None and context.keys:
-            with suppress(Exception):  # the caller's exception is the one to see
-                _end_keys(end_keys, "cancel", context.keys)
+            _end_keys(end_keys, "cancel", context.keys)  # never raises: theirs is seen
         raise
     finally:
         _CONTEXT.reset(token)
@@ -283,37 +285,66 @@ _LOGGED_LOCK = threading.Lock()
 
 
 def _end_keys(end_keys: EndsKeys, action: str, keys: tuple[int, ...]) -> None:
-    """``end_keys.complete`` / ``.cancel`` of ``keys``.  A runtime answers
-    with a future that nobody here waits for: a refusal it reports later
-    (:class:`KeyNotHeld`, counted by the runtime) is logged, never raised."""
-    outcome = getattr(end_keys, action)(*keys)
+    """``end_keys.complete`` / ``.cancel`` of ``keys``; never raises.  A runtime
+    answers with a future that nobody here waits for: a refusal it reports
+    later (:class:`KeyNotHeld`, or a closed or failed runtime's error, both
+    counted by the runtime) is logged, and so is an error the call raises at
+    once (a runtime not started, another ``end_keys`` failing)."""
+    try:
+        outcome = getattr(end_keys, action)(*keys)
+    except Exception as exc:  # the request's forward pass is done: not its error
+        _report(end_keys, action, keys, exc)
+        return
     if isinstance(outcome, Future):
         outcome.add_done_callback(functools.partial(_refused, end_keys, action, keys))
 
 
 def _refused(end_keys: object, action: str, keys: tuple[int, ...], future: Future[Any]) -> None:
-    """Log the first :class:`KeyNotHeld` of ``action`` per runtime (the
-    runtime counts every one).  Called on the runtime's loop thread when the
-    control ran: never raises."""
-    if future.cancelled() or not isinstance(future.exception(), KeyNotHeld):
+    """Log the first refusal of ``action`` per runtime and kind (the runtime
+    counts every one).  Called on the runtime's loop thread when the control
+    ran, or on the caller's when it was refused at once: never raises."""
+    if future.cancelled():
         return
+    error = future.exception()
+    if error is not None:
+        _report(end_keys, action, keys, error)
+
+
+def _report(end_keys: object, action: str, keys: tuple[int, ...], error: BaseException) -> None:
+    """Log ``error`` of ``action`` at the end of a block, once per runtime,
+    action and kind (a key no route holds, or a control the runtime could not
+    take); later ones are the runtime's counters'.  Never raises."""
+    refused = isinstance(error, KeyNotHeld)
+    kind = f"{action}:{'refused' if refused else 'failed'}"
     with _LOGGED_LOCK:
         try:
             logged = _LOGGED.setdefault(end_keys, set())
         except TypeError:  # not weakly referable: nowhere to remember it, log each
             logged = set()
-        if action in logged:
+        if kind in logged:
             return
-        logged.add(action)
-    _log.warning(
-        "capture_context: %s of keys %s at the end of the block was refused: %s "
-        "(counted in ingress.refused_key_controls; later refusals of %s by this runtime "
-        "are counted, not logged)",
-        action,
-        keys,
-        future.exception(),
-        action,
-    )
+        logged.add(kind)
+    if refused:
+        _log.warning(
+            "capture_context: %s of keys %s at the end of the block was refused: %s "
+            "(counted in ingress.refused_key_controls; later refusals of %s by this runtime "
+            "are counted, not logged)",
+            action,
+            keys,
+            error,
+            action,
+        )
+    else:
+        _log.warning(
+            "capture_context: %s of keys %s at the end of the block failed: %s: %s "
+            "(not raised into the caller; counted in ingress.failed_key_controls by a "
+            "runtime; later failures of %s by this runtime are not logged)",
+            action,
+            keys,
+            type(error).__name__,
+            error,
+            action,
+        )
 
 
 def carry_context(fn: Callable[P, R]) -> Callable[P, R]:

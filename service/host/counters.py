@@ -22,7 +22,9 @@ class IngressCounters:
     the record worker handed them on (``abandoned``); key controls refused
     because no stateful route holds a key (``refused_key_controls``: the
     caller's future raised :class:`KeyNotHeld`, or nobody looked, as
-    ``capture_context(end_keys=...)`` does not); what capture hooks
+    ``capture_context(end_keys=...)`` does not); key controls the runtime
+    could not take any more (``failed_key_controls``: closed, failed, its
+    loop gone, or not started); what capture hooks
     dropped or skipped, by hook and reason.  Live: records queued now and producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
@@ -52,6 +54,11 @@ class IngressCounters:
         "taproute_ingress_refused_key_controls",
         "Key controls (complete, cancel, reopen) refused with KeyNotHeld: a key no "
         "stateful route holds.",
+    )
+    failed_key_controls: int = count(
+        "taproute_ingress_failed_key_controls",
+        "Key controls (complete, cancel, reopen) refused because the runtime was closed, "
+        "failed, its loop gone, or not started.",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

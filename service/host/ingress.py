@@ -37,6 +37,7 @@ import trio
 from taproute.actors.attempt import calling_loop
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
+from taproute.routing.keys import KeyAction
 from taproute.service.host.coalesce import coalesce
 from taproute.service.host.counters import IngressCounters
 from taproute.service.host.ingress_control import Control, ControlKind, Item
@@ -387,11 +388,13 @@ class Ingress:
         control = Control(kind, keys, payload)
         with self._lock:
             if kind != "close" and (self._failed is not None or self._closed):
+                self._count_failed_control(kind)
                 control.future.set_exception(
                     self._failed or SinkClosed(f"runtime is closed; {kind} refused")
                 )
                 return control.future
             if self._loop_gone:
+                self._count_failed_control(kind)
                 control.future.set_exception(self._failed or SinkClosed("runtime loop stopped"))
                 return control.future
             if kind == "close":
@@ -486,6 +489,16 @@ class Ingress:
         """A complete/cancel/reopen was refused: a key no stateful route holds."""
         with self._lock:
             self.counters.refused_key_controls += 1
+
+    def count_failed_key_control(self) -> None:
+        """A complete/cancel/reopen the runtime could not take any more."""
+        with self._lock:
+            self.counters.failed_key_controls += 1
+
+    def _count_failed_control(self, kind: ControlKind) -> None:
+        """With the lock held: ``kind`` was refused at once; counted if a key control."""
+        if isinstance(kind, KeyAction):
+            self.counters.failed_key_controls += 1
 
     def count_skipped(self, hook: str, reason: str) -> None:
         """A producer's hook ran and captured nothing (why: ``reason``)."""

@@ -296,6 +296,8 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         for item in items:
             if isinstance(item, Control):
                 if not item.future.done():
+                    if isinstance(item.kind, KeyAction):
+                        self._ingress.count_failed_key_control()
                     item.future.set_exception(error)
             elif isinstance(item, RecordBatch):
                 if count:

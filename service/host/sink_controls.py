@@ -67,6 +67,8 @@ class SinkControls:
         except FlushCutOff as exc:  # the closing shutdown's grace overtook it: its failure
             control.future.set_exception(exc)
         except Exception as exc:
+            if isinstance(control.kind, KeyAction):  # a failed runtime's, or its failure
+                self._ingress.count_failed_key_control()
             failure = self._latch.latch(exc, where=f"record sink {control.kind}")
             self._ingress.fail(failure)
             if control.kind == "close":
@@ -75,6 +77,8 @@ class SinkControls:
             control.future.set_exception(failure)
         except BaseException:  # cancelled: a shutdown's grace ran out
             if not control.future.done():
+                if isinstance(control.kind, KeyAction):
+                    self._ingress.count_failed_key_control()
                 control.future.set_exception(
                     SinkClosed(f"runtime stopped: the shutdown grace ran out during {control.kind}")
                 )
@@ -160,6 +164,7 @@ class SinkControls:
             )
         checked = request_keys(keys)
         if self._thread is None:
+            self._ingress.count_failed_key_control()  # seen even if the raise is not
             raise SinkClosed("runtime not started")
         return self._ingress.put_control(kind, checked)
 
