@@ -153,13 +153,19 @@ class DestinationCounters:
     """Per destination.  Counts: records and payload bytes submitted, batches,
     flushes, errors; ``abandoned_records``/``abandoned_batches`` given up at a
     shutdown whose grace ran out (queued for the sink, or in a submit it had
-    not returned from: never delivered).  Live: ``queue_depth``, records
-    waiting in its mailbox.  ``cut_short``: the call shutdown found still
-    running and cut off (``"submit"``, ``"flush"``, ``"close"``, or
+    not returned from: never delivered).  Records the sink took and then
+    gave up itself (a ClickHouse sink's buffered or in-flight rows when a cut
+    cancelled it, or a close that stopped waiting: its ``abandoned_rows``)
+    move from ``records`` to ``abandoned_records`` (no batch counted).
+    Live: ``queue_depth``, records waiting in its mailbox.  ``cut_short``:
+    the call shutdown found still running and cut off (``"submit"``, ``"flush"``, ``"close"``, or
     ``"queued"`` for batches waiting behind one), else None."""
 
     name: str
-    records: int = count("taproute_destination_sent_records", "Records handed to the sink.")
+    records: int = count(
+        "taproute_destination_sent_records",
+        "Records handed to the sink, less those it then gave up (counted abandoned).",
+    )
     bytes: int = count("taproute_destination_sent_bytes", "Payload bytes handed to the sink.")
     batches: int = count("taproute_destination_sent_batches", "Batches handed to the sink.")
     flushes: int = count("taproute_destination_flushes", "Flushes of the sink.")

@@ -39,6 +39,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.sink import (
     BoundsBlocking,
+    GivesUp,
     NamesHooks,
     RecordSink,
     RunsInBackground,
@@ -121,6 +122,9 @@ class DestinationActor:
         #: The sink's background task, when it has one and this actor owns it.
         self.background: RunsInBackground | None = None
         self._spools: Spools | None = None
+        #: The sink, when it can give up records it took, and how many it had.
+        self._gives_up: GivesUp | None = None
+        self._given_up = 0
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -187,6 +191,7 @@ class DestinationActor:
         if blocking_budget is not None and isinstance(sink, BoundsBlocking):
             sink.use_blocking_budget(blocking_budget)
         self._spools = sink if isinstance(sink, Spools) else None
+        self._gives_up = sink if isinstance(sink, GivesUp) else None
         self.sink = sink
         return sink
 
@@ -463,8 +468,22 @@ class DestinationActor:
             self.counters.errors += 1
             raise self._latch.latch(exc, destination=self.name, where="close") from exc
 
+    def _count_given_up(self) -> None:
+        """Records the sink took and then gave up (a cut, a close that stopped
+        waiting) move from sent to abandoned: they were handed over, never
+        known to be delivered."""
+        if self._gives_up is None:
+            return
+        given_up = self._gives_up.given_up_records()
+        if given_up > self._given_up:
+            new = given_up - self._given_up
+            self._given_up = given_up
+            self.counters.records -= new
+            self.counters.abandoned_records += new
+
     def snapshot(self) -> DestinationCounters:
         """A detached copy of the counters."""
+        self._count_given_up()
         self.counters.queue_depth = self.mailbox.records
         if self._spools is not None:
             spool = self._spools.spool_status()

@@ -210,8 +210,9 @@ class ShutdownAbandoned(TaprouteError, TimeoutError):
             head = f"close: the shutdown grace of {grace:g} s ran out with {still} still busy"
         else:
             head = f"close: the shutdown grace of {grace:g} s ran out"
-        lost = [
-            f"{name!r} {n} records in {self.abandoned_batches.get(name, 0)} batches"
+        lost = [  # no batches: rows the sink had taken and buffered, given up by it
+            f"{name!r} {n} records"
+            + (f" in {b} batches" if (b := self.abandoned_batches.get(name, 0)) else "")
             for name, n in self.abandoned_records.items()
             if n
         ]

@@ -110,6 +110,19 @@ class RunsInBackground(Protocol):
 
 
 @runtime_checkable
+class GivesUp(Protocol):
+    """A sink that can give up records it took: its ``submit`` returned, then
+    a close that stopped waiting, or a shutdown's cut of its background task,
+    left them not known to be delivered.
+
+    ``given_up_records`` is how many so far (it only grows); a destination
+    counts them as abandoned, not sent.
+    """
+
+    def given_up_records(self) -> int: ...
+
+
+@runtime_checkable
 class NamesHooks(Protocol):
     """A sink that names records' hooks (e.g. in a table column).
 
@@ -280,6 +293,7 @@ __all__ = [
     "Spools",
     "DescribesRecords",
     "EndsKeys",
+    "GivesUp",
     "NamesHooks",
     "RecordSink",
     "ReportsFailure",

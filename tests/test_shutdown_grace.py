@@ -651,3 +651,71 @@ def test_records_parked_or_waiting_behind_their_key_when_the_grace_cuts_are_coun
         assert counted.abandoned == 4  # the parked three and the hung call's one
     finally:
         HANG.set()
+
+
+def test_rows_a_cut_clickhouse_sink_had_taken_are_abandoned_not_sent(chdb_transport):
+    """A flush waiting on a ClickHouse insert that the grace cut off ("in
+    flush"): the rows the sink had taken were counted as sent by the
+    destination (12 sent, 0 abandoned) while nothing counted them as given
+    up (the cut's cancel left even the sink's ``abandoned_rows`` at 0), and
+    ``taproute run``'s summary said "12 rows sent".  Now the sink counts them
+    (``abandoned_rows``), the destination moves them from sent to abandoned,
+    ShutdownAbandoned names them and the summary shows them."""
+    import io
+    import uuid
+
+    from taproute.service.host.loadgen import print_summary
+
+    table = f"grace_cut_{uuid.uuid4().hex[:8]}"
+    entered, release = threading.Event(), threading.Event()
+    made: list[ClickHouseSink] = []
+
+    def clickhouse() -> ClickHouseSink:
+        ch = ClickHouseSink(
+            chdb_transport,
+            SCHEMA,
+            raw=["vec"],
+            create_tables=True,
+            raw_table=table,
+            owns_transport=False,
+            close_timeout=60.0,  # longer than the grace: the grace decides
+        )
+        insert = ch._insert_blocking
+
+        def held_insert(*args):
+            entered.set()
+            release.wait()
+            insert(*args)
+
+        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        made.append(ch)
+        return ch
+
+    ok = NullSink()
+    runtime = _fan_out(clickhouse, ok)
+    released: list[int] = []
+    try:
+        _submit(runtime, 3, released)
+        thread, raised = _flush_in_thread(runtime)
+        assert entered.wait(10)  # the flush waits for the held insert
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.5)
+        thread.join(10)
+        assert len(raised) == 1 and isinstance(raised[0], FlushCutOff)
+        assert caught.value.busy == {"held": "flush"}
+        assert caught.value.abandoned_records == {"held": 12}
+        assert "abandoned: 'held' 12 records" in str(caught.value)
+        (counters,) = made[0].table_counters().values()
+        assert counters.abandoned_rows == 12 and counters.in_flight_rows == 0
+        snap = runtime.counters()
+        held = snap.destinations["held"]
+        assert (held.records, held.abandoned_records, held.cut_short) == (0, 12, "flush")
+        assert snap.destinations["ok"].records == 12
+        out = io.StringIO()
+        print_summary(snap, out)
+        assert (
+            "destination held: 0 rows sent (from routes to_held 12); 12 rows abandoned"
+            in out.getvalue()
+        )
+    finally:
+        release.set()

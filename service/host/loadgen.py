@@ -173,7 +173,7 @@ def _drive(
 
 def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
     """One line per route (processed, emitted, failed) and per destination
-    (rows sent, from which routes, and what its spool still holds)."""
+    (rows sent, from which routes, rows abandoned, and what its spool still holds)."""
     for route in counters.routes.values():
         print(
             f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
@@ -184,6 +184,11 @@ def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
         feeding = [r for r in counters.routes.values() if r.destination == name]
         sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
         held = ""  # sent to a spooling destination is not delivered: say what is not
+        if destination.abandoned_records:
+            held += (
+                f"; {destination.abandoned_records:,} rows abandoned (given up at a shutdown "
+                "whose grace ran out, or by a close that stopped waiting: not delivered)"
+            )
         if destination.healthy is False:
             held += f"; unhealthy: {destination.unhealthy_reason}"
         if destination.spool_bytes:

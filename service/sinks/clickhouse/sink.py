@@ -247,7 +247,21 @@ class ClickHouseSink(OwnerInserts):
                 await self._stopped.wait()
                 nursery.cancel_scope.cancel()  # only the timer is left: close drained inserts
         finally:
+            if not self._closing:  # cancelled from outside (a shutdown's cut): given up
+                self._give_up_buffers()
             self._stopped.set()
+
+    def _give_up_buffers(self) -> None:
+        """Count the rows still buffered as abandoned and give their buffers
+        back: no insert will take them (the run task was cancelled)."""
+        for table, buffer in self._buffers.items():
+            counters = self.counters[table]
+            counters.buffered_rows -= buffer.rows
+            counters.abandoned_rows += buffer.rows
+            self._pending_bytes -= buffer.bytes
+            for hold in buffer.holds:
+                hold.release()
+        self._buffers = {n: TableBuffer() for n in self.tables}
 
     @property
     def running(self) -> bool:
@@ -360,6 +374,9 @@ class ClickHouseSink(OwnerInserts):
                         f"after {failures} attempt(s)"
                     ),
                 )
+        except trio.Cancelled:  # the run task cancelled (a shutdown's cut): given up
+            counters.abandoned_rows += buffer.rows
+            raise
         finally:
             self._waiting.discard(scope)
             counters.in_flight_rows -= buffer.rows
@@ -528,6 +545,12 @@ class ClickHouseSink(OwnerInserts):
     def failure(self) -> BaseException | None:
         """The latched failure, or None."""
         return self._latch.failure
+
+    def given_up_records(self) -> int:
+        """Rows this sink took and gave up, over all tables (``abandoned_rows``):
+        an insert close stopped waiting for, or the run task cancelled (a
+        shutdown's cut) with rows buffered or being inserted."""
+        return sum(c.abandoned_rows for c in self.counters.values())
 
     def table_counters(self) -> dict[str, TableCounters]:
         """A detached copy of every table's counters."""
