@@ -173,7 +173,8 @@ def _drive(
 
 def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
     """One line per route (processed, emitted, failed) and per destination
-    (rows sent, from which routes, rows abandoned, and what its spool still holds)."""
+    (rows sent, from which routes, rows abandoned, and what its spool still
+    holds), from the counters of the runtime after its close."""
     for route in counters.routes.values():
         print(
             f"route {route.name}: processed {route.processed:,}, emitted {route.emitted:,}, "
@@ -191,10 +192,10 @@ def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
             )
         if destination.healthy is False:
             held += f"; unhealthy: {destination.unhealthy_reason}"
-        if destination.spool_bytes:
+        if destination.spool_bytes:  # the runtime is closed: no later this run
             held += (
                 f"; {destination.spool_bytes:,} bytes held in its spool, "
-                "delivered once it is reachable (this run or the next start)"
+                "delivered at the next start, once it is reachable"
             )
         print(
             f"destination {name}: {destination.records:,} rows sent"
