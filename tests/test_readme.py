@@ -110,3 +110,44 @@ def test_how_long_flush_waits_for_an_unreachable_server_is_the_default_retry_bud
     assert expected in text
     sums = " + ".join(f"{w:g}" for w in waits[:2]) + f" + ... + {waits[-1]:g}"
     assert f"{len(waits)} waits between them, {sums} = {sum(waits):.1f} s" in text
+
+
+def test_what_a_stuck_destination_absorbs_is_computed_from_the_defaults():
+    """The README did not say how much a stuck destination's mailbox takes
+    before a capture blocks or sheds (max_block), nor how to lower it.  The
+    figures it gives now are computed here from the defaults, so the two
+    cannot drift apart, and the arguments it names exist."""
+    import inspect
+
+    from taproute.actors import RoutingSink
+    from taproute.routing import Route
+    from taproute.routing.limits import (
+        DESTINATION_QUEUE_BYTES,
+        DESTINATION_QUEUE_RECORDS,
+        QUEUE_BYTES,
+        QUEUE_RECORDS,
+    )
+    from taproute.service.host.config_sections import IngressOptions
+
+    text = " ".join(README.read_text().split())
+    ingress = IngressOptions()
+    assert (ingress.capacity_records, ingress.capacity_bytes) == (QUEUE_RECORDS, QUEUE_BYTES)
+    parameters = inspect.signature(RoutingSink).parameters
+    assert parameters["destination_capacity"].default == DESTINATION_QUEUE_RECORDS
+    assert parameters["destination_capacity_bytes"].default == DESTINATION_QUEUE_BYTES
+    mib = 2**20
+    row = 768 * 4
+    expected = [
+        f"By default it holds {DESTINATION_QUEUE_RECORDS:,} records or "
+        f"{DESTINATION_QUEUE_BYTES // mib} MiB of payload, whichever fills first",
+        f"{DESTINATION_QUEUE_RECORDS // 16:,} batches of 16 records)",
+        f"once records carry more than {DESTINATION_QUEUE_BYTES // DESTINATION_QUEUE_RECORDS:,} "
+        "bytes each",
+        f"({row:,} bytes) fills it at {DESTINATION_QUEUE_BYTES // row:,} records",
+        f"ingress fills ({QUEUE_RECORDS:,} records or {QUEUE_BYTES // mib} MiB by default",
+        f"{DESTINATION_QUEUE_RECORDS + QUEUE_RECORDS:,} records of a forward route in all",
+        f"{Route('r', 'h', 'd').capacity:,} records by default, `Route(capacity=...)`",
+        "`RoutingSink(..., destination_capacity=RECORDS, destination_capacity_bytes=BYTES)`",
+    ]
+    missing = [phrase for phrase in expected if phrase not in text]
+    assert missing == []
