@@ -153,19 +153,17 @@ class DestinationCounters:
     """Per destination.  Counts: records and payload bytes submitted, batches,
     flushes, errors; ``abandoned_records``/``abandoned_batches`` given up at a
     shutdown whose grace ran out (queued for the sink, or in a submit it had
-    not returned from: never delivered).  Records the sink took and then
-    gave up itself (a ClickHouse sink's buffered or in-flight rows when a cut
-    cancelled it, or a close that stopped waiting: its ``abandoned_rows``)
-    move from ``records`` to ``abandoned_records`` (no batch counted).
+    not returned from: never delivered); ``given_up_records``, records the
+    sink took (counted sent) and then gave up itself: a ClickHouse sink's
+    buffered or in-flight rows when a cut cancelled it, or rows a close
+    stopped waiting for (its ``abandoned_rows``).  Every count only grows
+    (records given up stay counted as sent: they were handed over).
     Live: ``queue_depth``, records waiting in its mailbox.  ``cut_short``:
     the call shutdown found still running and cut off (``"submit"``, ``"flush"``, ``"close"``, or
     ``"queued"`` for batches waiting behind one), else None."""
 
     name: str
-    records: int = count(
-        "taproute_destination_sent_records",
-        "Records handed to the sink, less those it then gave up (counted abandoned).",
-    )
+    records: int = count("taproute_destination_sent_records", "Records handed to the sink.")
     bytes: int = count("taproute_destination_sent_bytes", "Payload bytes handed to the sink.")
     batches: int = count("taproute_destination_sent_batches", "Batches handed to the sink.")
     flushes: int = count("taproute_destination_flushes", "Flushes of the sink.")
@@ -178,6 +176,11 @@ class DestinationCounters:
     abandoned_batches: int = count(
         "taproute_destination_abandoned_batches",
         "Batches given up at a shutdown whose grace ran out.",
+    )
+    given_up_records: int = count(
+        "taproute_destination_given_up_records",
+        "Records the sink took and then gave up, not delivered (a shutdown's cut, a "
+        "close that stopped waiting).",
     )
     queue_depth: int = live(
         "taproute_destination_queue_depth_records", "Records waiting for the sink."

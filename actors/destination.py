@@ -122,9 +122,8 @@ class DestinationActor:
         #: The sink's background task, when it has one and this actor owns it.
         self.background: RunsInBackground | None = None
         self._spools: Spools | None = None
-        #: The sink, when it can give up records it took, and how many it had.
+        #: The sink, when it can give up records it took.
         self._gives_up: GivesUp | None = None
-        self._given_up = 0
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -470,16 +469,11 @@ class DestinationActor:
 
     def _count_given_up(self) -> None:
         """Records the sink took and then gave up (a cut, a close that stopped
-        waiting) move from sent to abandoned: they were handed over, never
-        known to be delivered."""
-        if self._gives_up is None:
-            return
-        given_up = self._gives_up.given_up_records()
-        if given_up > self._given_up:
-            new = given_up - self._given_up
-            self._given_up = given_up
-            self.counters.records -= new
-            self.counters.abandoned_records += new
+        waiting): handed over (still counted sent), never delivered."""
+        if self._gives_up is not None:
+            self.counters.given_up_records = max(
+                self.counters.given_up_records, self._gives_up.given_up_records()
+            )
 
     def snapshot(self) -> DestinationCounters:
         """A detached copy of the counters."""

@@ -653,14 +653,15 @@ def test_records_parked_or_waiting_behind_their_key_when_the_grace_cuts_are_coun
         HANG.set()
 
 
-def test_rows_a_cut_clickhouse_sink_had_taken_are_abandoned_not_sent(chdb_transport):
+def test_rows_a_cut_clickhouse_sink_had_taken_are_counted_given_up(chdb_transport):
     """A flush waiting on a ClickHouse insert that the grace cut off ("in
     flush"): the rows the sink had taken were counted as sent by the
     destination (12 sent, 0 abandoned) while nothing counted them as given
     up (the cut's cancel left even the sink's ``abandoned_rows`` at 0), and
     ``taproute run``'s summary said "12 rows sent".  Now the sink counts them
-    (``abandoned_rows``), the destination moves them from sent to abandoned,
-    ShutdownAbandoned names them and the summary shows them."""
+    (``abandoned_rows``), the destination counts them given up (still sent:
+    a counter never goes down), ShutdownAbandoned names them and the summary
+    shows them."""
     import io
     import uuid
 
@@ -709,13 +710,15 @@ def test_rows_a_cut_clickhouse_sink_had_taken_are_abandoned_not_sent(chdb_transp
         assert counters.abandoned_rows == 12 and counters.in_flight_rows == 0
         snap = runtime.counters()
         held = snap.destinations["held"]
-        assert (held.records, held.abandoned_records, held.cut_short) == (0, 12, "flush")
+        # Handed over (sent never goes down), then given up by the sink.
+        assert (held.records, held.given_up_records, held.abandoned_records) == (12, 12, 0)
+        assert held.cut_short == "flush"
         assert snap.destinations["ok"].records == 12
         out = io.StringIO()
         print_summary(snap, out)
         assert (
-            "destination held: 0 rows sent (from routes to_held 12); 12 rows abandoned"
-            in out.getvalue()
+            "destination held: 12 rows sent (from routes to_held 12), "
+            "12 of them given up by the sink" in out.getvalue()
         )
     finally:
         release.set()

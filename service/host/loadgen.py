@@ -185,10 +185,15 @@ def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
         feeding = [r for r in counters.routes.values() if r.destination == name]
         sources = ", ".join(f"{r.name} {r.emitted:,}" for r in feeding)
         held = ""  # sent to a spooling destination is not delivered: say what is not
+        if destination.given_up_records:
+            held += (
+                f", {destination.given_up_records:,} of them given up by the sink (a shutdown "
+                "whose grace ran out, or a close that stopped waiting: not delivered)"
+            )
         if destination.abandoned_records:
             held += (
-                f"; {destination.abandoned_records:,} rows abandoned (given up at a shutdown "
-                "whose grace ran out, or by a close that stopped waiting: not delivered)"
+                f"; {destination.abandoned_records:,} rows abandoned before reaching it "
+                "(a shutdown whose grace ran out)"
             )
         if destination.healthy is False:
             held += f"; unhealthy: {destination.unhealthy_reason}"

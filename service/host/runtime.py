@@ -550,7 +550,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 elif self._sink_call is not None:
                     busy = {"record sink": self._sink_call}
             snap = self._snapshot_in_loop()
-            records = {n: d.abandoned_records for n, d in snap.destinations.items()}
+            records = {  # what never got there, and what the sink took and gave up
+                n: d.abandoned_records + d.given_up_records for n, d in snap.destinations.items()
+            }
             batches = {n: d.abandoned_batches for n, d in snap.destinations.items()}
             if self._sink_abandoned[0]:
                 records["record sink"], batches["record sink"] = self._sink_abandoned
