@@ -47,6 +47,7 @@ from taproute.routing.chains import ChainCycle, ChainError
 from taproute.routing.errors import (
     ConfigError,
     FlushCutOff,
+    KeyNotHeld,
     PayloadDtypeMismatch,
     PayloadSizeMismatch,
     PlanErrors,
@@ -86,6 +87,7 @@ from taproute.service.sinks.capture import CaptureSink
 from taproute.service.sinks.clickhouse import (
     Batching,
     ClickHouseSink,
+    InsertAbandoned,
     MissingTable,
     NoDeduplication,
     Retry,
@@ -202,6 +204,8 @@ __all__ += [
     "RoutingFailure",
     "ShutdownAbandoned",
     "FlushCutOff",
+    "InsertAbandoned",
+    "KeyNotHeld",
     "SinkClosed",
     "SpoolLocked",
     "UnboundOutputId",

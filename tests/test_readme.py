@@ -26,7 +26,9 @@ def test_the_one_screen_example_runs(tmp_path):
 def test_every_name_the_readme_imports_or_catches_is_public():
     """What the README imports from ``taproute.service`` exists there, and so do
     the errors it tells an embedding program to expect (they were only in
-    ``taproute.routing.errors`` and the spool's own modules)."""
+    ``taproute.routing.errors`` and the spool's own modules; ``KeyNotHeld``,
+    which a key control's future raises, and ``InsertAbandoned``, the cause of
+    a bounded close's ``RoutingFailure``, were not re-exported at all)."""
     import taproute.service as service
 
     text = README.read_text()
@@ -46,6 +48,8 @@ def test_every_name_the_readme_imports_or_catches_is_public():
         "PayloadSizeMismatch",
         "DeadLetterNotFound",
         "BuiltService",
+        "KeyNotHeld",
+        "InsertAbandoned",
         "load_config",
     }
     assert imported >= {"create_record_runtime", "ClickHouseSink", "Spool"}
