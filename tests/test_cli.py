@@ -3,6 +3,7 @@ test), and operators' commands failing in one line."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -266,3 +267,27 @@ def test_an_unknown_dead_letter_id_is_one_line_exit_1_and_the_store_is_untouched
         line = one_line_error(capsys, ["dead-letters", action, "424242", "--store", str(store)], 1)
         assert f"no dead letter with id 424242 in {store}" in line
     assert store.read_bytes() == before
+
+
+def test_output_into_a_closed_pipe_is_one_line_not_a_traceback(tmp_path):
+    """``taproute dead-letters list --store F | head -1`` (the reader leaves
+    before the listing ends) printed a BrokenPipeError traceback, and Python
+    another at exit, where the README promises one line per problem, never a
+    traceback. The pipe's reader is closed before the command starts, so its
+    first write fails, as a ``head`` that has read enough makes it fail."""
+    store = letters_store(tmp_path / "dead.sqlite", count=3)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [*COMMAND, "dead-letters", "list", "--store", str(store)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == ["taproute: output closed early (broken pipe)"]
+    assert done.returncode == 1

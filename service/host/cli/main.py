@@ -9,6 +9,8 @@ stderr, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -139,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("trace needs --hook (or --samples with --config)")
     try:
         return _dispatch(args)
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a connection's, not ours: not the reader leaving
+        return _output_closed()
     except KeyboardInterrupt:
         # A second Ctrl-C, the escape hatch past the graceful stop: one line,
         # the shell's exit code of an interrupt, no traceback.
@@ -151,6 +157,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return errors.report(found)
     except TaprouteError as exc:
         return errors.report(exc)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll says so
+    without writing anything)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        events = poller.poll(0)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(mask & (select.POLLERR | select.POLLHUP) for _fd, mask in events)
+
+
+def _output_closed() -> int:
+    """The reader of stdout left (``taproute dead-letters list | head``): one
+    line on stderr, exit 1, and stdout pointed at /dev/null so that Python's
+    own flush at exit does not print a second error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    print("taproute: output closed early (broken pipe)", file=sys.stderr)
+    return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
