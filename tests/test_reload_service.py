@@ -245,6 +245,42 @@ def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_pat
         assert list(service.counters().routes) == ["raw", "norms"]
 
 
+def test_a_file_with_a_bad_value_still_names_the_fixed_sections_it_changes(
+    tmp_path, chdb_transport
+):
+    """The README: a file that changes layouts, destinations, ... "is refused,
+    naming each, with the routes' own problems". A route's bad value (one the
+    file's reading refuses, ``workers = 0``) hid the changed sections: the
+    refusal listed only the bad value, and the operator learnt of the changed
+    ``[http]`` only after fixing it."""
+    data = chdb_transport.path
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW, data=data))
+    config = load_config(path)
+    with config.build() as built, built.start() as service:
+        reloader = ConfigReloader(service, config)
+        bad_route = NORMS.replace('mode = "stateless"', 'mode = "stateless"\nworkers = 0')
+        path.write_text(config_text(tmp_path, RAW + bad_route, port=9999, data=data))
+        with pytest.raises(ConfigFileError) as caught:
+            reloader()
+        assert caught.value.problems == [
+            "http: differs from the running configuration; a reload applies routes, "
+            "[routing] and processors only (restart to apply http)",
+            "routes[1].workers: must be in [1, 1024], found 0",
+        ]
+        # A section with a bad value of its own is listed by its problem alone.
+        path.write_text(
+            config_text(tmp_path, RAW + bad_route, data=data).replace("batch = 8", "batch = 0")
+        )
+        with pytest.raises(ConfigFileError) as caught:
+            reloader()
+        assert [p.split(":")[0] for p in caught.value.problems] == [
+            "routes[1].workers",
+            "producer.hooks[0].batch",
+        ]
+        assert service.counters().generation == 1
+
+
 def test_a_reload_applies_the_call_timeout_the_service_started_with(tmp_path, chdb_transport):
     """``taproute run --call-timeout`` overrides every route's deadline; a file
     reloaded under SIGHUP gets the same override (its routes' own deadlines

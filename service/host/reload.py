@@ -17,12 +17,19 @@ generation goes on.
 from __future__ import annotations
 
 import threading
+import tomllib
+import typing
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import attrs
+from cattrs.errors import ClassValidationError
 
 from taproute.actors.generation import Generation
 from taproute.actors.routing_sink import RoutingSink
 from taproute.routing.errors import ConfigError
 from taproute.service.host.config import ConfigFileError, ServiceConfig, load_config, plan_problems
+from taproute.service.host.config_rules import CONVERTER
 
 if TYPE_CHECKING:
     from taproute.service.host.service import RecordService
@@ -34,11 +41,47 @@ FIXED_SECTIONS = ("layouts", "destinations", "ingress", "http", "dead_letters", 
 def fixed_section_problems(running: ServiceConfig, candidate: ServiceConfig) -> list[str]:
     """One line per section ``candidate`` changes that a reload cannot apply."""
     return [
-        f"{name}: differs from the running configuration; a reload applies routes, "
-        f"[routing] and processors only (restart to apply {name})"
+        _changed(name)
         for name in FIXED_SECTIONS
         if getattr(running, name) != getattr(candidate, name)
     ]
+
+
+def unloadable_file_fixed_section_problems(running: ServiceConfig, path: Path) -> list[str]:
+    """For a file that does not load (a bad value anywhere): one line per fixed
+    section it changes, of those that read on their own, so that the refusal
+    lists them with the file's own problems. A section with problems of its
+    own is left out (load_config lists those)."""
+    try:
+        raw = tomllib.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []  # nothing of it can be read: load_config said why
+    types = typing.get_type_hints(ServiceConfig)
+    fields = attrs.fields_dict(ServiceConfig)
+    problems: list[str] = []
+    for name in FIXED_SECTIONS:
+        default = fields[name].default
+        if name in raw:
+            try:
+                value = CONVERTER.structure(raw[name], types[name])
+            except (ClassValidationError, ConfigError, TypeError, ValueError):
+                continue  # its own problems, listed by load_config
+        elif isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            value = typing.cast(typing.Any, default).factory()
+        elif default is attrs.NOTHING:
+            continue  # a required section missing: listed by load_config
+        else:
+            value = default
+        if getattr(running, name) != value:
+            problems.append(_changed(name))
+    return problems
+
+
+def _changed(name: str) -> str:
+    return (
+        f"{name}: differs from the running configuration; a reload applies routes, "
+        f"[routing] and processors only (restart to apply {name})"
+    )
 
 
 class ConfigReloader:
@@ -71,7 +114,11 @@ class ConfigReloader:
 
     def __call__(self) -> int:
         with self._lock:
-            candidate = load_config(self.config.source)
+            try:
+                candidate = load_config(self.config.source)
+            except ConfigFileError as exc:
+                changed = unloadable_file_fixed_section_problems(self.config, self.config.source)
+                raise ConfigFileError(exc.path, changed + exc.problems) from None
             if self.call_timeout is not None:
                 candidate = candidate.with_call_timeout(self.call_timeout)
             problems = fixed_section_problems(self.config, candidate)
@@ -100,4 +147,9 @@ class ConfigReloader:
             return number
 
 
-__all__ = ["FIXED_SECTIONS", "ConfigReloader", "fixed_section_problems"]
+__all__ = [
+    "FIXED_SECTIONS",
+    "ConfigReloader",
+    "fixed_section_problems",
+    "unloadable_file_fixed_section_problems",
+]
