@@ -155,3 +155,14 @@ def test_what_a_stuck_destination_absorbs_is_computed_from_the_defaults():
     ]
     missing = [phrase for phrase in expected if phrase not in text]
     assert missing == []
+
+
+def test_the_readmes_globs_over_gpt2_blocks_name_the_leaf():
+    """The README warns that ``transformer.h.*`` binds every submodule of the
+    blocks (fnmatch's ``*`` matches dots), yet its writer-process example
+    bound exactly that: run on GPT-2 it bound 26 modules of a 2-block model
+    (dropouts, c_attn, ...) instead of one per block. Every bind in the README
+    names the leaf or the index."""
+    binds = re.findall(r"bind_modules\([^)]*?\"([^\"]+)\"", README.read_text())
+    assert binds
+    assert [glob for glob in binds if glob.endswith(".h.*")] == []
