@@ -88,6 +88,33 @@ async def test_built_while_the_server_is_down_it_spools_then_checks_and_delivers
     assert count(facade.url) == (16, 16)  # every record, once
 
 
+async def test_while_its_tables_wait_for_the_server_the_reason_says_so(stopped_facade, tmp_path):
+    """The README quotes the unhealthy reason of a destination started while
+    its server is down: ``unreachable: ClickHouse server at URL: reason
+    (tables not checked yet)``. That held only until the drain's first try:
+    each failed try to reach the server replaced it with the bare
+    ``unreachable: ... Connection refused``, though the tables were still
+    unchecked (seen on /healthz of a ``taproute run`` against a closed
+    port)."""
+    facade = stopped_facade
+    sink = spooled(facade.url, tmp_path / "spool")
+    expected = (
+        f"unreachable: ClickHouse server at {facade.url}: Connection refused "
+        "(tables not checked yet)"
+    )
+    assert sink.health.reason == expected and sink.health.consecutive_failures == 1
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            await sink.submit(vec_batch(0, 8))
+            await sink.flush()
+            while sink.health.consecutive_failures < 3:  # the drain tried, twice
+                await trio.sleep(0.01)
+            assert not sink.inner.tables_checked
+            assert sink.health.reason == expected
+            await sink.close()
+
+
 def _break_raw_vec(facade: chfacade.Facade) -> None:
     """Create ``raw_vec`` with ``seq`` as Int32 (the schema says Int64)."""
     facade.start()

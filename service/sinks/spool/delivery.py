@@ -34,6 +34,9 @@ T = TypeVar("T")
 
 #: Seconds between tries to record a spool's progress on a disk with no room.
 NO_ROOM_WAIT = 1.0
+#: Added to an unreachable inner sink's reason while its tables wait for the
+#: server (worded as its ``unchecked_reason`` at construction).
+UNCHECKED = " (tables not checked yet)"
 
 
 @runtime_checkable
@@ -187,6 +190,8 @@ class Delivery:
         reason = None
         if isinstance(self.inner, DescribesFailures):
             reason = self.inner.describe_failure(error)
+        if reason is not None and self._checks is not None and not self._checks.tables_checked:
+            reason += UNCHECKED  # still true until the server answers: keep saying so
         self.tracker.failed(error, reason)
         self.counters.retries += 1
 
