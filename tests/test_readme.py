@@ -166,3 +166,38 @@ def test_the_readmes_globs_over_gpt2_blocks_name_the_leaf():
     binds = re.findall(r"bind_modules\([^)]*?\"([^\"]+)\"", README.read_text())
     assert binds
     assert [glob for glob in binds if glob.endswith(".h.*")] == []
+
+
+def test_every_metric_the_readme_names_is_exported():
+    """Operators copy metric names from the README into alerts and dashboards:
+    each ``taproute_*`` name it gives is a family ``SnapshotCollector`` exports
+    (declared even before it has a sample). Left out: the bench's sink names
+    (``taproute_chdb``...) and the replay ledger's ``metrics.prom``."""
+    import prometheus_client
+
+    from taproute.service import (
+        CaptureSink,
+        Layout,
+        RecordSchema,
+        Route,
+        RoutingConfig,
+        RoutingSink,
+        SnapshotCollector,
+        create_record_runtime,
+    )
+
+    named = {
+        name
+        for name in re.findall(r"taproute_[a-z_]+", README.read_text())
+        if not name.startswith(("taproute_chdb", "taproute_replay_"))
+    }
+    assert {"taproute_ingress_shed_records_total", "taproute_failure_latched"} <= named
+    schema = RecordSchema([Layout("q", [("values", "Array(Float32)")])])
+    config = RoutingConfig([Route("raw", "*", "kept")])
+    sink = RoutingSink(config, schema, {"kept": CaptureSink()}, unmatched="drop")
+    with create_record_runtime(record_sink=sink) as runtime:
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(SnapshotCollector(runtime.counters))
+        text = prometheus_client.generate_latest(registry).decode()
+    exported = set(re.findall(r"^# TYPE (\S+)", text, flags=re.M))
+    assert sorted(named - exported) == []
