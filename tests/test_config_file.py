@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -836,3 +837,32 @@ def test_an_empty_producer_hook_and_a_bad_terminal_policy_are_named_when_read(
         "routes[1].failure_policy: failure policy: terminal_records must be 'drop' or "
         "'dead_letter', got 'keep'"
     )
+
+
+def test_processor_modules_beside_the_config_file_are_found(tmp_path, monkeypatch):
+    """``processors = ["my_taps"]`` with ``my_taps.py`` beside the file: under
+    the installed ``taproute`` command the current folder is not on the import
+    path, so this failed with "No module named" unless PYTHONPATH was set.
+    The file's folder is searched first, as a script's is."""
+    import uuid
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undo what the load puts there
+    monkeypatch.chdir(tmp_path.parent)  # not the config's folder
+    module = f"my_taps_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(
+        "from taproute.routing import stateless_processor\n"
+        f"@stateless_processor('{module}.norms', input='vec', output='norm')\n"
+        "def norms(records):\n"
+        "    return None\n"
+    )
+    text = BASE.replace('"tests.processors"', f'"tests.processors", "{module}"').replace(
+        '"test.norms"', f'"{module}.norms"'
+    )
+    path = tmp_path / "router.toml"
+    path.write_text(text.replace("@PATH@", str(tmp_path / "ch")).replace("@PREFIX@", "beside"))
+    config = load_config(path)
+    config.import_processors()
+    assert module in sys.modules
+    assert sys.path[0] == str(tmp_path.resolve())
+    config.import_processors()  # again: the folder is on the path once
+    assert sys.path.count(str(tmp_path.resolve())) == 1

@@ -58,6 +58,7 @@ from __future__ import annotations
 import importlib
 import os
 import sqlite3
+import sys
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from fnmatch import fnmatchcase
@@ -159,6 +160,7 @@ class ServiceConfig:
             raise ConfigFileError(self.source, problems)
 
     def _import_problems(self) -> list[str]:
+        self._put_own_folder_on_path()
         problems = []
         for i, module in enumerate(self.processors):
             try:
@@ -170,6 +172,16 @@ class ServiceConfig:
                     f"{type(exc).__name__}: {detail}".rstrip(": ")
                 )
         return problems
+
+    def _put_own_folder_on_path(self) -> None:
+        """Processor modules beside the config file are found, as a script's
+        are beside it: the file's folder goes first on the import path (once;
+        not for a config read from a string)."""
+        if not self.source.is_file():
+            return
+        folder = str(self.source.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
 
     def _imported(self) -> RecordSchema:
         """Import the processors and build the schema; a module that cannot be
