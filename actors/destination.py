@@ -42,6 +42,7 @@ from taproute.routing.sink import (
     GivesUp,
     NamesHooks,
     RecordSink,
+    ReleasesWhenCut,
     RunsInBackground,
     Spools,
     WaitsForDelivery,
@@ -218,6 +219,11 @@ class DestinationActor:
                 exc.add_note(f"starting destination {self.name!r} (its run() task)")
                 raise
             raise RoutingFailure(exc, destination=self.name, where="its run() task") from exc
+        finally:
+            # A cut sink is never closed (see close()): let go of its
+            # transport here, without waiting for the calls the cut abandoned.
+            if self.is_cut and isinstance(self.background, ReleasesWhenCut):
+                self.background.release_when_cut()
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)
@@ -460,7 +466,9 @@ class DestinationActor:
     async def close(self) -> None:
         """Close the sink if the routing sink created it; a failure is latched and raised."""
         if not self.owned or self.sink is None or self.is_cut:
-            return  # a cut sink is not asked to flush again: its background task is cancelled
+            # A cut sink is not asked to flush again: its background task is
+            # cancelled, and it released its transport then (run_background).
+            return
         try:
             await self._call("close", self.sink.close)
         except Exception as exc:

@@ -123,6 +123,21 @@ class GivesUp(Protocol):
 
 
 @runtime_checkable
+class ReleasesWhenCut(Protocol):
+    """A sink holding something only its ``close()`` would give back (a
+    connection, a client, chDB's data directory), which can let go of it
+    without waiting: for a sink whose background task a shutdown's cut
+    cancelled, never closed (its close may hang where its calls hung).
+
+    ``release_when_cut`` refuses later calls and gives the transport back now
+    if no call of its runs, else once the last one returns (a call abandoned
+    in a worker thread); it never blocks on one.  Idempotent.
+    """
+
+    def release_when_cut(self) -> None: ...
+
+
+@runtime_checkable
 class NamesHooks(Protocol):
     """A sink that names records' hooks (e.g. in a table column).
 
@@ -295,6 +310,7 @@ __all__ = [
     "EndsKeys",
     "GivesUp",
     "NamesHooks",
+    "ReleasesWhenCut",
     "RecordSink",
     "ReportsFailure",
     "RunsInBackground",

@@ -722,3 +722,55 @@ def test_rows_a_cut_clickhouse_sink_had_taken_are_counted_given_up(chdb_transpor
         )
     finally:
         release.set()
+
+
+def test_a_cut_clickhouse_sink_lets_go_of_its_chdb_directory(chdb_transport):
+    """A ClickHouse destination the grace cut off was never closed, so its
+    transport was never released: the chDB session on its directory stayed
+    open for the life of the process (``ClickHouseSink.embedded`` on any
+    other directory then raised "chDB already has ... open"), with its
+    insert connections.  Now the cut sink lets go of it once the insert
+    the cut abandoned returns, never under it (its rows still land)."""
+    import uuid
+
+    from taproute.routing import SinkClosed
+    from taproute.service.sinks.clickhouse.transport import _SharedSession
+
+    table = f"grace_release_{uuid.uuid4().hex[:8]}"
+    users = _SharedSession.users  # the fixture's transport on the same directory
+    entered, release = threading.Event(), threading.Event()
+    made: list[ClickHouseSink] = []
+
+    def clickhouse() -> ClickHouseSink:
+        ch = ClickHouseSink.embedded(
+            SCHEMA, chdb_transport.path, raw=["vec"], raw_table=table, close_timeout=60.0
+        )
+        insert = ch._insert_blocking
+
+        def held_insert(*args):
+            entered.set()
+            release.wait()
+            insert(*args)
+
+        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        made.append(ch)
+        return ch
+
+    runtime = _fan_out(clickhouse, NullSink())
+    try:
+        _submit(runtime, 3, [])
+        thread, _raised = _flush_in_thread(runtime)
+        assert entered.wait(10)
+        with pytest.raises(ShutdownAbandoned):
+            runtime.close(timeout=0.5)
+        thread.join(10)
+        (ch,) = made
+        assert _SharedSession.users == users + 1  # not closed under the insert
+        with pytest.raises(SinkClosed):
+            ch.check_tables()  # later calls are refused at once
+    finally:
+        release.set()
+    assert ch._calls.wait_released(10)  # closed when the abandoned insert returned
+    assert _SharedSession.users == users
+    rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
+    assert rows == 12

@@ -515,6 +515,16 @@ class ClickHouseSink(OwnerInserts):
         self._calls.wait_released(timeout)
         return running
 
+    def release_when_cut(self) -> None:
+        """A shutdown's cut cancelled the run task and this sink will not be
+        closed: refuse later calls and close the transport (if owned) now,
+        or once the last call running returns (an insert the cut abandoned
+        in its thread); never waits.  Without it the chDB session stayed open
+        (no other data directory could be opened in the process) and a
+        server's client kept its connections."""
+        self._closing = True
+        self._calls.close()
+
     # -- tables checked when the server is first reached -------------------
 
     @property
