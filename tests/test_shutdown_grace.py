@@ -774,3 +774,64 @@ def test_a_cut_clickhouse_sink_lets_go_of_its_chdb_directory(chdb_transport):
     assert _SharedSession.users == users
     rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
     assert rows == 12
+
+
+def _spooling_clickhouse(chdb_transport, directory, table, mode, entered, release, made):
+    """A factory of a spooling destination ("held") on chDB whose inserts
+    wait for ``release`` (``entered`` says one is waiting)."""
+    from taproute.service.sinks.spool import Spool, SpoolConfig
+    from taproute.service.sinks.spool.spooling import SpoolingSink
+
+    def factory() -> SpoolingSink:
+        ch = ClickHouseSink(
+            chdb_transport,
+            SCHEMA,
+            raw=["vec"],
+            create_tables=True,
+            raw_table=table,
+            owns_transport=False,
+            close_timeout=60.0,  # longer than the grace: the grace decides
+        )
+        insert = ch._insert_blocking
+
+        def held_insert(*args):
+            entered.set()
+            release.wait()
+            insert(*args)
+
+        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        made.append(ch)
+        return SpoolingSink("held", ch, Spool.open(SpoolConfig(directory=directory)), mode=mode)
+
+    return factory
+
+
+def test_rows_a_cut_spooling_clickhouse_sink_lost_are_counted_given_up(chdb_transport, tmp_path):
+    """A spooling ClickHouse destination cut off while its inner sink
+    inserted rows it had taken (``outage`` mode, healthy: they never went to
+    the spool): the inner sink counted them (``abandoned_rows``) but the
+    spooling sink did not report them, so the destination's
+    ``given_up_records`` stayed 0 and ShutdownAbandoned named no loss."""
+    import uuid
+
+    table = f"grace_spool_{uuid.uuid4().hex[:8]}"
+    entered, release = threading.Event(), threading.Event()
+    made: list[ClickHouseSink] = []
+    factory = _spooling_clickhouse(
+        chdb_transport, tmp_path / "spool", table, "outage", entered, release, made
+    )
+    runtime = _fan_out(factory, NullSink())
+    try:
+        _submit(runtime, 3, [])
+        thread, _raised = _flush_in_thread(runtime)
+        assert entered.wait(10)  # the flush waits for the inner sink's held insert
+        with pytest.raises(ShutdownAbandoned) as caught:
+            runtime.close(timeout=0.5)
+        thread.join(10)
+        (counters,) = made[0].table_counters().values()
+        assert counters.abandoned_rows == 12
+        held = runtime.counters().destinations["held"]
+        assert (held.records, held.given_up_records) == (12, 12)
+        assert caught.value.abandoned_records == {"held": 12}
+    finally:
+        release.set()

@@ -47,7 +47,13 @@ from taproute.routing.batch import Batch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
-from taproute.routing.sink import NamesHooks, RecordSink, RunsInBackground, SpoolStatus
+from taproute.routing.sink import (
+    GivesUp,
+    NamesHooks,
+    RecordSink,
+    RunsInBackground,
+    SpoolStatus,
+)
 from taproute.service.sinks.spool.delivery import (
     ChecksTablesLater,
     Delivery,
@@ -324,6 +330,17 @@ class SpoolingSink:
             await self.spool.wait_changed()
 
     # -- observation -----------------------------------------------------------
+    def given_up_records(self) -> int:
+        """Records this destination took and then lost: those its inner sink
+        gave up (``GivesUp``: the rows a ClickHouse sink had buffered or was
+        inserting when a shutdown's cut cancelled it, its ``abandoned_rows``).
+        What the spool holds is not given up, even when the cut abandoned
+        the drain's insert of it: it stays unacknowledged on disk and is
+        delivered at the next start (under the same token: once).  A block
+        the inner sink was handing back to the spool when the cut came is
+        counted by the inner sink: not known to be kept."""
+        return self.inner.given_up_records() if isinstance(self.inner, GivesUp) else 0
+
     def spool_status(self) -> SpoolStatus:
         """Health and holdings, for the destination's counters (``/status``, ``/metrics``)."""
         spool = self.spool.snapshot() if self.spool is not None else SpoolCounters()
