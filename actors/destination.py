@@ -223,7 +223,7 @@ class DestinationActor:
             # A cut sink is never closed (see close()): let go of its
             # transport here, without waiting for the calls the cut abandoned.
             if self.is_cut and isinstance(self.background, ReleasesWhenCut):
-                self.background.release_when_cut()
+                await self.background.release_when_cut()
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)

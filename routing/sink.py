@@ -131,10 +131,11 @@ class ReleasesWhenCut(Protocol):
 
     ``release_when_cut`` refuses later calls and gives the transport back now
     if no call of its runs, else once the last one returns (a call abandoned
-    in a worker thread); it never blocks on one.  Idempotent.
+    in a worker thread); it never waits on its destination, only on its own
+    local calls still in a worker thread (a spool's file write).  Idempotent.
     """
 
-    def release_when_cut(self) -> None: ...
+    async def release_when_cut(self) -> None: ...
 
 
 @runtime_checkable

@@ -835,3 +835,39 @@ def test_rows_a_cut_spooling_clickhouse_sink_lost_are_counted_given_up(chdb_tran
         assert caught.value.abandoned_records == {"held": 12}
     finally:
         release.set()
+
+
+def test_rows_the_spool_keeps_through_a_cut_are_not_given_up(chdb_transport, tmp_path):
+    """``always`` mode: every batch is in the spool before submit returns,
+    and the drain's insert the cut abandoned leaves its group
+    unacknowledged there.  Nothing is lost, so nothing is counted given up;
+    the next start delivers all of it."""
+    import uuid
+
+    table = f"grace_kept_{uuid.uuid4().hex[:8]}"
+    directory = tmp_path / "spool"
+    entered, release = threading.Event(), threading.Event()
+    made: list[ClickHouseSink] = []
+    factory = _spooling_clickhouse(
+        chdb_transport, directory, table, "always", entered, release, made
+    )
+    runtime = _fan_out(factory, NullSink())
+    try:
+        _submit(runtime, 3, [])
+        assert entered.wait(10)  # the drain's insert waits
+        with pytest.raises(ShutdownAbandoned):
+            runtime.close(timeout=0.5)
+        held = runtime.counters().destinations["held"]
+        assert (held.records, held.given_up_records) == (12, 0)
+    finally:
+        release.set()
+    again = threading.Event()
+    again.set()  # the next start's inserts are not held
+    restarted = _fan_out(
+        _spooling_clickhouse(chdb_transport, directory, table, "always", entered, again, []),
+        NullSink(),
+    )
+    restarted.flush(wait=True)
+    restarted.close()
+    rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
+    assert rows == 12

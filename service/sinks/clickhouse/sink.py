@@ -515,7 +515,7 @@ class ClickHouseSink(OwnerInserts):
         self._calls.wait_released(timeout)
         return running
 
-    def release_when_cut(self) -> None:
+    async def release_when_cut(self) -> None:
         """A shutdown's cut cancelled the run task and this sink will not be
         closed: refuse later calls and close the transport (if owned) now,
         or once the last call running returns (an insert the cut abandoned

@@ -51,6 +51,7 @@ from taproute.routing.sink import (
     GivesUp,
     NamesHooks,
     RecordSink,
+    ReleasesWhenCut,
     RunsInBackground,
     SpoolStatus,
 )
@@ -321,6 +322,21 @@ class SpoolingSink:
             finally:
                 if self.spool is not None:
                     await self.spool.aclose()
+
+    async def release_when_cut(self) -> None:
+        """A shutdown's cut cancelled the run task and this sink will not be
+        closed: release the inner sink's transport (when owned; see
+        :class:`~taproute.routing.sink.ReleasesWhenCut`) and close the
+        spool's files, which also lets go of its directory's lock (a restart
+        in this process raised SpoolLocked).  Waits only for a spool file
+        call still in its worker thread; what the spool holds stays for the
+        next start."""
+        self._closing = True
+        self._stopped.set()
+        if self._owns_inner and isinstance(self.inner, ReleasesWhenCut):
+            await self.inner.release_when_cut()
+        if self.spool is not None:
+            await self.spool.aclose()
 
     async def _drain_while_healthy(self) -> None:
         assert self.spool is not None
