@@ -99,8 +99,27 @@ def test_report_command_writes_charts_and_fails_clearly_without_tables(
     assert main([*args, "--prefix", PREFIX]) == 0
     assert (tmp_path / "out" / "index.html").exists()
     assert "index.html" in capsys.readouterr().out
-    assert main([*args, "--prefix", "nothing_here_"]) == 1
-    assert "no signal table with rows" in capsys.readouterr().err
+    # No signal table there: not a ConfigError (exit 1) but bad input (exit
+    # 2), one line naming what is missing and what writes it.
+    assert main([*args, "--prefix", "nothing_here_"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ConfigError" not in err
+    assert err.startswith(
+        f"taproute: report: no signal table with rows in chDB at {chdb_transport.path} "
+        "(missing nothing_here_qk_spectra, nothing_here_expert_health, "
+        "nothing_here_pathways, nothing_here_intrinsic_dimension):"
+    )
+    assert "signals.* processors" in err and "signals.toml" in err
+    # One there but empty: named as such, the others as missing.
+    spec = rows_table_spec(qk.SIGNALS.outputs[0], "hollow_" + qk.SIGNALS.outputs[0].name)
+    chdb_transport.execute(f"DROP TABLE IF EXISTS `{spec.name}`")
+    chdb_transport.execute(spec.create_sql())
+    assert main([*args, "--prefix", "hollow_"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "(missing hollow_expert_health, hollow_pathways, hollow_intrinsic_dimension; "
+        "empty hollow_qk_spectra)" in err
+    )
 
 
 @pytest.mark.parametrize(

@@ -27,9 +27,33 @@ import numpy as np
 import numpy.typing as npt
 
 from taproute.routing import ConfigError, Layout
+from taproute.routing.errors import TaprouteError
 from taproute.service.signals import experts, pathways, qk, twonn
 from taproute.service.sinks.clickhouse.readback import load_rows
 from taproute.service.sinks.clickhouse.transport import Transport
+
+
+class NoSignalTables(TaprouteError):
+    """Nothing to draw: no signal table (``prefix`` + default name) holds rows
+    in the store.  ``missing``: the tables that do not exist; ``empty``:
+    those that exist without rows.  Not a configuration problem: the store
+    was read, it just holds no signals yet."""
+
+    def __init__(self, where: str, missing: list[str], empty: list[str]) -> None:
+        self.where = where
+        self.missing = missing
+        self.empty = empty
+        found = []
+        if missing:
+            found.append(f"missing {', '.join(missing)}")
+        if empty:
+            found.append(f"empty {', '.join(empty)}")
+        super().__init__(
+            f"no signal table with rows in {where} ({'; '.join(found)}): they are written "
+            "by the signals.* processors (README, Signals: service/signals/signals.toml "
+            "routes captures to all four; `taproute demo` writes qk_spectra and "
+            "intrinsic_dimension)"
+        )
 
 
 def _exists(transport: Transport, table: str) -> bool:
@@ -188,17 +212,22 @@ CHARTS: tuple[tuple[str, str, Layout, str, _Chart], ...] = (
 
 def write_report(transport: Transport, out: Path, *, prefix: str = "") -> list[Path]:
     """Charts for every signal table found (``prefix`` + default name) and
-    ``out/index.html``; returns the files written.  No table: a ConfigError."""
+    ``out/index.html``; returns the files written.  No table with rows:
+    :class:`NoSignalTables`, naming those missing and those empty."""
     plt = _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     sections = []
+    missing: list[str] = []
+    empty: list[str] = []
     for name, filename, layout, title, draw in CHARTS:
         table = prefix + name
         if not _exists(transport, table):
+            missing.append(table)
             continue
         rows = load_rows(transport, table, layout)
         if len(rows) == 0:
+            empty.append(table)
             sections.append(f"<h2>{html.escape(title)}</h2><p>table {table} is empty</p>")
             continue
         numbers = draw(plt, rows, out / filename)
@@ -208,10 +237,7 @@ def write_report(transport: Transport, out: Path, *, prefix: str = "") -> list[P
             f"{len(rows)} rows</p><img src='{filename}' alt='{html.escape(title)}'>{numbers}"
         )
     if not written:
-        names = ", ".join(prefix + c[0] for c in CHARTS)
-        raise ConfigError(
-            f"no signal table with rows in {transport.description} (looked for {names})"
-        )
+        raise NoSignalTables(transport.description, missing, empty)
     index = out / "index.html"
     index.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>taproute signals</title>"

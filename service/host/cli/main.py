@@ -207,6 +207,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return replay_cli.main(args)
     if args.command == "report":
         from taproute.service.signals import cli as signals_cli
+        from taproute.service.signals.report import NoSignalTables
 
-        return signals_cli.main(args)
+        try:
+            return signals_cli.main(args)
+        except NoSignalTables as exc:  # the store it names holds nothing to draw
+            raise errors.CommandError(f"report: {exc}", code=errors.BAD_INPUT) from exc
     return dead_letters.dead_letters(args)
