@@ -3,6 +3,7 @@ process, the authenticated ``POST /reload``, and what a reload refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -214,13 +215,20 @@ def test_reload_endpoint_is_refused_without_a_configured_token(tmp_path):
         assert service.counters().generation == 1
 
 
+@contextlib.contextmanager
+def _service_from_file(path, text: str):
+    """A service built and started from ``text`` written to ``path``, with
+    the reloader of that file: ``(service, reloader)``."""
+    path.write_text(text)
+    config = load_config(path)
+    with config.build() as built, built.start() as service:
+        yield service, ConfigReloader(service, config)
+
+
 def test_a_reload_refuses_changed_fixed_sections_and_lists_every_problem(tmp_path, chdb_transport):
     data = chdb_transport.path
     path = tmp_path / "router.toml"
-    path.write_text(config_text(tmp_path, RAW, data=data))
-    config = load_config(path)
-    with config.build() as built, built.start() as service:
-        reloader = ConfigReloader(service, config)
+    with _service_from_file(path, config_text(tmp_path, RAW, data=data)) as (service, reloader):
         text = config_text(tmp_path, BROKEN, port=9999, data=data)
         text = text.replace("batch = 8", "batch = 4").replace(
             '"tests.processors"]', '"tests.processors", "tests.no_such_module"]'
@@ -255,10 +263,7 @@ def test_a_file_with_a_bad_value_still_names_the_fixed_sections_it_changes(
     ``[http]`` only after fixing it."""
     data = chdb_transport.path
     path = tmp_path / "router.toml"
-    path.write_text(config_text(tmp_path, RAW, data=data))
-    config = load_config(path)
-    with config.build() as built, built.start() as service:
-        reloader = ConfigReloader(service, config)
+    with _service_from_file(path, config_text(tmp_path, RAW, data=data)) as (service, reloader):
         bad_route = NORMS.replace('mode = "stateless"', 'mode = "stateless"\nworkers = 0')
         path.write_text(config_text(tmp_path, RAW + bad_route, port=9999, data=data))
         with pytest.raises(ConfigFileError) as caught:

@@ -64,6 +64,37 @@ def _submit(runtime: RecordRuntime, batches: int, released: list[int]) -> None:
         )
 
 
+def _clickhouse_on(chdb_transport, table: str) -> ClickHouseSink:
+    """A ClickHouse sink on the fixture's chDB (not owning it) writing raw
+    ``vec`` records to ``table``; its close_timeout is longer than any grace
+    here, so the grace decides."""
+    return ClickHouseSink(
+        chdb_transport,
+        SCHEMA,
+        raw=["vec"],
+        create_tables=True,
+        raw_table=table,
+        owns_transport=False,
+        close_timeout=60.0,
+    )
+
+
+def _hold_inserts(ch, entered, release, left=None):
+    """Make ``ch``'s inserts wait for ``release``: ``entered`` is set when one
+    waits, ``left`` (if given) when it has returned."""
+    insert = ch._insert_blocking
+
+    def held_insert(*args):
+        entered.set()
+        release.wait()
+        insert(*args)
+        if left is not None:
+            left.set()
+
+    ch._insert_blocking = held_insert  # type: ignore[method-assign]
+    return ch
+
+
 def _loop_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "taproute-grace"]
 
@@ -269,28 +300,9 @@ def test_a_chdb_insert_that_does_not_return_is_abandoned_at_the_grace(chdb_trans
     once it returns (the transport is not closed under it)."""
     import uuid
 
-    from taproute.service.sinks.clickhouse import ClickHouseSink
-
     table = f"grace_{uuid.uuid4().hex[:8]}"
-    ch = ClickHouseSink(
-        chdb_transport,
-        SCHEMA,
-        raw=["vec"],
-        create_tables=True,
-        raw_table=table,
-        owns_transport=False,
-        close_timeout=60.0,  # longer than the grace: the grace decides
-    )
     entered, release, left = threading.Event(), threading.Event(), threading.Event()
-    insert = ch._insert_blocking
-
-    def held_insert(*args):
-        entered.set()
-        release.wait()
-        insert(*args)
-        left.set()
-
-    ch._insert_blocking = held_insert  # type: ignore[method-assign]
+    ch = _hold_inserts(_clickhouse_on(chdb_transport, table), entered, release, left)
     ok = NullSink()
     runtime = _fan_out(lambda: ch, ok)  # a factory: the routing sink closes it
     released: list[int] = []
@@ -672,23 +684,7 @@ def test_rows_a_cut_clickhouse_sink_had_taken_are_counted_given_up(chdb_transpor
     made: list[ClickHouseSink] = []
 
     def clickhouse() -> ClickHouseSink:
-        ch = ClickHouseSink(
-            chdb_transport,
-            SCHEMA,
-            raw=["vec"],
-            create_tables=True,
-            raw_table=table,
-            owns_transport=False,
-            close_timeout=60.0,  # longer than the grace: the grace decides
-        )
-        insert = ch._insert_blocking
-
-        def held_insert(*args):
-            entered.set()
-            release.wait()
-            insert(*args)
-
-        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        ch = _hold_inserts(_clickhouse_on(chdb_transport, table), entered, release)
         made.append(ch)
         return ch
 
@@ -745,14 +741,7 @@ def test_a_cut_clickhouse_sink_lets_go_of_its_chdb_directory(chdb_transport):
         ch = ClickHouseSink.embedded(
             SCHEMA, chdb_transport.path, raw=["vec"], raw_table=table, close_timeout=60.0
         )
-        insert = ch._insert_blocking
-
-        def held_insert(*args):
-            entered.set()
-            release.wait()
-            insert(*args)
-
-        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        _hold_inserts(ch, entered, release)
         made.append(ch)
         return ch
 
@@ -783,23 +772,7 @@ def _spooling_clickhouse(chdb_transport, directory, table, mode, entered, releas
     from taproute.service.sinks.spool.spooling import SpoolingSink
 
     def factory() -> SpoolingSink:
-        ch = ClickHouseSink(
-            chdb_transport,
-            SCHEMA,
-            raw=["vec"],
-            create_tables=True,
-            raw_table=table,
-            owns_transport=False,
-            close_timeout=60.0,  # longer than the grace: the grace decides
-        )
-        insert = ch._insert_blocking
-
-        def held_insert(*args):
-            entered.set()
-            release.wait()
-            insert(*args)
-
-        ch._insert_blocking = held_insert  # type: ignore[method-assign]
+        ch = _hold_inserts(_clickhouse_on(chdb_transport, table), entered, release)
         made.append(ch)
         return SpoolingSink("held", ch, Spool.open(SpoolConfig(directory=directory)), mode=mode)
 
