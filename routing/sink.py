@@ -116,7 +116,8 @@ class GivesUp(Protocol):
     left them not known to be delivered.
 
     ``given_up_records`` is how many so far (it only grows); a destination
-    counts them as abandoned, not sent.
+    counts them as given up (``given_up_records``), and they stay counted as
+    sent: they were handed over.
     """
 
     def given_up_records(self) -> int: ...
