@@ -336,6 +336,12 @@ def _percentiles(hist: HdrHistogram) -> dict[str, float]:
 
 
 TARGET_LEVEL = 80
+#: A full run measures the target level at least this many times: its p99
+#: is the median over them, and one 2.5 s run in four on the quiet machine
+#: carried an episode of tens of milliseconds (``_latency_profile.py
+#: timeline``), so a median of two (a suite's ``--max-repeat 2``) was one bad
+#: run from either side.  Five add well under a minute to a full run.
+TARGET_MIN_RUNS = 5
 
 
 def _row(mode: str, system: str, level: int, figures: dict[str, Any]) -> list[object]:
@@ -360,11 +366,13 @@ def _row(mode: str, system: str, level: int, figures: dict[str, Any]) -> list[ob
 def main() -> None:
     args = arguments(
         __doc__,
-        repeat=(3, 2),
+        repeat=(TARGET_MIN_RUNS, 2),
         seconds=(2.5, 0.8),
         levels=([10, 25, 50, 80, 90, 95], [25, 80, 95]),
         capacity_seconds=(1.0, 0.5),
     )
+    # --repeat: the runs at the target level (at least TARGET_MIN_RUNS in a full run).
+    args.repeat = args.repeat if args.quick else max(args.repeat, TARGET_MIN_RUNS)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     curves: list[dict[str, Any]] = []
     rows: list[list[object]] = []
