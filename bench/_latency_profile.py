@@ -340,8 +340,11 @@ def judging(rate: float, rounds: int, seconds: float) -> None:
 def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None:
     """Where in a paced run its slow records fall: per ``bucket_ms`` of the
     run (by intended send time), the records' p99 and max latency from
-    their intended send time, and the processor calls that ran in worker
-    threads; then each run's p99 with and without its first buckets."""
+    their intended send time, the processor calls that ran in worker
+    threads, how late the producer itself submitted (its largest lateness:
+    a pacer that overslept or was descheduled) and the router's own p99
+    (receipt - actual submit); then each run's p99 with and without its
+    first buckets."""
     import numpy as np
 
     import taproute.actors.attempt as attempt
@@ -353,11 +356,13 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
         calls.append((time.perf_counter_ns(), not self.inline))
         took(self, elapsed)
 
-    arrivals: list[tuple[np.ndarray, int]] = []
+    arrivals: list[tuple[np.ndarray, np.ndarray, int]] = []
     note = latency.Receipts.note
 
     def noting(self: latency.Receipts, intended: np.ndarray, actual: np.ndarray) -> None:
-        arrivals.append((np.asarray(intended).copy(), time.perf_counter_ns()))
+        arrivals.append(
+            (np.asarray(intended).copy(), np.asarray(actual).copy(), time.perf_counter_ns())
+        )
         note(self, intended, actual)
 
     # Collections while a run is paced (pace() collects before its clock
@@ -379,6 +384,10 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
     width = int(bucket_ms * 1e6)
     nbuckets = int(seconds * 1e3 / bucket_ms) + 1
     per_bucket: list[list[np.ndarray]] = [[] for _ in range(nbuckets)]
+    # The producer's own lateness (submitted after its due time: the pacer
+    # overslept or was descheduled) and the router's part (receipt - submit).
+    late_per_bucket: list[list[np.ndarray]] = [[] for _ in range(nbuckets)]
+    router_per_bucket: list[list[np.ndarray]] = [[] for _ in range(nbuckets)]
     threads_per_bucket = np.zeros(nbuckets, dtype=np.int64)
     p99_all, p99_after = [], []
     skip = 2  # buckets left out for "after the start"
@@ -389,16 +398,20 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
         arrivals.clear()
         pauses.clear()
         latency.run("stateless", batches, rate, "/tmp")
-        t0 = min(int(a.min()) for a, _ in arrivals)
+        t0 = min(int(a.min()) for a, _, _ in arrivals)
         for began, generation, ended in pauses:
             if began >= t0:
                 collected.append((round_, (began - t0) / 1e6, generation))
                 slowest = max(slowest, (ended - began) / 1e6)
-        lat = np.concatenate([(done - a) / 1e6 for a, done in arrivals])
-        sent = np.concatenate([a for a, _ in arrivals])
+        lat = np.concatenate([(done - a) / 1e6 for a, _, done in arrivals])
+        late = np.concatenate([(s - a) / 1e6 for a, s, _ in arrivals])
+        router = np.concatenate([(done - s) / 1e6 for _, s, done in arrivals])
+        sent = np.concatenate([a for a, _, _ in arrivals])
         index = np.minimum((sent - t0) // width, nbuckets - 1)
         for b in range(nbuckets):
             per_bucket[b].append(lat[index == b])
+            late_per_bucket[b].append(late[index == b])
+            router_per_bucket[b].append(router[index == b])
         for when, in_thread in calls:
             if in_thread and when >= t0:
                 threads_per_bucket[min((when - t0) // width, nbuckets - 1)] += 1
@@ -411,14 +424,20 @@ def timeline(rate: float, rounds: int, seconds: float, bucket_ms: float) -> None
         f"stateless route paced at {rate:,.0f} records/s, {seconds} s a run, {rounds} runs; "
         f"load {os.getloadavg()[0]:.2f}; latency from the intended send time, ms"
     )
-    print(f"  {'from ms':>8s} {'records':>8s} {'p99':>8s} {'max':>8s} {'thread calls':>12s}")
+    print(
+        f"  {'from ms':>8s} {'records':>8s} {'p99':>8s} {'max':>8s} {'thread calls':>12s} "
+        f"{'submit late max':>15s} {'router p99':>10s}"
+    )
     for b in range(nbuckets):
         got = np.concatenate(per_bucket[b])
         if not len(got):
             continue
+        late_b = np.concatenate(late_per_bucket[b])
+        router_b = np.concatenate(router_per_bucket[b])
         print(
             f"  {b * bucket_ms:8.0f} {len(got):8d} {np.percentile(got, 99):8.2f} "
-            f"{got.max():8.2f} {threads_per_bucket[b]:12d}"
+            f"{got.max():8.2f} {threads_per_bucket[b]:12d} {late_b.max():15.2f} "
+            f"{np.percentile(router_b, 99):10.2f}"
         )
     print(
         f"  p99 of each run, ms: {' '.join(f'{p:.2f}' for p in p99_all)} (median "
