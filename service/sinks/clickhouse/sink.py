@@ -248,17 +248,20 @@ class ClickHouseSink(OwnerInserts):
                 nursery.cancel_scope.cancel()  # only the timer is left: close drained inserts
         finally:
             if not self._closing:  # cancelled from outside (a shutdown's cut): given up
-                self._give_up_buffers()
+                self._drop_buffers(given_up=True)
             self._stopped.set()
 
-    def _give_up_buffers(self) -> None:
-        """Count the rows still buffered as abandoned and give their buffers
-        back: no insert will take them (the run task was cancelled)."""
+    def _drop_buffers(self, *, given_up: bool) -> None:
+        """Give back the buffers of the rows still buffered (no insert will
+        take them) and forget the rows; ``given_up``: count them as
+        abandoned (the run task was cancelled) and their bytes as no longer
+        pending."""
         for table, buffer in self._buffers.items():
             counters = self.counters[table]
             counters.buffered_rows -= buffer.rows
-            counters.abandoned_rows += buffer.rows
-            self._pending_bytes -= buffer.bytes
+            if given_up:
+                counters.abandoned_rows += buffer.rows
+                self._pending_bytes -= buffer.bytes
             for hold in buffer.holds:
                 hold.release()
         self._buffers = {n: TableBuffer() for n in self.tables}
@@ -488,11 +491,7 @@ class ClickHouseSink(OwnerInserts):
         finally:
             self._closing = True
             self._stopped.set()
-            for table, buffer in self._buffers.items():  # only left after a failure
-                self.counters[table].buffered_rows -= buffer.rows
-                for hold in buffer.holds:
-                    hold.release()
-            self._buffers = {n: TableBuffer() for n in self.tables}
+            self._drop_buffers(given_up=False)  # rows are only left after a failure
             # Closed now, or by the last call abandoned (an insert close
             # stopped waiting for, an owner's insert_now or check_tables)
             # once it returns.
