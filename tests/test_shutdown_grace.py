@@ -541,26 +541,42 @@ def grace_hang_keyed(records, keys, state):
     return np.zeros(0, SCHEMA.layout("norm").dtype)
 
 
-def test_a_stateful_call_cut_off_at_the_grace_counts_its_records():
-    """The records in a stateful owner's call that the grace cut off were
-    counted nowhere (accepted 24 = processed 0 + abandoned 20): every
-    accepted record is now processed or counted as abandoned."""
+def _keyed_runtime(
+    processor: str,
+    ok: NullSink,
+    *,
+    workers: int = 1,
+    beside: list[Route] | None = None,
+    policy: dict[str, float] | None = None,
+) -> RecordRuntime:
+    """A runtime whose stateful route ``keyed`` runs ``processor`` (one that
+    hangs on HANG, saying so on HUNG: both cleared here) into ``ok``, with
+    the routes ``beside`` it; the route's deadline outlasts any grace here."""
     HANG.clear()
     HUNG.clear()
-    ok = NullSink()
     keyed = Route(
         "keyed",
         "h.*",
         "ok",
         mode="stateful",
-        processor="test.grace_hang_keyed",
-        workers=2,
-        failure_policy=FailurePolicy(deadline=600.0),
+        processor=processor,
+        workers=workers,
+        failure_policy=FailurePolicy(deadline=600.0, **(policy or {})),
     )
     sink = RoutingSink(
-        RoutingConfig([keyed, Route("raw", "h.*", "ok")]), SCHEMA, {"ok": ok}, unmatched="drop"
+        RoutingConfig([keyed, *(beside or [])]), SCHEMA, {"ok": ok}, unmatched="drop"
     )
-    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    return create_record_runtime(record_sink=sink, name="taproute-grace")
+
+
+def test_a_stateful_call_cut_off_at_the_grace_counts_its_records():
+    """The records in a stateful owner's call that the grace cut off were
+    counted nowhere (accepted 24 = processed 0 + abandoned 20): every
+    accepted record is now processed or counted as abandoned."""
+    ok = NullSink()
+    runtime = _keyed_runtime(
+        "test.grace_hang_keyed", ok, workers=2, beside=[Route("raw", "h.*", "ok")]
+    )
     released: list[int] = []
     try:
         _submit(runtime, 6, released)
@@ -581,20 +597,7 @@ def test_a_key_control_queued_behind_a_hung_stateful_call_is_given_up_with_it():
     complete/cancel queued there ('KeyControl' object is not subscriptable):
     the loop crashed, and close raised SinkClosed instead of saying what the
     grace cut off."""
-    HANG.clear()
-    HUNG.clear()
-    ok = NullSink()
-    keyed = Route(
-        "keyed",
-        "h.*",
-        "ok",
-        mode="stateful",
-        processor="test.grace_hang_keyed",
-        workers=1,
-        failure_policy=FailurePolicy(deadline=600.0),
-    )
-    sink = RoutingSink(RoutingConfig([keyed]), SCHEMA, {"ok": ok}, unmatched="drop")
-    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
+    runtime = _keyed_runtime("test.grace_hang_keyed", NullSink())
     released: list[int] = []
     try:
         _submit(runtime, 2, released)  # the first call hangs, the second waits behind it
@@ -634,19 +637,9 @@ def test_records_parked_or_waiting_behind_their_key_when_the_grace_cuts_are_coun
     it, were let go without a count when the grace cut their owner off:
     accepted records were neither processed, dropped, failed nor abandoned.
     Without a park store they are counted as abandoned now."""
-    HANG.clear()
-    HUNG.clear()
-    route = Route(
-        "keyed",
-        "h.*",
-        "ok",
-        mode="stateful",
-        processor="test.grace_key0_down_key1_hangs",
-        workers=1,
-        failure_policy=FailurePolicy(deadline=600.0, initial_backoff=60.0),
+    runtime = _keyed_runtime(
+        "test.grace_key0_down_key1_hangs", NullSink(), policy={"initial_backoff": 60.0}
     )
-    sink = RoutingSink(RoutingConfig([route]), SCHEMA, {"ok": NullSink()}, unmatched="drop")
-    runtime = create_record_runtime(record_sink=sink, name="taproute-grace")
     hook = runtime.bind_hook("h.0", layout="vec")
     try:
         for key in (0, 0, 0, 1):  # key 0 fails and parks; two wait behind it; key 1 hangs
