@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -526,15 +527,19 @@ def test_a_flush_waiting_on_a_hung_processor_does_not_hold_the_close_up():
         HANG.set()
 
 
-@stateful_processor(
-    "test.grace_hang_keyed",
-    key=lambda d: d["key"] % 4,
-    key_range=4,
-    slot=SlotSpec((1,), "float64"),
-    input="vec",
-    output="norm",
-    needs_thread=True,
-)
+#: The shutdown tests' hanging stateful processors: 4 keys, one float each,
+#: in worker threads (a hung call must not block the loop).
+_KEYED_BY_4: dict[str, Any] = {
+    "key": lambda d: d["key"] % 4,
+    "key_range": 4,
+    "slot": SlotSpec((1,), "float64"),
+    "input": "vec",
+    "output": "norm",
+    "needs_thread": True,
+}
+
+
+@stateful_processor("test.grace_hang_keyed", **_KEYED_BY_4)
 def grace_hang_keyed(records, keys, state):
     HUNG.set()
     HANG.wait()
@@ -614,15 +619,7 @@ def test_a_key_control_queued_behind_a_hung_stateful_call_is_given_up_with_it():
         HANG.set()
 
 
-@stateful_processor(
-    "test.grace_key0_down_key1_hangs",
-    key=lambda d: d["key"] % 4,
-    key_range=4,
-    slot=SlotSpec((1,), "float64"),
-    input="vec",
-    output="norm",
-    needs_thread=True,
-)
+@stateful_processor("test.grace_key0_down_key1_hangs", **_KEYED_BY_4)
 def key0_down_key1_hangs(records, keys, state):
     if 1 in keys.tolist():
         HUNG.set()
