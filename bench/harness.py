@@ -295,11 +295,18 @@ def max_repeat() -> int | None:
     return int(value) if value else None
 
 
-def arguments(description: str | None, **defaults: tuple[Any, Any]) -> argparse.Namespace:
+def arguments(
+    description: str | None, *, min_repeat: int = 1, **defaults: tuple[Any, Any]
+) -> argparse.Namespace:
     """The common command line: ``--quick`` plus ``--NAME`` per keyword,
     each given as ``(full default, quick default)``.  Also ``--repeat``
     (defaults 5 / 2) unless given; its default is capped by
-    :func:`max_repeat`.  The parsed namespace has ``quick``."""
+    :func:`max_repeat`.  The parsed namespace has ``quick``.
+
+    ``min_repeat``: a full run repeats at least this often, whatever the
+    cap or ``--repeat`` says: for a script whose target is decided by a
+    median that two repetitions leave at the mercy of one noisy run (and
+    that is cheap enough to repeat).  ``--quick`` is not held to it."""
     defaults.setdefault("repeat", (5, 2))
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="short run (development)")
@@ -320,6 +327,8 @@ def arguments(description: str | None, **defaults: tuple[Any, Any]) -> argparse.
         elif isinstance(full, list):
             value = [type(full[0])(v) for v in value.split(",")]
         setattr(args, name, value)
+    if not args.quick:
+        args.repeat = max(args.repeat, min_repeat)
     return args
 
 

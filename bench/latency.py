@@ -366,13 +366,12 @@ def _row(mode: str, system: str, level: int, figures: dict[str, Any]) -> list[ob
 def main() -> None:
     args = arguments(
         __doc__,
+        min_repeat=TARGET_MIN_RUNS,  # the runs at the target level
         repeat=(TARGET_MIN_RUNS, 2),
         seconds=(2.5, 0.8),
         levels=([10, 25, 50, 80, 90, 95], [25, 80, 95]),
         capacity_seconds=(1.0, 0.5),
     )
-    # --repeat: the runs at the target level (at least TARGET_MIN_RUNS in a full run).
-    args.repeat = args.repeat if args.quick else max(args.repeat, TARGET_MIN_RUNS)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     curves: list[dict[str, Any]] = []
     rows: list[list[object]] = []

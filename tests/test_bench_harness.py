@@ -135,6 +135,20 @@ def test_max_repeat_caps_the_default_repetitions_only(monkeypatch):
     assert harness.arguments(None, repeat=(9, 3)).repeat == 9
 
 
+def test_min_repeat_holds_a_full_run_above_the_cap_and_an_explicit_repeat(monkeypatch):
+    """A script whose target is a median keeps its floor of rounds in a full
+    run under any cap or --repeat; --quick is not held to it."""
+    monkeypatch.setenv(harness.MAX_REPEAT_ENV, "2")
+    monkeypatch.setattr(sys, "argv", ["script"])
+    assert harness.arguments(None, min_repeat=5, repeat=(9, 3)).repeat == 5
+    monkeypatch.setattr(sys, "argv", ["script", "--repeat", "3"])
+    assert harness.arguments(None, min_repeat=5, repeat=(9, 3)).repeat == 5
+    monkeypatch.setattr(sys, "argv", ["script", "--repeat", "7"])
+    assert harness.arguments(None, min_repeat=5, repeat=(9, 3)).repeat == 7
+    monkeypatch.setattr(sys, "argv", ["script", "--quick"])
+    assert harness.arguments(None, min_repeat=5, repeat=(9, 3)).repeat == 2
+
+
 def test_timed_rate_repeats_a_short_call_until_min_seconds_have_passed(monkeypatch):
     """A sample of a short call is the rate over back-to-back calls filling
     ``min_seconds``; without it, one call."""
