@@ -35,16 +35,24 @@ import serve_load  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """tid -> (name, CPU seconds) for every live thread of ``pid``."""
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, int]]:
+    """tid -> (name, CPU seconds, voluntary context switches) for every live
+    thread of ``pid``.  A Python thread that does no I/O switches voluntarily
+    when it waits: for the GIL, a lock, a condition."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
             fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         except OSError:
             continue
-        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
+        waits = next(
+            int(line.split()[1])
+            for line in status.splitlines()
+            if line.startswith("voluntary_ctxt_switches")
+        )
+        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK, waits)
     return out
 
 
@@ -140,10 +148,13 @@ def main() -> None:
         if spy is not None:  # one py-spy at a time: the record ends before the dump
             spy.wait()
         names = python_names(pid)
-        after = {tid: (names.get(tid, name), sec) for tid, (name, sec) in after.items()}
+        after = {tid: (names.get(tid, name), sec, w) for tid, (name, sec, w) in after.items()}
         spent: collections.Counter[str] = collections.Counter()
-        for tid, (name, sec) in after.items():
-            spent[group(name, tid, pid)] += sec - before.get(tid, (name, 0.0))[1]
+        waited: collections.Counter[str] = collections.Counter()
+        for tid, (name, sec, w) in after.items():
+            _, sec0, w0 = before.get(tid, (name, 0.0, 0))
+            spent[group(name, tid, pid)] += sec - sec0
+            waited[group(name, tid, pid)] += w - w0
         fig = phase.figures()
         print(
             f"capture {args.capture} (merge {args.merge_batches}), {args.workload}, "
@@ -170,7 +181,8 @@ def main() -> None:
             if sec > 0.005:
                 print(
                     f"  {name:28s} {sec:7.2f} s  {sec / wall:5.2f} cores  "
-                    f"{sec / requests * 1e3:6.2f} ms/request"
+                    f"{sec / requests * 1e3:6.2f} ms/request  "
+                    f"{waited[name] / requests:7.1f} waits/request"
                 )
     finally:  # never leave a server (and its writer) behind
         server.stop()
