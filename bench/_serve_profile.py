@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--idle", action="store_true")
     parser.add_argument("--writer", choices=("thread", "process"), default="thread")
     parser.add_argument("--merge-batches", choices=("on", "off"), default="on")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.0, help="0: Python's 5 ms")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="serve-prof-"))
     server = serve_load.Server(
@@ -113,6 +114,7 @@ def main() -> None:
         data / "server.log",
         writer=args.writer,
         merge_batches=args.merge_batches == "on",
+        switch_interval_ms=args.switch_interval_ms,
     )
     server.wait_ready()
     try:
@@ -157,7 +159,8 @@ def main() -> None:
             waited[group(name, tid, pid)] += w - w0
         fig = phase.figures()
         print(
-            f"capture {args.capture} (merge {args.merge_batches}), {args.workload}, "
+            f"capture {args.capture} (merge {args.merge_batches}, switch interval "
+            f"{args.switch_interval_ms or 5:g} ms), {args.workload}, "
             f"{'saturation' if args.rate is None else f'{args.rate} req/s'}: "
             f"{fig['requests_per_s']:.1f} req/s "
             f"({fig['requests_per_s_persisted']:.1f} until flushed), "

@@ -562,7 +562,19 @@ def main(argv: list[str] | None = None) -> None:
         help="gc.freeze() once the models are loaded and the service started: later full "
         "collections walk only what was allocated since (README, Running it in your server)",
     )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval for the whole process (0: Python's own, 5 ms): how long "
+        "a thread that wants the GIL waits before asking its holder to let go (README, "
+        "Running it in your server)",
+    )
     args = parser.parse_args(argv)
+    if args.switch_interval_ms < 0:
+        parser.error(f"--switch-interval-ms must be 0 or more, not {args.switch_interval_ms}")
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.judge_thread_calls == "wall":
         from _judging import judge_thread_calls
 

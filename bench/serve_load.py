@@ -40,7 +40,9 @@ the per-session saturation table shows how far apart they were.
 
 Every server calls ``gc.freeze()`` once its models are loaded
 (``--gc-freeze 0``: not), capture off and on alike, as the README advises
-a serving process to.
+a serving process to.  ``--switch-interval-ms N`` sets every server's
+Python switch interval (``sys.setswitchinterval``; 0, the default: Python's
+own 5 ms), capture off and on alike.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Server:
         writer_nice: int = 0,
         judge_thread_calls: str = "cpu",
         gc_freeze: bool = True,
+        switch_interval_ms: float = 0.0,
     ) -> None:
         self.capture = capture
         self._log = log.open("w")
@@ -108,6 +111,8 @@ class Server:
                 judge_thread_calls,
                 "--gc-freeze",
                 "on" if gc_freeze else "off",
+                "--switch-interval-ms",
+                str(switch_interval_ms),
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -356,6 +361,7 @@ def main() -> None:
         compare_nice=(0, 0),
         compare_judging=(0, 0),
         gc_freeze=(1, 1),
+        switch_interval_ms=(0.0, 0.0),
     )
     params = {
         k: getattr(args, k)
@@ -378,6 +384,7 @@ def main() -> None:
             "compare_nice",
             "compare_judging",
             "gc_freeze",
+            "switch_interval_ms",
         )
     }
     if args.sessions < 1:
@@ -431,6 +438,7 @@ def main() -> None:
                 writer_nice=args.compare_nice if mode == "on_nice" else args.writer_nice,
                 judge_thread_calls="wall" if mode == "on_wall" else "cpu",
                 gc_freeze=bool(args.gc_freeze),
+                switch_interval_ms=args.switch_interval_ms,
             )
             for mode in saturation_modes
         }
