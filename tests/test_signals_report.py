@@ -122,6 +122,21 @@ def test_report_command_writes_charts_and_fails_clearly_without_tables(
     )
 
 
+def test_a_report_that_fails_before_writing_creates_no_out_folder(chdb_transport, tmp_path, capsys):
+    """No signal table with rows (none there, or one there but empty): the
+    command exits 2 and leaves nothing behind, not an empty ``--out`` folder
+    (nor the parents it would have made)."""
+    spec = rows_table_spec(qk.SIGNALS.outputs[0], "unfilled_" + qk.SIGNALS.outputs[0].name)
+    chdb_transport.execute(f"DROP TABLE IF EXISTS `{spec.name}`")
+    chdb_transport.execute(spec.create_sql())
+    out = tmp_path / "reports" / "out"
+    for prefix in ("nothing_here_", "unfilled_"):
+        args = ["report", "--data", str(chdb_transport.path), "--out", str(out)]
+        assert main([*args, "--prefix", prefix]) == 2
+        assert "no signal table with rows" in capsys.readouterr().err
+        assert not (tmp_path / "reports").exists()
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -213,9 +213,10 @@ CHARTS: tuple[tuple[str, str, Layout, str, _Chart], ...] = (
 def write_report(transport: Transport, out: Path, *, prefix: str = "") -> list[Path]:
     """Charts for every signal table found (``prefix`` + default name) and
     ``out/index.html``; returns the files written.  No table with rows:
-    :class:`NoSignalTables`, naming those missing and those empty."""
+    :class:`NoSignalTables`, naming those missing and those empty; ``out``
+    is made only once there is a chart to write in it, so a report that
+    fails before that leaves nothing behind."""
     plt = _pyplot()
-    out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     sections = []
     missing: list[str] = []
@@ -230,6 +231,7 @@ def write_report(transport: Transport, out: Path, *, prefix: str = "") -> list[P
             empty.append(table)
             sections.append(f"<h2>{html.escape(title)}</h2><p>table {table} is empty</p>")
             continue
+        out.mkdir(parents=True, exist_ok=True)
         numbers = draw(plt, rows, out / filename)
         written.append(out / filename)
         sections.append(
