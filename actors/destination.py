@@ -59,6 +59,23 @@ def is_sink(value: object) -> bool:
     return not isinstance(value, type) and isinstance(value, RecordSink)
 
 
+#: How long (seconds) an owned sink not closed (cut, or its run cancelled or
+#: failed) may take to let go of what it holds (a spool's file call still in
+#: its worker thread): past it, the run's end goes on without it.
+RELEASE_WITHIN_S = 10.0
+
+
+async def release_unclosed(sink: object) -> None:
+    """Let go of what ``sink``, an owned sink whose ``run()`` ended without
+    its ``close()``, holds (its transport, a spool's files and lock), if it
+    can (:class:`~taproute.routing.sink.ReleasesWhenCut`): shielded, so
+    that the cancellation that ended the run does not stop it, and bounded
+    by :data:`RELEASE_WITHIN_S`.  Idempotent, as the sink's method is."""
+    if isinstance(sink, ReleasesWhenCut):
+        with trio.move_on_after(RELEASE_WITHIN_S, shield=True):
+            await sink.release_when_cut()
+
+
 #: A destination actor drains queued batches without a scheduler trip for each
 #: (a hop costs more than the work); it still yields this often.
 _YIELD_EVERY = 64
@@ -153,6 +170,9 @@ class DestinationActor:
         self.is_cut = False
         #: Wraps the sink's background task (when owned): a cut cancels it.
         self._background_scope = trio.CancelScope()
+        #: :meth:`close` asked the owned sink to close: its close lets go of
+        #: what it holds, even cancelled (not :meth:`run_background`).
+        self._close_started = False
 
     def open(self, hooks: HookRegistry, blocking_budget: float | None = None) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once;
@@ -220,10 +240,11 @@ class DestinationActor:
                 raise
             raise RoutingFailure(exc, destination=self.name, where="its run() task") from exc
         finally:
-            # A cut sink is never closed (see close()): let go of its
-            # transport here, without waiting for the calls the cut abandoned.
-            if self.is_cut and isinstance(self.background, ReleasesWhenCut):
-                await self.background.release_when_cut()
+            # A sink not closed (cut: see close(); or its run ended without a
+            # close, the nursery cancelled or a task failed): let go of its
+            # transport here, without waiting for the calls abandoned.
+            if self.is_cut or not self._close_started:
+                await release_unclosed(self.background)
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)
@@ -469,6 +490,7 @@ class DestinationActor:
             # A cut sink is not asked to flush again: its background task is
             # cancelled, and it released its transport then (run_background).
             return
+        self._close_started = True
         try:
             await self._call("close", self.sink.close)
         except Exception as exc:

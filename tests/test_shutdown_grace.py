@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from taproute.native import make_descriptors
@@ -94,6 +95,24 @@ def _hold_inserts(ch, entered, release, left=None):
 
     ch._insert_blocking = held_insert  # type: ignore[method-assign]
     return ch
+
+
+def _embedded_clickhouse(chdb_transport, table, made, entered=None, release=None):
+    """A factory of ClickHouse sinks owning a transport of their own on the
+    fixture's chDB directory (released only by the sink), writing raw
+    ``vec`` records to ``table``; each sink made goes in ``made``, its
+    inserts held (``_hold_inserts``) when given ``entered`` and ``release``."""
+
+    def clickhouse() -> ClickHouseSink:
+        ch = ClickHouseSink.embedded(
+            SCHEMA, chdb_transport.path, raw=["vec"], raw_table=table, close_timeout=60.0
+        )
+        if entered is not None:
+            _hold_inserts(ch, entered, release)
+        made.append(ch)
+        return ch
+
+    return clickhouse
 
 
 def _loop_threads() -> list[threading.Thread]:
@@ -727,15 +746,9 @@ def test_a_cut_clickhouse_sink_lets_go_of_its_chdb_directory(chdb_transport):
     entered, release = threading.Event(), threading.Event()
     made: list[ClickHouseSink] = []
 
-    def clickhouse() -> ClickHouseSink:
-        ch = ClickHouseSink.embedded(
-            SCHEMA, chdb_transport.path, raw=["vec"], raw_table=table, close_timeout=60.0
-        )
-        _hold_inserts(ch, entered, release)
-        made.append(ch)
-        return ch
-
-    runtime = _fan_out(clickhouse, NullSink())
+    runtime = _fan_out(
+        _embedded_clickhouse(chdb_transport, table, made, entered, release), NullSink()
+    )
     try:
         _submit(runtime, 3, [])
         thread, _raised = _flush_in_thread(runtime)
@@ -834,3 +847,83 @@ def test_rows_the_spool_keeps_through_a_cut_are_not_given_up(chdb_transport, tmp
     restarted.close()
     rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
     assert rows == 12
+
+
+def test_an_owned_clickhouse_destination_lets_go_of_chdb_when_its_run_is_cancelled(
+    chdb_transport,
+):
+    """The nursery running a routing sink cancelled, no shutdown, no cut: a
+    ClickHouse destination it created was never closed nor released, so its
+    chDB session stayed open for the life of the process (no other data
+    directory could be opened).  Now the destination's run task lets go
+    of it as it ends."""
+    import uuid
+
+    from taproute.routing import SinkClosed
+    from taproute.service.sinks.clickhouse.transport import _SharedSession
+
+    users = _SharedSession.users  # the fixture's transport on the same directory
+    made: list[ClickHouseSink] = []
+    table = f"cancel_release_{uuid.uuid4().hex[:8]}"
+    sink = RoutingSink(
+        RoutingConfig([Route("to_ch", "h.*", "ch")]),
+        SCHEMA,
+        {"ch": _embedded_clickhouse(chdb_transport, table, made)},
+        unmatched="drop",
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            assert _SharedSession.users == users + 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    (ch,) = made
+    assert ch._calls.wait_released(0)
+    assert _SharedSession.users == users
+    with pytest.raises(SinkClosed):
+        ch.check_tables()  # later calls are refused
+
+
+@pytest.mark.parametrize("record_sink", ["routing sink", "clickhouse sink"])
+def test_an_owned_clickhouse_sink_lets_go_of_chdb_when_the_runtime_loop_fails(
+    chdb_transport, record_sink
+):
+    """A task on the runtime's loop failed, so the loop ended without closing
+    its record sink: the ClickHouse sink the runtime ran (its record sink,
+    or a destination its routing sink created) kept its chDB session.  Now
+    it lets go of it as its run task ends."""
+    import uuid
+
+    from taproute.routing import RoutingFailure
+    from taproute.service.sinks.clickhouse.transport import _SharedSession
+
+    users = _SharedSession.users
+    made: list[ClickHouseSink] = []
+    factory = _embedded_clickhouse(chdb_transport, f"loop_release_{uuid.uuid4().hex[:8]}", made)
+    if record_sink == "routing sink":
+        sink: Any = RoutingSink(
+            RoutingConfig([Route("to_ch", "h.*", "ch")]), SCHEMA, {"ch": factory}, unmatched="drop"
+        )
+    else:
+        sink = factory()
+    runtime = RecordRuntime(sink, schema=SCHEMA)
+    fail = threading.Event()
+
+    async def doomed(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.to_thread.run_sync(fail.wait, 60)
+        raise OSError("a loop task failed")
+
+    runtime.host(doomed)
+    runtime.start()
+    (ch,) = made
+    assert _SharedSession.users == users + 1
+    fail.set()
+    assert runtime._thread is not None
+    runtime._thread.join(60)  # the loop ended, and no close reached the sink
+    with pytest.raises(RoutingFailure, match="runtime loop failed: OSError: a loop task failed"):
+        runtime.close(timeout=60)
+    assert ch._calls.wait_released(0)
+    assert _SharedSession.users == users

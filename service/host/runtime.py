@@ -33,7 +33,7 @@ from typing import Self
 import trio
 
 from taproute.actors.counters import Observable, RouterSnapshot
-from taproute.actors.destination import is_sink
+from taproute.actors.destination import is_sink, release_unclosed
 from taproute.actors.fairness import scheduled_now
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import ConfigError, ShutdownAbandoned, SinkClosed
@@ -313,12 +313,24 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             self._main_scope = nursery.cancel_scope
             nursery.start_soon(self._keep_grace)
             if self._background is not None:
-                await nursery.start(self._background.run)
+                await nursery.start(self._run_background)
             for task in self._loop_tasks:
                 await nursery.start(task)
             self._ready.set()
             await self._record_worker()
             nursery.cancel_scope.cancel()  # the sink is closed; stop the loop tasks
+
+    async def _run_background(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """The record sink's ``run()`` task.  The sink is the runtime's: one
+        whose run ends before a close reached it (a loop task failed, the
+        loop was cancelled) lets go of its transport here (a ClickHouse
+        sink's chDB session stayed open for the life of the process)."""
+        assert self._background is not None
+        try:
+            await self._background.run(task_status=task_status)
+        finally:
+            if not self._sink_close_started:
+                await release_unclosed(self._background)
 
     async def _keep_grace(self) -> None:
         """A loop task: once :meth:`close` started the grace, cut off the

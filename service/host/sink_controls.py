@@ -43,6 +43,8 @@ class SinkControls:
     _reloads: Reloads | None
     #: The record sink call the record worker is in (for a shutdown's report).
     _sink_call: str | None
+    #: A close reached the record sink (its close lets go of its transport).
+    _sink_close_started: bool = False
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop."""
@@ -60,6 +62,7 @@ class SinkControls:
                 assert self._keys is not None
                 await self._keys[control.kind](*control.keys)
             else:
+                self._sink_close_started = True
                 await self.record_sink.close()
         except KeyNotHeld as exc:  # the caller's mistake, refused whole: not a failure
             self._ingress.count_refused_key_control()  # seen even if the future is not
@@ -72,6 +75,7 @@ class SinkControls:
             failure = self._latch.latch(exc, where=f"record sink {control.kind}")
             self._ingress.fail(failure)
             if control.kind == "close":
+                self._sink_close_started = True
                 with suppress(Exception):  # already failing; the first error stands
                     await self.record_sink.close()
             control.future.set_exception(failure)
