@@ -122,6 +122,51 @@ async def test_a_plain_sink_reports_what_close_stopped_waiting_for(facade, silen
     assert count(facade.url) == (0, 0)
 
 
+async def test_a_cancelled_close_releases_the_transport_once_its_insert_returned(chdb_transport):
+    """close() cancelled while it waited for an insert never started its last
+    step, closing the transport: a caller cut off left the chDB session
+    open for the life of the process (no other directory could be opened
+    in it).  A cancelled close now still lets go of it: not under the
+    insert it stopped waiting for (its rows land), but once that returned."""
+    import uuid
+
+    from taproute.routing import SinkClosed
+    from taproute.service.sinks.clickhouse.transport import _SharedSession
+    from tests.test_shutdown_grace import _embedded_clickhouse
+
+    users = _SharedSession.users  # the fixture's transport on the same directory
+    entered, release = threading.Event(), threading.Event()
+    table = f"cancelled_close_{uuid.uuid4().hex[:8]}"
+    sink = _embedded_clickhouse(chdb_transport, table, [], entered, release)()
+    sink.use_hooks(hooks_with_q())
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sink.run)
+                batch = vec_batch(0, 8)
+                await sink.submit(batch)
+                batch.lease.release()
+                with trio.CancelScope() as caller:
+
+                    async def cancel_once_the_insert_waits() -> None:
+                        await trio.to_thread.run_sync(entered.wait, GUARD_S)
+                        caller.cancel()
+
+                    nursery.start_soon(cancel_once_the_insert_waits)
+                    await sink.close()
+                assert caller.cancelled_caught
+        assert sink.calls_running == 1  # the insert, abandoned, still in its thread
+        assert _SharedSession.users == users + 1  # not closed under it
+        with pytest.raises(SinkClosed):
+            sink.check_tables()  # later calls are refused
+    finally:
+        release.set()
+    assert await trio.to_thread.run_sync(sink._calls.wait_released, GUARD_S)
+    assert _SharedSession.users == users
+    rows = chdb_transport.query(f"SELECT count() AS n FROM `{table}`").column("n")[0].as_py()
+    assert rows == 8
+
+
 def test_close_timeout_must_be_seconds(chdb_transport):
     for bad in (-1, float("nan"), float("inf"), "5"):
         with pytest.raises(ValueError, match="close_timeout must be seconds >= 0"):

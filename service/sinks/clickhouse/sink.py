@@ -60,6 +60,10 @@ from taproute.service.sinks.clickhouse.transport import (
     Transport,
 )
 
+#: The most seconds close() waits for the transport to close (chDB's
+#: session, a client's pool), even when close was cancelled.
+_RELEASE_WITHIN_S = 10.0
+
 #: What a sink does when its server can't be reached at construction.
 WhenUnreachable = Literal["refuse", "check_later"]
 
@@ -481,7 +485,9 @@ class ClickHouseSink(OwnerInserts):
 
     async def close(self) -> None:
         """Flush, waiting at most ``close_timeout`` seconds (see :meth:`flush`),
-        stop the background task, release the transport; idempotent."""
+        stop the background task, release the transport; idempotent.  A
+        close cancelled while it waits still releases the transport (once
+        the inserts it stopped waiting for returned, never under one)."""
         if self._closing:
             await self._stopped.wait()
             return
@@ -494,8 +500,11 @@ class ClickHouseSink(OwnerInserts):
             self._drop_buffers(given_up=False)  # rows are only left after a failure
             # Closed now, or by the last call abandoned (an insert close
             # stopped waiting for, an owner's insert_now or check_tables)
-            # once it returns.
-            await trio.to_thread.run_sync(self._calls.close)
+            # once it returns.  Also when close was cancelled (it never
+            # started before: the transport stayed open); waited for at
+            # most _RELEASE_WITHIN_S, after which it goes on in its thread.
+            with trio.move_on_after(_RELEASE_WITHIN_S, shield=True):
+                await trio.to_thread.run_sync(self._calls.close, abandon_on_cancel=True)
 
     @property
     def calls_running(self) -> int:
