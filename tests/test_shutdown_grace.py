@@ -927,3 +927,59 @@ def test_an_owned_clickhouse_sink_lets_go_of_chdb_when_the_runtime_loop_fails(
         runtime.close(timeout=60)
     assert ch._calls.wait_released(0)
     assert _SharedSession.users == users
+
+
+async def test_a_block_handed_back_to_the_spool_as_a_cut_comes_is_not_given_up(
+    chdb_transport, tmp_path
+):
+    """A block whose insert failed is handed back to the spool; the spool
+    writes its frame (a large one: in a worker thread) and, with
+    ``fsync="batch"``, then syncs it.  A cut during the write let the frame
+    be written and then raised at the sync's start: the inner sink counted
+    the rows as given up (abandoned), although their frame was in the spool
+    and the next start delivers them.  Now the frame's sync is finished and
+    nothing is counted given up."""
+    import uuid
+
+    from taproute.service.sinks.spool import Spool, SpoolConfig
+    from taproute.service.sinks.spool.spool import _INLINE_BYTES
+    from taproute.service.sinks.spool.spooling import SpoolingSink
+    from tests.conftest import vec_batch
+    from tests.test_clickhouse_unreachable import hooks_with_q
+    from tests.test_spool_close import spooled_records
+
+    ch = _clickhouse_on(chdb_transport, f"handed_back_{uuid.uuid4().hex[:8]}")
+    ch.use_hooks(hooks_with_q())
+
+    def unreachable(*args: object) -> None:
+        raise ConnectionRefusedError("the server is down")
+
+    ch._insert_blocking = unreachable  # type: ignore[method-assign]
+    directory = tmp_path / "spool"
+    spool = Spool.open(SpoolConfig(directory=directory, fsync="batch"))
+    sink = SpoolingSink("held", ch, spool, mode="outage")
+    entered, release = threading.Event(), threading.Event()
+    append = spool._log.append
+
+    def held_append(*args: Any) -> Any:
+        entered.set()
+        release.wait()
+        return append(*args)
+
+    spool._log.append = held_append  # type: ignore[method-assign]
+    records = _INLINE_BYTES // 16 + 1  # a frame over 2 MiB: written in a worker thread
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            batch = vec_batch(0, records)
+            await sink.submit(batch)  # healthy: into the inner sink's buffer
+            batch.lease.release()
+            nursery.start_soon(sink.flush)  # its insert fails: handed back to the spool
+            await trio.to_thread.run_sync(entered.wait, 10)
+            nursery.cancel_scope.cancel()  # a cut: the run task (and the flush) cancelled
+            release.set()  # the frame is written after the cut came
+    finally:
+        release.set()
+    await sink.release_when_cut()
+    assert sink.given_up_records() == 0
+    assert await spooled_records(directory) == records  # the next start finds them all

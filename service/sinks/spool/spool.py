@@ -290,7 +290,14 @@ class Spool:
             if policy_sync == "batch" or (
                 policy_sync == "interval" and now - self._last_sync >= self.config.fsync_interval
             ):
-                await self._sync_locked()
+                # The frame is in the spool: sync it even if the caller was
+                # cancelled meanwhile (a shutdown's cut while a worker thread
+                # wrote it), so append returns "spooled" for what the spool
+                # holds.  Raising Cancelled here had its records counted lost
+                # (given up) though the next start delivers them.  The sync is
+                # a local file call, waited for once started in any case.
+                with trio.CancelScope(shield=True):
+                    await self._sync_locked()
 
     async def _append_frame(
         self, buffers: Sequence[bytes | memoryview], written_ns: int, size: int

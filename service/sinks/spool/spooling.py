@@ -352,9 +352,11 @@ class SpoolingSink:
         inserting when a shutdown's cut cancelled it, its ``abandoned_rows``).
         What the spool holds is not given up, even when the cut abandoned
         the drain's insert of it: it stays unacknowledged on disk and is
-        delivered at the next start (under the same token: once).  A block
-        the inner sink was handing back to the spool when the cut came is
-        counted by the inner sink: not known to be kept."""
+        delivered at the next start (under the same token: once), and so is
+        a block the inner sink was handing back to the spool when the cut
+        came once its frame is written (the spool finishes that append).
+        One the cut stopped before its frame was written (waiting for the
+        spool's lock or room) is counted by the inner sink: not kept."""
         return self.inner.given_up_records() if isinstance(self.inner, GivesUp) else 0
 
     def spool_status(self) -> SpoolStatus:
