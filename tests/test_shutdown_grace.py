@@ -983,3 +983,40 @@ async def test_a_block_handed_back_to_the_spool_as_a_cut_comes_is_not_given_up(
     await sink.release_when_cut()
     assert sink.given_up_records() == 0
     assert await spooled_records(directory) == records  # the next start finds them all
+
+
+async def test_a_cancelled_close_of_a_spooling_sink_lets_go_of_its_spool(chdb_transport, tmp_path):
+    """close() of a spooling destination cancelled while it waited for its
+    inner sink's insert: its last step, closing the spool, was cancelled
+    too, so the spool kept its files and its directory's lock (a restart in
+    the process raised SpoolLocked).  Now a cancelled close still closes it."""
+    import uuid
+
+    from taproute.service.sinks.spool import Spool, SpoolConfig
+    from tests.conftest import vec_batch
+    from tests.test_clickhouse_unreachable import hooks_with_q
+
+    directory = tmp_path / "spool"
+    entered, release = threading.Event(), threading.Event()
+    table = f"spool_close_{uuid.uuid4().hex[:8]}"
+    sink = _spooling_clickhouse(chdb_transport, directory, table, "outage", entered, release, [])()
+    sink.use_hooks(hooks_with_q())
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            batch = vec_batch(0, 8)
+            await sink.submit(batch)
+            batch.lease.release()
+            with trio.CancelScope() as caller:
+
+                async def cancel_once_the_insert_waits() -> None:
+                    await trio.to_thread.run_sync(entered.wait, 10)
+                    caller.cancel()
+
+                nursery.start_soon(cancel_once_the_insert_waits)
+                await sink.close()
+            assert caller.cancelled_caught
+        again = Spool.open(SpoolConfig(directory=directory))  # raised SpoolLocked
+        await again.aclose()
+    finally:
+        release.set()

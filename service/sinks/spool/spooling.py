@@ -70,6 +70,9 @@ from taproute.service.sinks.spool.health import (
 )
 from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters, SpoolFull
 
+#: The most seconds close() waits to close the spool's files, even cancelled.
+_RELEASE_WITHIN_S = 10.0
+
 Mode = Literal["outage", "always", "off"]
 MODES: tuple[str, ...] = ("outage", "always", "off")
 
@@ -303,7 +306,9 @@ class SpoolingSink:
         ``drain_on_close`` seconds; then stop (the spool keeps the rest for the
         next start) and close.  Unhealthy, it stops right after the flush: the
         drain's try in flight is abandoned, not waited for (its group stays
-        unacknowledged, repeated under the same token next time)."""
+        unacknowledged, repeated under the same token next time).  A close
+        cancelled while it waits still closes the inner sink (when owned:
+        a ClickHouse sink releases its transport) and the spool."""
         if self._closing:
             await self._stopped.wait()
             return
@@ -321,7 +326,12 @@ class SpoolingSink:
                     await self.inner.close()
             finally:
                 if self.spool is not None:
-                    await self.spool.aclose()
+                    # Also when close was cancelled (the spool kept its files
+                    # and its directory's lock: a restart in the process
+                    # raised SpoolLocked); it waits only for a spool file
+                    # call in its worker thread, at most _RELEASE_WITHIN_S.
+                    with trio.move_on_after(_RELEASE_WITHIN_S, shield=True):
+                        await self.spool.aclose()
 
     async def release_when_cut(self) -> None:
         """A shutdown's cut cancelled the run task and this sink will not be
