@@ -173,6 +173,9 @@ class DestinationActor:
         #: :meth:`close` asked the owned sink to close: its close lets go of
         #: what it holds, even cancelled (not :meth:`run_background`).
         self._close_started = False
+        #: :meth:`run_background` took the owned sink's task: it lets go of
+        #: the sink as it ends, if nothing else does.
+        self._background_ran = False
 
     def open(self, hooks: HookRegistry, blocking_budget: float | None = None) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once;
@@ -223,6 +226,7 @@ class DestinationActor:
         raises a :class:`RoutingFailure` naming the destination, which the
         runtime latches as it is (it read "runtime loop failed: OSError")."""
         assert self.background is not None
+        self._background_ran = True
         started = False
 
         class _Started:
@@ -245,6 +249,15 @@ class DestinationActor:
             # transport here, without waiting for the calls abandoned.
             if self.is_cut or not self._close_started:
                 await release_unclosed(self.background)
+
+    async def release_if_never_run(self) -> None:
+        """The routing sink's run ends: an owned sink :meth:`open` created
+        whose background task never started (another destination failed to
+        open or start first) was neither closed nor released; let go of
+        what it holds (see :func:`release_unclosed`)."""
+        if self.owned and self.background is not None and not self._background_ran:
+            self._background_ran = True  # once
+            await release_unclosed(self.background)
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)

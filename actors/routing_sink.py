@@ -269,6 +269,8 @@ class RoutingSink(SinkFlushing):
             self._parker.release()
             self._stopped.set()
             self._gen.detach()
+            for destination in self._destinations.values():
+                await destination.release_if_never_run()  # created, never started
 
     async def _close_inputs_when_asked(self) -> None:
         await self._close_inputs.wait()

@@ -1020,3 +1020,33 @@ async def test_a_cancelled_close_of_a_spooling_sink_lets_go_of_its_spool(chdb_tr
         await again.aclose()
     finally:
         release.set()
+
+
+def test_an_owned_clickhouse_destination_is_released_when_another_fails_to_open(chdb_transport):
+    """The routing sink creates every owned destination before it starts
+    any: when a later one's factory raised, those created before it were
+    never run, closed nor released (the chDB session stayed open)."""
+    import uuid
+
+    from taproute.service.sinks.clickhouse.transport import _SharedSession
+
+    users = _SharedSession.users
+    made: list[ClickHouseSink] = []
+
+    def refuses() -> NullSink:
+        raise ConfigError("this destination cannot be built")
+
+    sink = RoutingSink(
+        RoutingConfig([Route("to_ch", "h.*", "ch"), Route("to_bad", "h.*", "bad")]),
+        SCHEMA,
+        {
+            "ch": _embedded_clickhouse(chdb_transport, f"open_fails_{uuid.uuid4().hex[:8]}", made),
+            "bad": refuses,
+        },
+        unmatched="drop",
+    )
+    with pytest.raises(ConfigError, match="cannot be built"):
+        trio.run(sink.run)
+    (ch,) = made
+    assert ch._calls.wait_released(0)
+    assert _SharedSession.users == users
