@@ -37,6 +37,7 @@ from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed, at
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.sink import (
     BoundsBlocking,
     GivesUp,
@@ -59,18 +60,12 @@ def is_sink(value: object) -> bool:
     return not isinstance(value, type) and isinstance(value, RecordSink)
 
 
-#: How long (seconds) an owned sink not closed (cut, or its run cancelled or
-#: failed) may take to let go of what it holds (a spool's file call still in
-#: its worker thread): past it, the run's end goes on without it.
-RELEASE_WITHIN_S = 10.0
-
-
 async def release_unclosed(sink: object) -> None:
     """Let go of what ``sink``, an owned sink whose ``run()`` ended without
     its ``close()``, holds (its transport, a spool's files and lock), if it
     can (:class:`~taproute.routing.sink.ReleasesWhenCut`): shielded, so
     that the cancellation that ended the run does not stop it, and bounded
-    by :data:`RELEASE_WITHIN_S`.  Idempotent, as the sink's method is."""
+    by :data:`~taproute.routing.limits.RELEASE_WITHIN_S`.  Idempotent, as the sink's method is."""
     if isinstance(sink, ReleasesWhenCut):
         with trio.move_on_after(RELEASE_WITHIN_S, shield=True):
             await sink.release_when_cut()

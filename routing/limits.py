@@ -26,6 +26,13 @@ COALESCE_RECORDS = 4096
 #: what still runs is cut off (Kubernetes' default termination grace).
 SHUTDOWN_GRACE_S = 30.0
 
+#: Seconds a sink that is not closed normally (a close cancelled while it
+#: waits, a run cut or ended without a close) waits to let go of what it
+#: holds (its transport, a spool's files and lock), shielded from the
+#: cancellation: past it, the release goes on in its worker thread, or is
+#: left behind, and the caller moves on.
+RELEASE_WITHIN_S = 10.0
+
 
 def capped_backoff(initial: float, multiplier: float, maximum: float, failures: int) -> float:
     """Seconds to wait after the ``failures``-th failure (1-based): exponential

@@ -34,6 +34,7 @@ from taproute.routing.batch import Batch, Retained, RowBatch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.schema import RecordSchema, expect_schema
 from taproute.service.sinks.clickhouse import arguments
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
@@ -59,10 +60,6 @@ from taproute.service.sinks.clickhouse.transport import (
     ServerTransport,
     Transport,
 )
-
-#: The most seconds close() waits for the transport to close (chDB's
-#: session, a client's pool), even when close was cancelled.
-_RELEASE_WITHIN_S = 10.0
 
 #: What a sink does when its server can't be reached at construction.
 WhenUnreachable = Literal["refuse", "check_later"]
@@ -502,8 +499,8 @@ class ClickHouseSink(OwnerInserts):
             # stopped waiting for, an owner's insert_now or check_tables)
             # once it returns.  Also when close was cancelled (it never
             # started before: the transport stayed open); waited for at
-            # most _RELEASE_WITHIN_S, after which it goes on in its thread.
-            with trio.move_on_after(_RELEASE_WITHIN_S, shield=True):
+            # most RELEASE_WITHIN_S, after which it goes on in its thread.
+            with trio.move_on_after(RELEASE_WITHIN_S, shield=True):
                 await trio.to_thread.run_sync(self._calls.close, abandon_on_cancel=True)
 
     @property

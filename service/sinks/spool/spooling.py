@@ -47,6 +47,7 @@ from taproute.routing.batch import Batch
 from taproute.routing.errors import ConfigError, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
+from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.sink import (
     GivesUp,
     NamesHooks,
@@ -69,9 +70,6 @@ from taproute.service.sinks.spool.health import (
     SpoolingCounters,
 )
 from taproute.service.sinks.spool.spool import DeadLetter, Spool, SpoolCounters, SpoolFull
-
-#: The most seconds close() waits to close the spool's files, even cancelled.
-_RELEASE_WITHIN_S = 10.0
 
 Mode = Literal["outage", "always", "off"]
 MODES: tuple[str, ...] = ("outage", "always", "off")
@@ -329,8 +327,8 @@ class SpoolingSink:
                     # Also when close was cancelled (the spool kept its files
                     # and its directory's lock: a restart in the process
                     # raised SpoolLocked); it waits only for a spool file
-                    # call in its worker thread, at most _RELEASE_WITHIN_S.
-                    with trio.move_on_after(_RELEASE_WITHIN_S, shield=True):
+                    # call in its worker thread, at most RELEASE_WITHIN_S.
+                    with trio.move_on_after(RELEASE_WITHIN_S, shield=True):
                         await self.spool.aclose()
 
     async def release_when_cut(self) -> None:
