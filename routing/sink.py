@@ -128,7 +128,11 @@ class ReleasesWhenCut(Protocol):
     """A sink holding something only its ``close()`` would give back (a
     connection, a client, chDB's data directory), which can let go of it
     without waiting: for a sink whose background task a shutdown's cut
-    cancelled, never closed (its close may hang where its calls hung).
+    cancelled, never closed (its close may hang where its calls hung), and
+    for an owned sink whose run ended without a close (its owner's nursery
+    cancelled, another task failed) or never started (another destination
+    failed to open first).  Its owner calls it shielded, waiting at most
+    :data:`~taproute.routing.limits.RELEASE_WITHIN_S`.
 
     ``release_when_cut`` refuses later calls and gives the transport back now
     if no call of its runs, else once the last one returns (a call abandoned

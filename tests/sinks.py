@@ -55,8 +55,11 @@ class StallsLoop(NullSink):
     def __init__(self) -> None:
         super().__init__()
         self.release = threading.Event()
+        #: Set once a submit stalls the loop.
+        self.stalled = threading.Event()
 
     async def submit(self, batch: Batch) -> None:
+        self.stalled.set()
         self.release.wait()
         await super().submit(batch)
 

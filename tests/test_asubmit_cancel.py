@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,26 +33,34 @@ def test_a_cancelled_asubmit_batch_queues_nothing_and_frees_its_thread():
     try:
         hook = runtime.bind_hook("h.0", layout="vec")
 
-        async def submit_all() -> tuple[list[int], int]:
-            taken, timed_out = [], 0
-            for key in range(10):
-                desc = make_descriptors(hook, 16, count=4, keys=key, layout_ids=VEC)
-                call = runtime.asubmit_batch(
-                    desc, np.zeros((4, 4), np.float32), release=lambda k=key: released.append(k)
-                )
+        def batch(key: int) -> tuple[np.ndarray, np.ndarray, Callable[[], None]]:
+            desc = make_descriptors(hook, 16, count=4, keys=key, layout_ids=VEC)
+            return desc, np.zeros((4, 4), np.float32), lambda: released.append(key)
+
+        # The loop stalled in the destination, then ingress filled: nothing
+        # makes room while the calls below wait, so every one of them times
+        # out (a call whose wait ended just as its batch was queued, which
+        # asubmit_batch leaves queued, cannot happen here).
+        runtime.submit_batch(*batch(0))
+        assert stall.stalled.wait(10)
+        taken = [0]
+        while runtime.try_submit_batch(*batch(len(taken))):
+            taken.append(len(taken))
+
+        async def submit_all() -> int:
+            timed_out = 0
+            for key in range(len(taken), len(taken) + 6):
                 try:
-                    await asyncio.wait_for(call, 0.05)
+                    await asyncio.wait_for(runtime.asubmit_batch(*batch(key)), 0.05)
                 except TimeoutError:
                     timed_out += 1
-                else:
-                    taken.append(key)
-            return taken, timed_out
+            return timed_out
 
         executor = ThreadPoolExecutor(4)
         loop = asyncio.new_event_loop()
         loop.set_default_executor(executor)
         try:
-            taken, timed_out = loop.run_until_complete(submit_all())
+            timed_out = loop.run_until_complete(submit_all())
         finally:
             loop.close()
         # A wait left behind by a cancelled call would hold its executor thread
@@ -60,7 +69,7 @@ def test_a_cancelled_asubmit_batch_queues_nothing_and_frees_its_thread():
         shutdown.start()
         shutdown.join(10)
         assert not shutdown.is_alive(), "an executor thread still waits for ingress room"
-        assert timed_out > 0  # the loop is stalled: ingress (8 records) filled
+        assert timed_out == 6  # the loop is stalled: ingress (8 records) filled
         stall.release.set()
         report = runtime.flush()
         assert report is not None
