@@ -670,3 +670,34 @@ def test_a_writer_that_stops_answering_is_killed_at_the_shutdown_grace(tmp_path)
     finally:
         if stopped:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_owned_writer_is_stopped_when_another_destination_fails_to_open(tmp_path):
+    """The routing sink creates every owned destination before it starts
+    any: a writer process created for a destination whose run never started
+    (a later destination's factory raised) must not outlive the failure."""
+    from taproute.actors import RoutingSink
+    from taproute.routing import Route, RoutingConfig
+
+    made: list[WriterProcessSink] = []
+    pids: list[int | None] = []
+
+    def writer() -> WriterProcessSink:
+        made.append(WriterProcessSink.embedded(SCHEMA, tmp_path / "db", raw=["acts"]))
+        pids.append(made[-1].writer_pid)
+        return made[-1]
+
+    def refuses() -> WriterProcessSink:
+        raise ConfigError("this destination cannot be built")
+
+    sink = RoutingSink(
+        RoutingConfig([Route("to_w", "h.*", "w"), Route("to_bad", "h.*", "bad")]),
+        SCHEMA,
+        {"w": writer, "bad": refuses},
+        unmatched="drop",
+    )
+    with pytest.raises(ConfigError, match="cannot be built"):
+        trio.run(sink.run)
+    (w,) = made
+    assert pids[0] is not None and w.writer_pid is None, "the writer process was left running"
+    assert _exited(pids[0], 10)

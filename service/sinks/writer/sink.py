@@ -210,6 +210,20 @@ class WriterProcessSink(WriterConversation):
             self._stopped.set()
             self._run_done.set()
 
+    async def release_when_cut(self) -> None:
+        """Stop the writer process now and give back the shared pool when
+        owned (see ``ReleasesWhenCut``): for a sink a shutdown's cut
+        cancelled, or one whose :meth:`run` never started (another
+        destination failed to open first), whose writer would otherwise
+        outlive the failure.  Nothing is delivered after it: what was
+        buffered or in flight is dropped (a never-run sink holds none).
+        Idempotent; later calls are refused as after :meth:`close`."""
+        self._kill_writer()
+        self._closing = True
+        self._stopped.set()
+        if self._owns_pool:
+            self.buffer_pool.close()
+
     def _kill_writer(self) -> None:
         """Kill the writer process still running, if any, and give back what
         this sink holds (run() ended without a close: what was buffered or
