@@ -168,9 +168,9 @@ class DestinationActor:
         #: :meth:`close` asked the owned sink to close: its close lets go of
         #: what it holds, even cancelled (not :meth:`run_background`).
         self._close_started = False
-        #: :meth:`run_background` took the owned sink's task: it lets go of
-        #: the sink as it ends, if nothing else does.
-        self._background_ran = False
+        #: Who lets go of an owned sink not closed is settled: the end of its
+        #: run task (:meth:`run_background`), or :meth:`release_if_unclosed`.
+        self._release_settled = False
 
     def open(self, hooks: HookRegistry, blocking_budget: float | None = None) -> RecordSink:
         """Take the sink (creating it when owned) and check its capabilities, once;
@@ -221,7 +221,7 @@ class DestinationActor:
         raises a :class:`RoutingFailure` naming the destination, which the
         runtime latches as it is (it read "runtime loop failed: OSError")."""
         assert self.background is not None
-        self._background_ran = True
+        self._release_settled = True
         started = False
 
         class _Started:
@@ -245,14 +245,18 @@ class DestinationActor:
             if self.is_cut or not self._close_started:
                 await release_unclosed(self.background)
 
-    async def release_if_never_run(self) -> None:
+    async def release_if_unclosed(self) -> None:
         """The routing sink's run ends: an owned sink :meth:`open` created
-        whose background task never started (another destination failed to
-        open or start first) was neither closed nor released; let go of
-        what it holds (see :func:`release_unclosed`)."""
-        if self.owned and self.background is not None and not self._background_ran:
-            self._background_ran = True  # once
-            await release_unclosed(self.background)
+        that was not closed (cut, or the run ended first: cancelled, another
+        destination failed to open or start) and whose own run task did not
+        let go of it (it has none, or it never started) lets go of what it
+        holds now (see :func:`release_unclosed`).  Once."""
+        if not self.owned or self.sink is None or self._release_settled:
+            return
+        if self._close_started and not self.is_cut:
+            return  # its close lets go of what it holds, even cancelled
+        self._release_settled = True
+        await release_unclosed(self.sink)
 
     def _check_async(self, sink: object) -> None:
         problem = not_async(sink)

@@ -270,7 +270,7 @@ class RoutingSink(SinkFlushing):
             self._stopped.set()
             self._gen.detach()
             for destination in self._destinations.values():
-                await destination.release_if_never_run()  # created, never started
+                await destination.release_if_unclosed()  # not closed, not released yet
 
     async def _close_inputs_when_asked(self) -> None:
         await self._close_inputs.wait()

@@ -1050,3 +1050,44 @@ def test_an_owned_clickhouse_destination_is_released_when_another_fails_to_open(
     (ch,) = made
     assert ch._calls.wait_released(0)
     assert _SharedSession.users == users
+
+
+def test_an_owned_sink_without_a_run_task_lets_go_when_the_routing_sink_run_is_cancelled():
+    """An owned destination with no run() task of its own (a user's sink
+    holding a connection) was let go of only by its close(): the routing
+    sink's run cancelled without a close left it holding. Now the run's end
+    asks it to let go (ReleasesWhenCut), once; a sink that was closed is
+    not asked."""
+
+    class Connected(NullSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.released = 0
+
+        async def release_when_cut(self) -> None:
+            self.released += 1
+
+    made: list[Connected] = []
+
+    def connected() -> Connected:
+        made.append(Connected())
+        return made[-1]
+
+    def routing() -> RoutingSink:
+        return RoutingSink(
+            RoutingConfig([Route("to_c", "h.*", "c")]), SCHEMA, {"c": connected}, unmatched="drop"
+        )
+
+    async def cancelled(sink: RoutingSink) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            nursery.cancel_scope.cancel()
+
+    async def closed(sink: RoutingSink) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            await sink.close()
+
+    trio.run(cancelled, routing())
+    trio.run(closed, routing())
+    assert [c.released for c in made] == [1, 0]
