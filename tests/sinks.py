@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import trio
 
@@ -149,3 +150,26 @@ class HeldInThread(NullSink):
         if self.in_flush:
             await trio.to_thread.run_sync(self._wait, abandon_on_cancel=True)
         await super().flush()
+
+
+async def close_cancelled_while_inserting(
+    sink: Any, entered: threading.Event, timeout: float = 10.0
+) -> bool:
+    """Hand ``sink`` (running) one batch of 8 records, then close it and
+    cancel that close once the sink's insert of them waits (``entered``, set
+    by a held insert). True when the close was cancelled (not finished)."""
+    from tests.conftest import vec_batch
+
+    batch = vec_batch(0, 8)
+    await sink.submit(batch)
+    batch.lease.release()
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as caller:
+
+            async def cancel_once_the_insert_waits() -> None:
+                await trio.to_thread.run_sync(entered.wait, timeout)
+                caller.cancel()
+
+            nursery.start_soon(cancel_once_the_insert_waits)
+            await sink.close()
+    return caller.cancelled_caught

@@ -132,6 +132,7 @@ async def test_a_cancelled_close_releases_the_transport_once_its_insert_returned
 
     from taproute.routing import SinkClosed
     from taproute.service.sinks.clickhouse.transport import _SharedSession
+    from tests.sinks import close_cancelled_while_inserting
     from tests.test_shutdown_grace import _embedded_clickhouse
 
     users = _SharedSession.users  # the fixture's transport on the same directory
@@ -143,18 +144,7 @@ async def test_a_cancelled_close_releases_the_transport_once_its_insert_returned
         with trio.fail_after(GUARD_S):
             async with trio.open_nursery() as nursery:
                 await nursery.start(sink.run)
-                batch = vec_batch(0, 8)
-                await sink.submit(batch)
-                batch.lease.release()
-                with trio.CancelScope() as caller:
-
-                    async def cancel_once_the_insert_waits() -> None:
-                        await trio.to_thread.run_sync(entered.wait, GUARD_S)
-                        caller.cancel()
-
-                    nursery.start_soon(cancel_once_the_insert_waits)
-                    await sink.close()
-                assert caller.cancelled_caught
+                assert await close_cancelled_while_inserting(sink, entered, GUARD_S)
         assert sink.calls_running == 1  # the insert, abandoned, still in its thread
         assert _SharedSession.users == users + 1  # not closed under it
         with pytest.raises(SinkClosed):

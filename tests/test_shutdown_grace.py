@@ -993,7 +993,7 @@ async def test_a_cancelled_close_of_a_spooling_sink_lets_go_of_its_spool(chdb_tr
     import uuid
 
     from taproute.service.sinks.spool import Spool, SpoolConfig
-    from tests.conftest import vec_batch
+    from tests.sinks import close_cancelled_while_inserting
     from tests.test_clickhouse_unreachable import hooks_with_q
 
     directory = tmp_path / "spool"
@@ -1004,18 +1004,7 @@ async def test_a_cancelled_close_of_a_spooling_sink_lets_go_of_its_spool(chdb_tr
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
-            batch = vec_batch(0, 8)
-            await sink.submit(batch)
-            batch.lease.release()
-            with trio.CancelScope() as caller:
-
-                async def cancel_once_the_insert_waits() -> None:
-                    await trio.to_thread.run_sync(entered.wait, 10)
-                    caller.cancel()
-
-                nursery.start_soon(cancel_once_the_insert_waits)
-                await sink.close()
-            assert caller.cancelled_caught
+            assert await close_cancelled_while_inserting(sink, entered)
         again = Spool.open(SpoolConfig(directory=directory))  # raised SpoolLocked
         await again.aclose()
     finally:
