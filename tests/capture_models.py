@@ -14,6 +14,8 @@ from torch import nn
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2MoeConfig,
@@ -43,6 +45,25 @@ def gpt2(layers: int = 2, hidden: int = 32) -> GPT2LMHeadModel:
         pad_token_id=0,
     )
     return GPT2LMHeadModel(config).eval()
+
+
+def llama(attention: str = "sdpa") -> LlamaForCausalLM:
+    """A 2-layer Llama (grouped-query attention: K projections narrower than Q)."""
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config).eval()
 
 
 def qwen2_moe(experts: int = 8, top_k: int = 2) -> Qwen2MoeForCausalLM:

@@ -15,7 +15,15 @@ from transformers import T5Config, T5ForConditionalGeneration
 from taproute.routing import RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
 from taproute.service.capture import ContextMismatch, bind_modules, capture_decode, carry_context
-from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
+from tests.capture_models import (
+    ACTS,
+    VOCAB,
+    Reference,
+    as_float32,
+    gpt2,
+    llama,
+    records_by_hook,
+)
 
 HOOK = "transformer.h.0.mlp"
 
@@ -78,6 +86,52 @@ def test_a_pass_whose_rows_do_not_fit_the_keys_is_counted_not_raised():
         records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
     assert decode.steps == 2
     assert [(key, step) for key, step, _ in records] == [(1, 1), (2, 1)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_static_cache_generate_captures_the_prompts_real_tokens_not_its_padding(attention):
+    """With a static cache generate hands the model a 4-D mask of its own
+    ((batch, 1, pass, cache): boolean for sdpa, additive floats for eager
+    attention), not the 2-D one it was given.  Its last columns are the
+    cache's unused end: read as a 2-D mask's, every prompt position of a
+    left-padded row was taken as real and its padding captured."""
+    model = llama(attention)
+    torch.manual_seed(12)
+    prompt = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    hooks = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"]
+    reference = Reference(model, hooks, lambda out: out)
+    cap = CaptureSink()
+    new_tokens = 3
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, "model.layers.*.self_attn.[qk]_proj", layout="acts")
+        with torch.inference_mode(), capture_decode(model, [50, 51]) as decode:
+            model.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                cache_implementation="static",
+            )
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        records = records_by_hook(cap.record_batches, runtime.hooks)
+    assert decode.steps == new_tokens
+    for hook in hooks:
+        got = records[hook]
+        assert [(key, step) for key, step, _ in got] == [
+            (key, step) for step in range(new_tokens) for key in (50, 51)
+        ]
+        calls = reference.calls[hook]
+        width = calls[0].shape[-1]
+        for i, (_, step, payload) in enumerate(got):
+            row = i % 2
+            expected = calls[step][row]
+            if step == 0:
+                expected = expected[mask[row] == 1]  # 4 and 6 tokens, not 6 and 6
+            np.testing.assert_array_equal(
+                bits(as_float32(payload).reshape(-1, width)), bits(expected)
+            )
 
 
 def test_capture_decode_keys_are_integers_not_truncated():

@@ -4,7 +4,9 @@
 model makes inside it: step 0 for the prefill, then 1, 2, ... for each
 decode step, with the real positions of *this* pass taken from the
 attention mask the loop passes in (its last ``input length`` columns: the
-prompt's real tokens at step 0, the one new token per sequence after).
+prompt's real tokens at step 0, the one new token per sequence after; with
+a static cache generate passes a 4-D mask of its own, whose query rows say
+which tokens are real).
 """
 
 from __future__ import annotations
@@ -165,9 +167,25 @@ def _pass_context(
         # generate's expansion (beams, return sequences) repeats each prompt's row in place.
         keys = [key for key in keys for _ in range(rows // len(keys))]
     width = tokens.shape[1]
-    # The mask covers the cache and this pass: its last `width` columns are this pass.
-    mask = mask[:, -width:] if mask is not None and mask.dim() == 2 else None
+    if mask is not None and mask.dim() == 4:
+        mask = _real_queries(mask)
+    elif mask is not None and mask.dim() == 2:
+        # The mask covers the cache and this pass: its last `width` columns are this pass.
+        mask = mask[:, -width:]
+    else:
+        mask = None
     return build_context(keys, attention_mask=mask, step=step)
+
+
+def _real_queries(mask: torch.Tensor) -> torch.Tensor:
+    """This pass's real positions, ``(batch, width)``, from the ``(batch, heads,
+    width, cache)`` mask generate builds itself for a static cache: a real
+    token attends to some key (itself at least), a padding one to none.  A
+    boolean mask attends where True, an additive float mask (eager
+    attention's) where 0.  Its last columns are the cache's unused end, not
+    this pass: slicing them as a 2-D mask's would take padding as real."""
+    attends = mask == 0 if mask.is_floating_point() else mask != 0
+    return attends.any(dim=-1).any(dim=1)
 
 
 __all__ = ["DecodeSteps", "capture_decode"]
