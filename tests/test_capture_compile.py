@@ -16,7 +16,8 @@ from torch import nn
 
 from taproute.routing import Layout, RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import bind_module, capture_context
+from taproute.service.capture import bind_module, bind_modules, capture_context
+from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
 
 SCHEMA = RecordSchema([Layout("f32", [("values", "Array(Float32)")])])
 
@@ -44,3 +45,44 @@ def test_a_compiled_model_captures_the_real_positions_of_each_row():
     for row, (length, values) in enumerate(zip(lengths, got, strict=True)):
         want = seen[0][row, :length].numpy().ravel()
         np.testing.assert_array_equal(values, want)
+
+
+def test_a_module_bound_after_its_compiled_model_ran_is_captured():
+    """Dynamo does not guard on a module's hooks while it has none: a model
+    compiled and run before one of its modules was bound kept running the
+    code compiled without the hook, which never fired. Nothing was captured
+    and nothing counted, a module bound beside an already-bound one
+    included. Binding now makes the compiled model trace again."""
+    model = gpt2()
+    compiled = torch.compile(model, backend="eager")
+    first, later = "transformer.h.0.mlp", "transformer.h.1.mlp"
+    ids = torch.randint(3, VOCAB, (2, 5))
+    lengths = [5, 3]
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        with torch.inference_mode():
+            compiled(ids)  # the server's warm-up: compiled with no hook at all
+        bindings = bind_modules(runtime, compiled, first, layout="acts", on_error="raise")
+        with torch.inference_mode(), capture_context([10, 11], lengths=lengths):
+            compiled(ids)  # compiled again, with the first hook
+        bindings += bind_modules(runtime, compiled, later, layout="acts", on_error="raise")
+        with torch.inference_mode(), capture_context([20, 21], lengths=lengths):
+            compiled(ids)
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        records = records_by_hook(sink.record_batches, runtime.hooks)
+    for binding in bindings:
+        binding.remove()
+    assert [(key, step) for key, step, _ in records[first]] == [(10, 0), (11, 0), (20, 0), (21, 0)]
+    assert [(key, step) for key, step, _ in records[later]] == [(20, 0), (21, 0)]
+    # Plain hooks only now: a hook of theirs bound before the warm-up would
+    # have made Dynamo guard on the modules' hooks, hiding what is tested.
+    reference = Reference(model, [first, later], lambda out: out)
+    with torch.inference_mode():
+        model(ids)
+    for name in (first, later):
+        (expected,) = reference.calls[name]
+        for row, (_, _, payload) in enumerate(records[name][-2:]):
+            np.testing.assert_array_equal(
+                as_float32(payload).reshape(-1, 32), expected[row, : lengths[row]].numpy()
+            )

@@ -369,9 +369,30 @@ def bind_module(
     # Under torch.compile, Dynamo would trace the hook's Python (and fail on
     # it, detaching the binding): run it eagerly, a graph break at the hook.
     eager: Callable[[_Hook], _Hook] = torch.compiler.disable
+    unhooked = not module._forward_hooks
     binding._handle = module.register_forward_hook(eager(hook))
     note_bound(module, hooks, binding)
+    if unhooked:
+        _retrace_compiled()
     return binding
+
+
+def _retrace_compiled() -> None:
+    """Make code torch.compile has already compiled trace again at its next call.
+
+    Dynamo does not guard on a module's hooks while it has none
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): a
+    model compiled and run before a module of it was bound would go on
+    running the code compiled without the hook, which then never fires:
+    nothing captured, nothing counted.  Dropping Dynamo's compiled code
+    (the in-memory code caches only; a no-op when nothing was compiled)
+    makes its next call trace the model with the hook.  Once per binding,
+    at bind time; nothing per call.
+    """
+    import torch._dynamo
+
+    reset = getattr(torch._dynamo, "reset_code_caches", None) or torch._dynamo.reset
+    reset()
 
 
 def bind_modules(
