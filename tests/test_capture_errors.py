@@ -23,7 +23,7 @@ from taproute.service.capture import (
     capture_decode,
     carry_context,
 )
-from tests.capture_models import ACTS, VOCAB, as_float32, gpt2, qwen2_moe
+from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, llama, qwen2_moe
 
 INTS = Layout("ints", [("values", "Array(Int32)")])
 SCHEMA = RecordSchema([ACTS, INTS])
@@ -197,6 +197,45 @@ def test_a_widening_cast_is_exact_and_narrowing_needs_narrow():
         np.testing.assert_array_equal(
             payload.astype(np.float32), y.bfloat16().float().numpy().ravel()
         )
+
+
+def test_a_float32_model_under_autocast_fills_a_bfloat16_layout_exactly():
+    """Under torch.autocast a float32 Llama's projections return bf16, which a
+    BFloat16 layout holds exactly. Binding them was refused at bind time from
+    the parameters' dtype ("output dtype torch.float32 would be cast to
+    torch.bfloat16"), an output the model never produced: the only way in
+    was narrow=True, which would then also round float32 outputs silently.
+    The output's own dtype decides now; without autocast the first call
+    still refuses."""
+    model = llama()
+    hook = "model.layers.0.self_attn.q_proj"
+    half = RecordSchema([Layout("half", [("values", "Array(BFloat16)")])])
+    reference = Reference(model, [hook], lambda out: out)
+    ids = torch.randint(3, VOCAB, (2, 5))
+    with create_record_runtime(record_sink=CaptureSink(), schema=half) as rt:
+        bind_modules(rt, model, hook, layout="half", on_error="raise")
+        with (
+            torch.inference_mode(),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            capture_context([1, 2]),
+        ):
+            model(ids)
+        rt.flush()
+        (batch,) = rt.record_sink.record_batches
+        assert list(batch.descriptors["key"]) == [1, 2]
+        (expected,) = reference.calls[hook]
+        assert expected.dtype == torch.bfloat16
+        np.testing.assert_array_equal(
+            np.asarray(batch.payload).view(np.uint16),
+            expected.view(torch.int16).numpy().view(np.uint16).ravel(),
+        )
+        refused = r"output dtype torch.float32 would be cast to torch.bfloat16.*narrow=True"
+        with (
+            torch.inference_mode(),
+            capture_context([1, 2]),
+            pytest.raises(CaptureError, match=refused),
+        ):
+            model(ids)
 
 
 def test_fp16_outputs_go_to_float32_exactly_or_to_bfloat16_only_when_narrowed():

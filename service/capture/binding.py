@@ -88,7 +88,15 @@ def _layout_element(target: CaptureTarget, layout: str, name: str) -> np.dtype[A
 def _check_parameters(
     module: torch.nn.Module, dst: torch.dtype, *, name: str, layout: str, narrow: bool
 ) -> None:
-    """A module computing in floats cannot fill an integer layout: refuse at bind time."""
+    """A module computing in floats cannot fill an integer layout: refuse at bind time.
+
+    A float layout narrower than the parameters (BFloat16 for a float32
+    module) is left to the first call's check of the output itself: under
+    ``torch.autocast`` such a module's outputs are bf16 or fp16, which the
+    layout may hold exactly.
+    """
+    if dst.is_floating_point:
+        return
     for parameter in module.parameters(recurse=True):
         if parameter.is_floating_point():
             check_cast(parameter.dtype, dst, hook=name, layout=layout, narrow=narrow)
@@ -173,8 +181,9 @@ def bind_module(
     Values keep their dtype when the layout's element type is the same; a
     widening cast (bf16 -> Float32) is exact and allowed; one that changes
     values (float -> integer, fp32 -> BFloat16) is refused unless ``narrow``
-    (floats only).  Checked now where it can be (layout, ``select``, the
-    module's parameter dtype), else at the first call.
+    (floats only).  Checked now where it can be (layout, ``select``, a float
+    module bound to an integer layout), else at the first call (a float
+    narrowing: under autocast the outputs need not have the parameters' dtype).
     """
     import torch
 
