@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from taproute.routing import Layout, RecordSchema
-from taproute.service import ClickHouseSink, create_record_runtime
+from taproute.service import ClickHouseSink, create_record_runtime, load_captures, load_rows
 from taproute.service.capture import bind_modules, capture_context
-from tests.capture_models import ACTS, VOCAB, Reference, gpt2
+from tests.capture_models import ACTS, VOCAB, Reference, gpt2, llama
 
 HALF = Layout("half", [("values", "Array(BFloat16)")])
 SCHEMA = RecordSchema([ACTS, HALF])
@@ -62,3 +62,48 @@ def test_raw_tables_keep_token_shape_and_bfloat16_values_exactly(chdb_transport)
         real = block[row][mask[row] == 1].float().numpy()
         restored = np.asarray(got["values"], dtype=np.float32).reshape(got["values_shape"])
         np.testing.assert_array_equal(restored, real)  # bf16 -> Float32 -> BFloat16: exact
+
+
+def test_load_captures_and_load_rows_give_bfloat16_values_back_exactly(chdb_transport):
+    """ClickHouse hands BFloat16 to Arrow as two-byte binary strings.
+    load_captures returned them as an object array of bytes (b'\\xd7=' for a
+    value) where a bf16 array belonged, as_torch=True raised TypeError, and
+    load_rows held the same bytes: a bf16 model's captures could only be read
+    with hand-written SQL. Both now give the stored bfloat16 values (torch
+    bfloat16 with as_torch), bit for bit."""
+    model = llama().to(torch.bfloat16)
+    hook = "model.layers.0.self_attn.q_proj"
+    reference = Reference(model, [hook], lambda out: out)
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    sink = ClickHouseSink(
+        chdb_transport,
+        RecordSchema([HALF]),
+        raw=["half"],
+        create_tables=True,
+        raw_table="readback_{layout}",
+        owns_transport=False,
+    )
+    with create_record_runtime(record_sink=sink) as runtime:
+        bind_modules(runtime, model, hook, layout="half", on_error="raise")
+        with torch.inference_mode(), capture_context([60, 61], attention_mask=mask):
+            model(ids, attention_mask=mask)
+        runtime.flush()
+    (output,) = reference.calls[hook]
+    expected = [output[row][mask[row] == 1] for row in range(2)]
+    captures = load_captures(chdb_transport, "readback_half", hook=hook)
+    tensors = load_captures(chdb_transport, "readback_half", hook=hook, as_torch=True)
+    rows = load_rows(chdb_transport, "readback_half", HALF)
+    assert [c.key for c in captures] == [60, 61]
+    for row, (capture, tensor) in enumerate(zip(captures, tensors, strict=True)):
+        assert capture.values.dtype == np.dtype("bfloat16")
+        assert capture.values.shape == (int(mask[row].sum()), 32)
+        np.testing.assert_array_equal(
+            capture.values.view(np.uint16), expected[row].view(torch.int16).numpy().view(np.uint16)
+        )
+        assert tensor.values.dtype == torch.bfloat16
+        assert torch.equal(tensor.values, expected[row])
+        np.testing.assert_array_equal(
+            rows["values"][row].view(np.uint16),
+            expected[row].reshape(-1).view(torch.int16).numpy().view(np.uint16),
+        )

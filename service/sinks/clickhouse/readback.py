@@ -182,8 +182,26 @@ def _lists(column: pa.ChunkedArray) -> tuple[npt.NDArray[Any], npt.NDArray[np.in
     return flat, offsets
 
 
-def _check_table(transport: Transport, table: str, needed: list[str], kind: str) -> None:
-    """Refuse, by name, a table that does not exist or lacks a column to be read."""
+#: numpy's bfloat16 (ml_dtypes', registered by the layouts' import).
+_BFLOAT16 = np.dtype("bfloat16")
+
+
+def _selected(column: str, column_type: str) -> str:
+    """``column`` as a SELECT reads it.  ClickHouse hands BFloat16 to Arrow,
+    which has no bfloat16, as two-byte binary strings: read it widened to
+    Float32 (exact), and narrow it back here (:func:`_bfloat16`)."""
+    if "BFloat16" in column_type:
+        return f"CAST(`{column}`, {_literal(column_type.replace('BFloat16', 'Float32'))})"
+    return f"`{column}`"
+
+
+def _bfloat16(column_type: str) -> bool:
+    return "BFloat16" in column_type
+
+
+def _check_table(transport: Transport, table: str, needed: list[str], kind: str) -> dict[str, str]:
+    """Refuse, by name, a table that does not exist or lacks a column to be
+    read; the type of each of its columns, by name."""
     described = transport.describe(table)
     if described is None:
         raise ReadBackError(f"table {table!r} does not exist in {transport.description}")
@@ -195,6 +213,7 @@ def _check_table(transport: Transport, table: str, needed: list[str], kind: str)
             f"{', '.join(map(repr, missing))} ({kind}); "
             f"the table has {', '.join(has)}"
         )
+    return dict(described)
 
 
 def load_captures(
@@ -222,15 +241,18 @@ def load_captures(
         width = _positive("width", width)
     where = _where(hook=hook, key=key, steps=steps, layer=layer)
     needed = ["hook", "key", "step", "seq", column, f"{column}_shape"]
-    _check_table(transport, table, needed, "a raw capture table has them")
+    types = _check_table(transport, table, needed, "a raw capture table has them")
+    selected = _selected(column, types[column])
     sql = (
-        f"SELECT hook, key, step, seq, `{column}` AS v, `{column}_shape` AS s FROM `{table}`"
+        f"SELECT hook, key, step, seq, {selected} AS v, `{column}_shape` AS s FROM `{table}`"
         f"{where} ORDER BY hook, key, step, seq"
     )
     result = transport.query(sql)
     if result.num_rows == 0:
         return []
     flat, offsets = _lists(result.column("v"))
+    if _bfloat16(types[column]):
+        flat = flat.astype(_BFLOAT16)  # read as Float32: back to the values stored, exactly
     shape_flat, shape_offsets = _lists(result.column("s"))
     hooks = result.column("hook").to_pylist()
     keys, step_values, seqs = (result.column(c).to_numpy() for c in ("key", "step", "seq"))
@@ -264,7 +286,11 @@ def load_captures(
         if as_torch:
             import torch
 
-            array = torch.from_numpy(np.array(array))  # owned and writable
+            owned = np.array(array)  # owned and writable
+            if owned.dtype == _BFLOAT16:  # torch takes no numpy bfloat16: its bits
+                array = torch.from_numpy(owned.view(np.int16)).view(torch.bfloat16)
+            else:
+                array = torch.from_numpy(owned)
         out.append(Capture(str(hooks[i]), int(keys[i]), int(step_values[i]), int(seqs[i]), array))
     return out
 
@@ -296,8 +322,8 @@ def load_rows(
             raise ReadBackError(f"{table}: layout {layout.name!r} has no {column!r} column")
     where = _where(hook=hook, key=key, steps=steps, layer=layer, extra=equal)
     order = _order(table, order_by, names) if order_by else ""
-    _check_table(transport, table, names, f"layout {layout.name!r} has it")
-    columns = ", ".join(f"`{n}`" for n in names)
+    types = _check_table(transport, table, names, f"layout {layout.name!r} has it")
+    columns = ", ".join(f"{_selected(n, types[n])} AS `{n}`" for n in names)
     result = transport.query(f"SELECT {columns} FROM `{table}`{where}{order}")
     rows = np.zeros(result.num_rows, dtype=layout.dtype)
     if result.num_rows == 0:
@@ -309,6 +335,8 @@ def load_rows(
             rows[col.name] = flat.reshape(result.num_rows, *col.shape)
         elif col.is_array:
             flat, offsets = _lists(data)
+            if _bfloat16(types[col.name]):
+                flat = flat.astype(_BFLOAT16)
             rows[col.name] = [flat[offsets[i] : offsets[i + 1]] for i in range(result.num_rows)]
         else:
             rows[col.name] = data.to_numpy(zero_copy_only=False)
