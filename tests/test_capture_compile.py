@@ -11,12 +11,13 @@ hook now runs eagerly (a graph break at it), and captures what eager does.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from taproute.routing import Layout, RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import bind_module, bind_modules, capture_context
+from taproute.service.capture import CaptureError, bind_module, bind_modules, capture_context
 from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
 
 SCHEMA = RecordSchema([Layout("f32", [("values", "Array(Float32)")])])
@@ -86,3 +87,25 @@ def test_a_module_bound_after_its_compiled_model_ran_is_captured():
             np.testing.assert_array_equal(
                 as_float32(payload).reshape(-1, 32), expected[row, : lengths[row]].numpy()
             )
+
+
+def test_binding_a_model_compiled_with_fullgraph_is_refused_and_the_model_still_runs():
+    """A capture hook runs eagerly: a graph break, which torch.compile(...,
+    fullgraph=True) refuses. Binding such a model succeeded, and then every
+    forward pass raised Dynamo's Unsupported into the model, whatever
+    on_error said. The bind is refused now, naming the cause, and binds
+    nothing."""
+    model = gpt2()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    ids = torch.randint(3, VOCAB, (2, 5))
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        with pytest.raises(CaptureError, match=r"compiled with torch.compile\(fullgraph=True\)"):
+            bind_modules(runtime, compiled, "transformer.h.0.mlp", layout="acts")
+        with torch.inference_mode(), capture_context([1, 2]):
+            logits = compiled(ids).logits
+        runtime.flush()
+        assert sink.records == 0
+    assert not model.transformer.h[0].mlp._forward_hooks
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids).logits)

@@ -29,7 +29,7 @@ from taproute.native import BufferLease, untrack_acyclic
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
-from taproute.service.capture.compiled import uncompiled
+from taproute.service.capture.compiled import compiled_fullgraph, uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 from taproute.service.capture.extract import (
@@ -150,6 +150,13 @@ def _check_module(where: str, what: str, value: object) -> None:
     if not isinstance(value, torch.nn.Module):
         raise CaptureError(
             f"{where}: {what} must be a torch.nn.Module, found {type(value).__name__}"
+        )
+    if compiled_fullgraph(value):
+        raise CaptureError(
+            f"{where}: the {what} was compiled with torch.compile(fullgraph=True); a capture "
+            "hook runs eagerly, a graph break that fullgraph refuses, so every forward pass "
+            "would raise: compile it without fullgraph=True (each bound module then breaks "
+            "the graph) to capture from it"
         )
 
 

@@ -23,3 +23,21 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while optimized is not None and isinstance(model, optimized):
         model = model._orig_mod
     return model
+
+
+def compiled_fullgraph(model: torch.nn.Module) -> bool:
+    """True when ``model`` is ``torch.compile(..., fullgraph=True)``'s module.
+
+    A capture hook runs eagerly (``torch.compiler.disable``): a graph break,
+    which Dynamo refuses under ``fullgraph``, raising out of every forward
+    pass of the model.
+    """
+    import torch
+
+    optimized = getattr(torch._dynamo.eval_frame, "OptimizedModule", None)
+    while optimized is not None and isinstance(model, optimized):
+        context = getattr(model, "dynamo_ctx", None)
+        if getattr(context, "fullgraph", False) or getattr(context, "error_on_graph_break", False):
+            return True
+        model = model._orig_mod
+    return False
