@@ -181,6 +181,39 @@ def test_moe_router_logits_by_binding_the_gate_give_exact_expert_counts(build):
         assert got.sum() == TOP_K * int(mask[row].sum())
 
 
+def test_moe_top_k_expert_indices_go_to_an_integer_layout():
+    """A router's gate returns (logits, top-k weights, top-k indices): its
+    int64 expert indices fill an Array(Int64) layout exactly. bind_modules
+    refused them from the gate's float parameters ("output dtype
+    torch.float32 would be cast to torch.int64"), though select=2 picks no
+    float at all; what a select picks is now checked at the first call."""
+    model = qwen2_moe(experts=EXPERTS, top_k=TOP_K)
+    gate = "model.layers.1.mlp.gate"
+    chosen = Reference(model, [gate], lambda out: out[2])
+    schema = RecordSchema([Layout("experts", [("index", "Array(Int64)")])])
+    torch.manual_seed(9)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=schema) as runtime:
+        bind_modules(
+            runtime, model, gate, layout="experts", select=2, token_major=True, on_error="raise"
+        )
+        with torch.inference_mode(), capture_context([70, 71], attention_mask=mask):
+            model(ids, attention_mask=mask)
+        runtime.flush()
+        got = records_by_hook(cap.record_batches, runtime.hooks)[gate]
+    (indices,) = chosen.calls[gate]
+    assert indices.dtype == torch.int64
+    expected = indices.reshape(2, 6, TOP_K)
+    assert [key for key, _, _ in got] == [70, 71]
+    for row, (_, _, payload) in enumerate(got):
+        np.testing.assert_array_equal(
+            np.asarray(payload).view(np.int64).reshape(-1, TOP_K),
+            expected[row][mask[row] == 1].numpy(),
+        )
+
+
 def test_minilm_from_its_weights_package_equals_plain_hooks():
     from transformers import AutoModel
 

@@ -189,8 +189,9 @@ def bind_module(
     widening cast (bf16 -> Float32) is exact and allowed; one that changes
     values (float -> integer, fp32 -> BFloat16) is refused unless ``narrow``
     (floats only).  Checked now where it can be (layout, ``select``, a float
-    module bound to an integer layout), else at the first call (a float
-    narrowing: under autocast the outputs need not have the parameters' dtype).
+    module's output bound to an integer layout without ``select``), else at
+    the first call (a float narrowing: under autocast the outputs need not
+    have the parameters' dtype; whatever ``select`` picks).
     """
     import torch
 
@@ -202,7 +203,8 @@ def bind_module(
     check_select(select, hook=name)
     element = _layout_element(runtime, layout, name)
     dst = torch_dtype(element)
-    _check_parameters(module, dst, name=name, layout=layout, narrow=narrow)
+    if select is None:  # what a select picks need not be float (a router's top-k indices)
+        _check_parameters(module, dst, name=name, layout=layout, narrow=narrow)
     check_unbound(module, runtime.hooks, name)
     output_id = runtime.bind_hook(name, layout=layout)
     layout_id = runtime.schema.layout_id(layout)  # type: ignore[union-attr]
