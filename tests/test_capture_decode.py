@@ -22,6 +22,7 @@ from tests.capture_models import (
     as_float32,
     gpt2,
     llama,
+    qwen2_moe,
     records_by_hook,
 )
 
@@ -132,6 +133,38 @@ def test_a_static_cache_generate_captures_the_prompts_real_tokens_not_its_paddin
             np.testing.assert_array_equal(
                 bits(as_float32(payload).reshape(-1, width)), bits(expected)
             )
+
+
+def test_a_token_major_router_in_a_pass_that_does_not_fit_the_keys_is_dropped_too():
+    """A pass of 3 rows x 4 tokens under 2 keys: the MLP's records were dropped
+    (invalid_context), but the router's 12 token-major rows divide by 2 keys,
+    so they were split into 2 records of 6 tokens each, mixing the rows'
+    tokens, and stored. The pass's context now carries its width, and the
+    router's rows are checked against keys x width like every other hook's."""
+    model = qwen2_moe()
+    gate, mlp = "model.layers.0.mlp.gate", "model.layers.0.mlp"
+    ids = torch.randint(3, VOCAB, (3, 4))
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, gate, layout="acts", select=0, token_major=True)
+        bind_modules(runtime, model, mlp, layout="acts")
+        with (
+            pytest.warns(UserWarning, match="token-major output has 12 rows"),
+            torch.inference_mode(),
+            capture_decode(model, [1, 2]),
+        ):
+            model(ids)  # no mask: all positions real
+            model(ids, attention_mask=torch.ones(3, 4, dtype=torch.long))  # a mask of 3 rows
+            model(ids[:2])  # fits: captured
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {
+            gate: {"invalid_context": 4},
+            mlp: {"invalid_context": 4},
+        }
+        records = records_by_hook(cap.record_batches, runtime.hooks)
+    for hook in (gate, mlp):
+        assert [(key, step) for key, step, _ in records[hook]] == [(1, 2), (2, 2)]
+    assert [as_float32(payload).size for _, _, payload in records[gate]] == [4 * 8, 4 * 8]
 
 
 def test_capture_decode_keys_are_integers_not_truncated():

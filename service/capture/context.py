@@ -145,8 +145,14 @@ def build_context(
     lengths: Sequence[int] | None = None,
     attention_mask: Any = None,
     step: int = 0,
+    positions: int | None = None,
 ) -> CaptureContext:
-    """Check and precompute a :class:`CaptureContext` (see :func:`capture_context`)."""
+    """Check and precompute a :class:`CaptureContext` (see :func:`capture_context`).
+
+    ``positions``: the pass's positions per row when the caller knows them
+    and neither ``lengths`` nor a mask says them (:func:`capture_decode`
+    does), so a token-major output whose rows are not ``keys x positions``
+    is refused rather than split at the wrong tokens."""
     key_tuple = _integers("keys", keys)
     (step,) = _integers("step", (step,), indexed=False)
     rows = len(key_tuple)
@@ -171,7 +177,7 @@ def build_context(
         )
     if attention_mask is not None:
         return _mask_context(key_tuple, attention_mask, int(step))
-    return CaptureContext(keys=key_tuple, step=int(step))
+    return CaptureContext(keys=key_tuple, step=int(step), positions=positions)
 
 
 def _mask_context(keys: tuple[int, ...], attention_mask: Any, step: int) -> CaptureContext:

@@ -137,11 +137,26 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
 def _safe_context(
     keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int, *, decoder: bool
 ) -> CaptureContext:
-    """:func:`_pass_context`, or a context of the keys alone when it can't be made."""
+    """:func:`_pass_context`, or a context of the keys (and the pass's width)
+    alone when it can't be made: its hooks then drop what does not fit them,
+    counted, token-major ones included (their rows are keys x width)."""
     try:
         return _pass_context(keys, args, kwargs, step, decoder=decoder)
     except Exception:
-        return build_context(keys, step=step)
+        try:
+            width = int(_tokens(args, kwargs, decoder=decoder).shape[1])
+        except Exception:
+            width = None
+        return build_context(keys, step=step, positions=width)
+
+
+def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any], *, decoder: bool) -> Any:
+    """The pass's token ids (or embeddings), ``(rows, width, ...)``, or None."""
+    if decoder:
+        tokens = kwargs.get("decoder_input_ids")
+        return tokens if tokens is not None else kwargs.get("decoder_inputs_embeds")
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    return tokens if tokens is not None else kwargs.get("inputs_embeds")
 
 
 def _pass_context(
@@ -150,16 +165,8 @@ def _pass_context(
     """The context of one forward pass: its rows' keys, its real positions
     (``decoder``: an encoder-decoder's pass, whose hooks outside the encoder
     see the decoder's tokens)."""
-    if decoder:
-        tokens = kwargs.get("decoder_input_ids")
-        if tokens is None:
-            tokens = kwargs.get("decoder_inputs_embeds")
-        mask = kwargs.get("decoder_attention_mask")
-    else:
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        mask = kwargs.get("attention_mask")
+    tokens = _tokens(args, kwargs, decoder=decoder)
+    mask = kwargs.get("decoder_attention_mask" if decoder else "attention_mask")
     if tokens is None:
         raise CaptureError("capture_decode: a pass without input_ids or inputs_embeds")
     rows = tokens.shape[0]
@@ -174,7 +181,8 @@ def _pass_context(
         mask = mask[:, -width:]
     else:
         mask = None
-    return build_context(keys, attention_mask=mask, step=step)
+    # The width too, for a pass without a mask: a token-major output's rows are checked by it.
+    return build_context(keys, attention_mask=mask, step=step, positions=width)
 
 
 def _real_queries(mask: torch.Tensor) -> torch.Tensor:
