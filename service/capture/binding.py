@@ -31,7 +31,7 @@ from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
 from taproute.service.capture.compiled import compiled_fullgraph, uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
-from taproute.service.capture.errors import CaptureError, ContextMismatch
+from taproute.service.capture.errors import CaptureError, ContextMismatch, warn_capture
 from taproute.service.capture.extract import (
     Select,
     by_row,
@@ -402,15 +402,42 @@ def _retrace_compiled() -> None:
     (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): a
     model compiled and run before a module of it was bound would go on
     running the code compiled without the hook, which then never fires:
-    nothing captured, nothing counted.  Dropping Dynamo's compiled code
-    (the in-memory code caches only; a no-op when nothing was compiled)
-    makes its next call trace the model with the hook.  Once per binding,
-    at bind time; nothing per call.
+    nothing captured, nothing counted.  So every cache entry of compiled
+    code is invalidated, as Dynamo does itself when an object its guards
+    hold is freed: the next call of each compiled function traces again,
+    now with the hook.  Not dropped (``torch.compiler.reset``): that frees
+    entries another thread may be running or checking, and crashed the
+    process.  Taken under Dynamo's compile lock, so a compile in flight
+    ends (with or without the hook) before entries are invalidated; its
+    own entry is installed just after the lock is let go, so one that lands
+    after the invalidation can still lack the hook (a narrow window).  Once
+    per binding, at bind time; nothing per call.  A torch whose Dynamo
+    lacks these internals gets a warning instead.
     """
-    import torch._dynamo
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo import convert_frame
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
 
-    reset = getattr(torch._dynamo, "reset_code_caches", None) or torch._dynamo.reset
-    reset()
+        with convert_frame.compile_lock:
+            codes = [
+                ref() for ref in (*convert_frame.input_codes.seen, *convert_frame.output_codes.seen)
+            ]
+            for code in codes:
+                if code is None:
+                    continue
+                for entry in _debug_get_cache_entry_list(code):
+                    manager = entry.guard_manager
+                    extra = getattr(manager, "extra_state", None)
+                    if extra is not None and getattr(manager, "cache_entry", None) is not None:
+                        extra.invalidate(entry, DeletedGuardManagerWrapper("capture hook bound"))
+    except Exception as exc:  # internals of another torch: say so, bind anyway
+        warn_capture(
+            "bind_module: could not make torch.compile's code compiled so far trace again "
+            f"({type(exc).__name__}: {exc}); a model compiled and run before this binding "
+            "may not call its hook: bind before compiling, or call torch.compiler.reset() "
+            "while no forward pass runs"
+        )
 
 
 def bind_modules(
