@@ -546,6 +546,21 @@ def pin_apart(model_cpus: set[int]) -> set[int]:
     return others
 
 
+def set_switch_interval(ms: float) -> float:
+    """Set Python's switch interval to ``ms`` milliseconds (0: leave Python's
+    own, 5 ms); returns the interval in effect, in ms, for the result's
+    parameters.  How long a thread that wants the GIL waits before asking
+    its holder to let go: a process-wide setting that the server (here the
+    bench) chooses, for taproute and the peer alike."""
+    import sys
+
+    if ms < 0:
+        raise SystemExit(f"--switch-interval-ms must be 0 or more, not {ms}")
+    if ms:
+        sys.setswitchinterval(ms / 1000)
+    return sys.getswitchinterval() * 1000
+
+
 def fix_malloc(mode: str) -> str:
     """Fix glibc's mmap and trim thresholds (``mode`` "fixed") or leave them
     ("default"); returns what was done, for the result's parameters.

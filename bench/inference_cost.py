@@ -61,6 +61,7 @@ from harness import (
     interleave,
     pin_apart,
     quantile,
+    set_switch_interval,
     summary,
     target,
     write_result,
@@ -459,8 +460,10 @@ def main() -> None:
         malloc=("fixed", "fixed"),
         compare_nice=(0, 0),
         pin=("off", "off"),
+        switch_interval_ms=(0.0, 0.0),
     )
     args.malloc = fix_malloc(args.malloc)
+    args.switch_interval_ms = set_switch_interval(args.switch_interval_ms)
     if args.pin not in ("off", "apart"):
         raise SystemExit(f"--pin must be 'off' or 'apart', not {args.pin!r}")
     torch.set_num_threads(args.threads)

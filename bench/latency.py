@@ -45,7 +45,15 @@ from typing import Any
 
 import numpy as np
 from _workload import Copier, CopySink, descriptors, layout_for, payloads
-from harness import arguments, comparison, fmt, summary, target, write_result
+from harness import (
+    arguments,
+    comparison,
+    fmt,
+    set_switch_interval,
+    summary,
+    target,
+    write_result,
+)
 from hdrh.histogram import HdrHistogram
 
 from taproute.service import (
@@ -371,7 +379,9 @@ def main() -> None:
         seconds=(2.5, 0.8),
         levels=([10, 25, 50, 80, 90, 95], [25, 80, 95]),
         capacity_seconds=(1.0, 0.5),
+        switch_interval_ms=(0.0, 0.0),
     )
+    args.switch_interval_ms = set_switch_interval(args.switch_interval_ms)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     curves: list[dict[str, Any]] = []
     rows: list[list[object]] = []
@@ -516,6 +526,7 @@ def main() -> None:
             f"{KEEPS_UP:.0%} of the offered, stepping down by {1 - STEP_DOWN:.0%} "
             "from the burst (unpaced) capacity",
             "capacity_seconds_per_step": args.capacity_seconds,
+            "switch_interval_ms": args.switch_interval_ms,
         },
         quick=args.quick,
         comparisons=comparisons,
