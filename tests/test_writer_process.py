@@ -263,6 +263,42 @@ def test_a_writer_that_keeps_dying_latches_and_hooks_never_raise(tmp_path):
     assert _exited(pid)
 
 
+def test_rows_lost_with_a_writer_that_died_for_good_are_counted_given_up(tmp_path):
+    """A writer killed past ``restarts`` latches the failure; the rows it had
+    been sent and had not persisted were lost without a count (the
+    destination's given_up_records said 0).  Now sent = persisted + given up."""
+    from taproute.routing import Route, RoutingConfig
+    from taproute.service import RoutingSink
+    from tests.test_runtime import eventually
+
+    sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], restarts=0)
+    routing = RoutingSink(
+        RoutingConfig([Route("to_ch", "h.*", "ch")]), SCHEMA, {"ch": lambda: sink}, unmatched="drop"
+    )
+    runtime = create_record_runtime(record_sink=routing)
+    pid = sink.writer_pid
+    assert pid is not None
+    try:
+        hook = runtime.bind_hook("h.0", layout="acts")
+        _submit(runtime, sink, hook, 1, shared=False)
+        runtime.flush()
+        os.kill(pid, signal.SIGSTOP)  # nothing more is persisted
+        for step in range(2, 5):
+            _submit(runtime, sink, hook, step, shared=False)
+        eventually(lambda: sink.counters.buffered_rows + sink.counters.in_flight_rows == 12)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RoutingFailure, match="killed by SIGKILL"):
+            runtime.flush()
+        assert runtime.counters().destinations["ch"].given_up_records == 12
+        assert sink.counters.records == 4 and sink.counters.abandoned_rows == 12
+        assert sink.counters.buffered_rows == sink.counters.in_flight_rows == 0
+    finally:
+        with pytest.raises(RoutingFailure):
+            runtime.close()
+    assert _exited(pid)
+    assert sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 4}]
+
+
 def test_an_insert_the_writer_refuses_latches_with_its_reason(tmp_path):
     sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
     with (
@@ -667,6 +703,13 @@ def test_a_writer_that_stops_answering_is_killed_at_the_shutdown_grace(tmp_path)
         assert sink.writer_pid is None
         assert not [t for t in threading.enumerate() if t.name == "taproute-writer-grace"]
         assert ok.records == 16
+        # The 12 records sent after the writer hung were lost with it: counted
+        # (they were "nothing queued" before), never silently.
+        assert caught.value.abandoned_records == {"ch": 12}
+        destination = runtime.counters().destinations["ch"]
+        assert destination.records == 16 and destination.given_up_records == 12
+        assert sink.given_up_records() == sink.counters.abandoned_rows == 12
+        assert sink.query("SELECT count() AS n FROM raw_acts").to_pylist() == [{"n": 4}]
     finally:
         if stopped:
             os.kill(pid, signal.SIGKILL)

@@ -18,7 +18,12 @@ class WriterCounters:
     """Records and blocks persisted through the writer; what failed; how the
     payloads crossed (``shared_bytes``: the bytes the records sent by
     reference cover; ``copied_bytes``: bytes copied into shared memory
-    first); writer deaths and restarts."""
+    first); writer deaths and restarts.  ``abandoned_rows``: rows this sink
+    took and gave up, never known to be persisted: buffered or in flight when
+    a failure latched (a writer dying past ``restarts``, an insert refused or
+    out of retries) or when its writer was killed at a shutdown's cut.  Only
+    grows; taken rows = ``records`` persisted + ``abandoned_rows`` + what is
+    still buffered or in flight."""
 
     records: int = 0
     bytes: int = 0
@@ -31,6 +36,7 @@ class WriterCounters:
     in_flight_rows: int = 0
     shared_bytes: int = 0
     copied_bytes: int = 0
+    abandoned_rows: int = 0
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ data meanwhile; only a writer that cannot be started at all latches)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 
@@ -73,6 +74,9 @@ class WriterConversation(HandsOverToOwner):
     _idle: trio.lowlevel.ParkingLot
     _nursery: trio.Nursery | None
     _closing: bool
+    _buffer: Block
+    _buffer_started_at: float
+    _pending_bytes: int
 
     def _queue(self, item: Block | PendingQuery) -> None:
         if isinstance(item, Block):
@@ -147,6 +151,7 @@ class WriterConversation(HandsOverToOwner):
         self._latch.latch(error, destination=self.config.where, where="writer process")
         self._process = None
         self._finish_all(error)
+        self._drop_buffer()
 
     async def _send_loop(self, process: WriterProcess) -> None:
         stream = process.attach()
@@ -235,6 +240,7 @@ class WriterConversation(HandsOverToOwner):
                 destination=self.config.where,
                 where=f"insert of {block.rows} rows after {block.failures} attempt(s)",
             )
+            self.counters.abandoned_rows += block.rows
             self._finish(block, error)
 
     def _hand_over_later(self, block: Block, error: BaseException) -> None:
@@ -278,10 +284,28 @@ class WriterConversation(HandsOverToOwner):
         self._idle.unpark_all()
 
     def _finish_all(self, error: BaseException | None) -> None:
+        """The writer is gone for good: every unfinished block is done.  The
+        sink's own blocks are given up (counted); ``insert_now``'s get
+        ``error`` (their caller, a spool, still holds their batches)."""
         for block in list(self._blocks.values()):
+            if block.waiter is None:
+                self.counters.abandoned_rows += block.rows
             self._finish(block, error if block.waiter is not None else None)
         for query in list(self._queries.values()):
             self._answer(query, Answer(query.id, None, WriterCrashed("the writer process stopped")))
+
+    def _drop_buffer(self) -> None:
+        """No block will take what is buffered: give its buffers back and
+        count its rows as given up."""
+        buffer = self._buffer
+        for hold in buffer.holds:
+            hold.release()
+        self.counters.abandoned_rows += buffer.rows
+        self.counters.buffered_rows -= buffer.rows
+        self._pending_bytes -= buffer.nbytes
+        self._buffer = Block(0, "")
+        self._buffer_started_at = math.inf
+        self._space.unpark_all()
 
     def _answer(self, query: PendingQuery, answer: Answer) -> None:
         self._queries.pop(query.id, None)

@@ -240,10 +240,7 @@ class WriterProcessSink(WriterConversation):
         """The writer is gone: settle what waited on it, give the buffered
         block's buffers back and forget its rows and bytes."""
         self._finish_all(None)
-        for hold in self._buffer.holds:
-            hold.release()
-        self._buffer = Block(0, "")
-        self.counters.buffered_rows = 0
+        self._drop_buffer()
         self._pending_bytes = 0
 
     @property
@@ -445,6 +442,12 @@ class WriterProcessSink(WriterConversation):
     def failure(self) -> BaseException | None:
         """The latched failure, or None."""
         return self._latch.failure
+
+    def given_up_records(self) -> int:
+        """Rows this sink took and gave up (``GivesUp``; ``counters.abandoned_rows``):
+        buffered or in flight when a failure latched or a shutdown's cut
+        killed the writer, never known to be persisted."""
+        return self.counters.abandoned_rows
 
     @property
     def health(self) -> WriterHealth:
