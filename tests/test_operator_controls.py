@@ -133,6 +133,18 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
         )
         status, body = request(f"{url}/dead-letters?stat=all")
         assert status == 400 and body["error"].startswith("unknown query parameter 'stat'")
+        # So is an empty or repeated '?route=': '?route=' (a shell's unset
+        # variable) rerouted to the old route, for good; a repeated one took
+        # whichever Starlette kept.
+        for ambiguous, says in (
+            ("route=", "route= must name a route"),
+            ("route=r&route=other", "route= given 2 times"),
+        ):
+            where = f"{url}/dead-letters/{second}/reroute?{ambiguous}"
+            status, body = request(where, "POST", token=TOKEN)
+            assert status == 400 and says in body["error"], (ambiguous, status, body)
+        status, body = request(f"{url}/dead-letters/{first}/skip?route=", "POST", token=TOKEN)
+        assert status == 400 and "route= must name a route" in body["error"]
 
         SCRIPT.broken = False  # fixed: reroute goes through routing again
         status, body = request(f"{url}/dead-letters/{second}/reroute", "POST", token=TOKEN)

@@ -72,7 +72,7 @@ class DeadLetterControls:
                 f"dead letter {letter_id}: a causal-limit refusal kept no payload (redacted); "
                 "there is nothing to reroute, it stays a dead letter"
             )
-        target = route or letter.route
+        target = letter.route if route is None else route
         sink = self.intake.record_sink
         if not isinstance(sink, Rerouter):
             raise RerouteRefused(

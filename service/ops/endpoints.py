@@ -211,7 +211,12 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             unknown = unknown_parameters(request, ("route",))
             if unknown is not None:  # a mistyped ?route= must not reroute to the old route
                 return unknown
-            route = request.query_params.get("route")
+            routes = request.query_params.getlist("route")
+            if len(routes) > 1:  # which one was meant? refused, never guessed
+                return json_error(400, f"route= given {len(routes)} times; name one route")
+            if routes == [""]:  # an unset variable must not reroute to the old route
+                return json_error(400, "route= must name a route (leave it out for the old one)")
+            route = routes[0] if routes else None
             try:
                 letter = await trio.to_thread.run_sync(action, ident, route)
             except DeadLetterNotFound as exc:
