@@ -180,7 +180,7 @@ def test_a_config_file_sets_close_timeout_and_refuses_a_negative_one(tmp_path):
     path.write_text(body.replace("@S@", "-1"))
     with pytest.raises(ConfigFileError) as refused:
         load_config(path)
-    assert "destinations.ch.close_timeout: expected seconds >= 0, found -1" in str(refused.value)
+    assert "destinations.ch.close_timeout: must be in [0, 86400], found -1" in str(refused.value)
 
 
 async def test_closing_a_routing_sink_is_bounded_by_its_owned_destinations_close_timeout(

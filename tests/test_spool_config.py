@@ -204,7 +204,7 @@ spool_block_timeout = -1
         p.startswith("destinations.ch.spool_when_full: 'dead_letter' needs a dead-letter store")
         for p in problems
     ), problems
-    assert "destinations.ch.spool_block_timeout: expected seconds >= 0, found -1.0" in problems
+    assert "destinations.ch.spool_block_timeout: must be in [0, 86400], found -1" in problems
 
 
 def test_spool_numbers_are_refused_when_the_file_is_loaded(tmp_path):
@@ -230,8 +230,47 @@ spool_fsync_interval = -1.0
     with pytest.raises(ConfigFileError) as caught:
         load_config(write(tmp_path, text))
     problems = caught.value.problems
-    assert "destinations.ch.spool_quota_bytes: expected bytes > 0, found 0" in problems
-    assert "destinations.ch.spool_fsync_interval: expected seconds > 0, found -1.0" in problems
+    assert "destinations.ch.spool_quota_bytes: must be in [1, 2**50], found 0" in problems
+    assert "destinations.ch.spool_fsync_interval: must be in [0.001, 3600], found -1" in problems
+
+
+def test_spool_bounds_are_reported_beside_a_bad_key_of_the_same_destination(tmp_path):
+    """The spool's and close's bounds were checked only once every key of the
+    file had its type, so a mistyped key beside them hid them: the report
+    named `spool_fsync` and not the negative quota, and fixing one showed the
+    next.  Now one report holds all of them."""
+    text = """
+[[layouts]]
+name = "vec"
+columns = [{ name = "values", type = "Array(Float32)", shape = [4] }]
+
+[[routes]]
+name = "raw"
+outputs = ["layers.*"]
+destination = "ch"
+
+[destinations.ch]
+url = "http://127.0.0.1:1/"
+raw = ["vec"]
+spool_fsync = "never"
+spool_quota_bytes = -5
+spool_fsync_interval = 0
+spool_block_timeout = -1
+close_timeout = -1
+
+[routing]
+unmatched = "drop"
+"""
+    with pytest.raises(ConfigFileError) as caught:
+        load_config(write(tmp_path, text))
+    assert sorted(caught.value.problems) == [
+        "destinations.ch.close_timeout: must be in [0, 86400], found -1",
+        "destinations.ch.spool_block_timeout: must be in [0, 86400], found -1",
+        "destinations.ch.spool_fsync: expected one of 'flush', 'interval', 'batch', "
+        "found string 'never'",
+        "destinations.ch.spool_fsync_interval: must be in [0.001, 3600], found 0",
+        "destinations.ch.spool_quota_bytes: must be in [1, 2**50], found -5",
+    ]
 
 
 def test_check_refuses_a_spool_directory_the_run_could_not_open(tmp_path, chdb_transport):

@@ -393,10 +393,7 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
                 )
             spools.setdefault(directory, name)
         if dest.spool_when_full == "dead_letter" and config.dead_letter_location() is None:
-            yield (
-                f"destinations.{name}.spool_when_full: 'dead_letter' needs a dead-letter "
-                "store: set dead_letters.path (none is implied without a chDB destination)"
-            )
+            yield _needs_dead_letters(name)
     for i, route in enumerate(config.routes):
         yield from _narrow_problems(i, route.name, route.narrow, names)
     for i, hook in enumerate(config.producer.hooks):
@@ -439,9 +436,17 @@ def load_config(path: str | Path) -> ServiceConfig:
         raise ConfigFileError(path, problems_of(exc) + reference_problems(raw)) from None
     config = attrs.evolve(config, source=path)
     problems = list(_semantic_problems(config))
-    if problems:  # semantic ones check the layout references already
-        raise ConfigFileError(path, problems + reference_problems(raw, layouts=False))
+    if problems:  # semantic ones check the layout references already (and the dead letters')
+        references = reference_problems(raw, layouts=False)
+        raise ConfigFileError(path, list(dict.fromkeys(problems + references)))
     return config
+
+
+def _needs_dead_letters(destination: object) -> str:
+    return (
+        f"destinations.{destination}.spool_when_full: 'dead_letter' needs a dead-letter "
+        "store: set dead_letters.path (none is implied without a chDB destination)"
+    )
 
 
 def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
@@ -492,6 +497,16 @@ def reference_problems(raw: object, *, layouts: bool = True) -> list[str]:
                     f"routes[{i}].then[{k}]: route {name!r}: then names {target!r}, which is "
                     f"not a route (routes: {listed})"
                 )
+    # A destination shedding into the dead letters needs a store: configured,
+    # or implied beside a chDB destination.
+    dead_letters = raw.get("dead_letters")
+    tables = destinations.values() if isinstance(destinations, dict) else ()
+    if not (
+        isinstance(dead_letters, dict) and isinstance(dead_letters.get("path"), str)
+    ) and not any(isinstance(dest, dict) and isinstance(dest.get("path"), str) for dest in tables):
+        for dest_name, dest in (destinations if isinstance(destinations, dict) else {}).items():
+            if isinstance(dest, dict) and dest.get("spool_when_full") == "dead_letter":
+                problems.append(_needs_dead_letters(dest_name))
     routing = raw.get("routing", {})
     if isinstance(routing, dict) and routing.get("unmatched", "default") == "default":
         default = routing.get("default_destination")

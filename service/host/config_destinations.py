@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import string
@@ -18,10 +17,11 @@ from typing import Literal
 
 import attrs
 
+from taproute.routing.checks import Limit
 from taproute.routing.errors import TaprouteError
 from taproute.routing.schema import RecordSchema
 from taproute.routing.sink import RecordSink
-from taproute.service.host.config_rules import ConfigFileError
+from taproute.service.host.config_rules import ConfigFileError, add_limits
 from taproute.service.ops.dead_letters import DeadLetterStore
 from taproute.service.sinks.clickhouse import Batching, ClickHouseSink, Retry, ServerUnreachable
 from taproute.service.sinks.clickhouse.transport import connect_timeout_of, without_credentials
@@ -96,6 +96,20 @@ class DestinationConfig:
         return path if path.is_absolute() else base / path
 
 
+# Bounds of the destination's numbers, checked while the file is read, so
+# they are reported beside every other problem of the same table (checked
+# afterwards, a bad key next to them hid them).
+add_limits(
+    DestinationConfig,
+    {
+        "spool_quota_bytes": Limit(1, 2**50),
+        "spool_fsync_interval": Limit(0.001, 3600),
+        "spool_block_timeout": Limit(0, 86_400),
+        "close_timeout": Limit(0, 86_400),
+    },
+)
+
+
 def _template_problem(template: str) -> str | None:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
@@ -128,17 +142,6 @@ def destination_problems(name: str, dest: DestinationConfig, layouts: set[str]) 
                 yield f"{where}.url: {exc}"
     if dest.path == "":
         yield f"{where}.path: empty"
-    # SpoolConfig refuses these too, but only when the service starts, without the key.
-    if not dest.spool_quota_bytes > 0:
-        yield f"{where}.spool_quota_bytes: expected bytes > 0, found {dest.spool_quota_bytes}"
-    if not dest.spool_fsync_interval > 0:
-        found_interval = dest.spool_fsync_interval
-        yield f"{where}.spool_fsync_interval: expected seconds > 0, found {found_interval}"
-    if dest.spool_block_timeout is not None and not dest.spool_block_timeout >= 0:
-        found = dest.spool_block_timeout
-        yield f"{where}.spool_block_timeout: expected seconds >= 0, found {found}"
-    if not 0 <= dest.close_timeout < math.inf:
-        yield f"{where}.close_timeout: expected seconds >= 0, found {dest.close_timeout}"
     for key, names in (("raw", dest.raw), ("rows", dest.rows)):
         for i, layout in enumerate(names):
             if layout not in layouts:
