@@ -8,6 +8,7 @@ the Trio loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -141,6 +142,26 @@ def _is_unknown_table(error: BaseException) -> bool:
     return "UNKNOWN_TABLE" in text or "Code: 60." in text
 
 
+class DirectoryGone(FileNotFoundError):
+    """The chDB directory a transport opened was removed or replaced while it
+    was open.  chDB goes on writing parts into directories it recreates, with
+    no table metadata beside them: no later start finds those rows, so an
+    insert is refused instead (an ``OSError``: transient, so a spool keeps
+    the batches, and delivers them at the next start, into the directory
+    opened again)."""
+
+
+def _identity(path: Path) -> tuple[tuple[int, int], ...]:
+    """The directory and its ``status`` file (the lock chDB holds while the
+    directory is open, never made again by it until it opens the directory
+    again): their device and inode numbers.  Raises ``OSError`` if the
+    directory is gone."""
+    found = [os.stat(path)]
+    with contextlib.suppress(FileNotFoundError):
+        found.append(os.stat(path / "status"))
+    return tuple((stat.st_dev, stat.st_ino) for stat in found)
+
+
 class _SharedSession:
     """chDB runs one embedded server per process, on one data directory at a
     time: transports on the same directory share one session (and its lock)."""
@@ -223,6 +244,7 @@ class ChdbTransport:
         self.path.mkdir(parents=True, exist_ok=True)
         self.description = f"chDB at {self.path}"
         self._session = _SharedSession.acquire(self.path)
+        self._identity = _identity(self.path)  # the directory opened (see DirectoryGone)
         self._lock = _SharedSession.query_lock
         self._closed = False
         self._idle: list[_InsertLane] = []  # insert connections not in use now
@@ -280,6 +302,7 @@ class ChdbTransport:
             f"SETTINGS insert_deduplicate = 1, insert_deduplication_token = '{dedup_token}', "
             f"{CHDB_INSERT_SETTINGS}"
         )
+        self._check_directory()
         lane = self._connection()
         try:
             scratch = lane.scratch
@@ -303,6 +326,19 @@ class ChdbTransport:
                 scratch.clear()
         finally:
             self._give_back(lane)
+
+    def _check_directory(self) -> None:
+        """Raise :class:`DirectoryGone` unless the directory opened is still there."""
+        try:
+            same = _identity(self.path) == self._identity
+        except OSError:
+            same = False
+        if not same:
+            raise DirectoryGone(
+                f"the chDB directory {self.path} was removed or replaced while this "
+                "process had it open (rows inserted now would land where no start finds "
+                "them); restart to open it again"
+            )
 
     def query(self, sql: str) -> pa.Table:
         with self._lock:
