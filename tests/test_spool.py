@@ -229,6 +229,22 @@ async def test_quota_block_waits_for_an_ack_then_times_out_when_none_comes(
     with pytest.raises(SpoolFull, match="when_full='block'"):
         await spool.append(vec_batch(1, 4))
     assert trio.current_time() - before == pytest.approx(5.0)
+    # Per stall, not per batch: until something is acknowledged, the next
+    # ones shed at once (each waited its own 5 s: a queue of N batches took
+    # N x 5 s to shed)...
+    before = trio.current_time()
+    for _ in range(3):
+        with pytest.raises(SpoolFull, match="when_full='block'"):
+            await spool.append(vec_batch(1, 4))
+    assert trio.current_time() == before
+    # ... and once an acknowledgement made room, a full spool waits again.
+    await spool.ack(spool._log.entries[0].seq)
+    while spool.unacked_bytes + 343 <= 1000:
+        await spool.append(vec_batch(1, 4))
+    before = trio.current_time()
+    with pytest.raises(SpoolFull, match="when_full='block'"):
+        await spool.append(vec_batch(1, 4))
+    assert trio.current_time() - before == pytest.approx(5.0)
     await spool.aclose()
 
 

@@ -144,6 +144,10 @@ class Spool:
         self._budget: float | None = None  # the producer's, when block_timeout is unset
         self.counters = SpoolCounters(damaged_bytes=sum(d.dropped_bytes for d in log.damage))
         self._no_room: OSError | None = None  # the last disk-full error, until an append succeeds
+        # A ``block`` wait ran out and nothing was appended or acknowledged
+        # since: the next one sheds at once (the bound is per stall, not per
+        # batch, as the runtime's max_block).
+        self._stalled = False
         self._disk_slow = False  # the last timed append was slow: mid-size frames go to a thread
         self._timer: Callable[[], float] = time.perf_counter  # times appends (tests replace it)
         self._hooks: HookRegistry | None = None  # names records' hooks in frames
@@ -202,6 +206,7 @@ class Spool:
         return used == 0 or used + size <= self.config.quota_bytes
 
     def _changed_now(self) -> None:
+        self._stalled = False
         self._changed.set()
         self._changed = trio.Event()
 
@@ -211,10 +216,12 @@ class Spool:
 
         ``"spooled"``: it is in the spool (durable per the fsync policy);
         ``"dropped"`` / ``"dead_lettered"``: the policy shed it (counted).
-        Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``.
-        A file system out of room (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is a
-        full spool too: the same policy applies (``block`` retries at every
-        acknowledgement, and at least every second), never an error.
+        Raises :class:`SpoolFull` when ``block`` waited ``block_timeout``,
+        and then at once, without waiting, until something is appended or
+        acknowledged (the bound is per stall).  A file system out of room
+        (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is a full spool too: the same
+        policy applies (``block`` retries at every acknowledgement, and at
+        least every second), never an error.
         ``token``: a deduplication token the batch was already sent with.
         """
         batches = [batch] if isinstance(batch, (RecordBatch, RowBatch)) else list(batch)
@@ -336,7 +343,8 @@ class Spool:
         delete a segment) or, at most :data:`_DISK_POLL` seconds, for room
         made by others; at ``deadline`` (``block_timeout``) raise :class:`SpoolFull`."""
         started = trio.current_time()
-        if started >= deadline:
+        if started >= deadline or self._stalled:
+            self._stalled = True
             raise SpoolFull(
                 f"spool {self.config.directory}: no room on disk ({error}) for "
                 f"{self.block_timeout} s (when_full='block')"
@@ -362,12 +370,13 @@ class Spool:
 
     async def _wait_for_room(self, size: int) -> None:
         started = trio.current_time()
-        deadline = started + self.block_timeout
+        deadline = started if self._stalled else started + self.block_timeout
         try:
             with trio.move_on_at(deadline):
                 while not self._has_room(size):
                     await self._changed.wait()
                 return
+            self._stalled = True
             raise SpoolFull(
                 f"spool {self.config.directory}: {self._log.unacked_bytes} of "
                 f"{self.config.quota_bytes} quota bytes unacknowledged for "
