@@ -170,3 +170,56 @@ async def test_a_query_asked_while_the_writer_restarts_is_answered(tmp_path, mod
         with guarded(sink):
             assert (await counts(writer))["n"] == 4
             await sink.close()
+
+
+def starting_writers(known: set[int]) -> list[int]:
+    """Writer processes this process started that are not in ``known``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in known:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except OSError:
+            continue
+        if parent == os.getpid() and b"taproute.service.sinks.writer.child" in command:
+            found.append(int(entry))
+    return found
+
+
+async def test_a_writer_killed_while_it_restarts_is_restarted_again(tmp_path):
+    """A replacement writer SIGKILLed before it was ready (an OOM killer in a
+    crash loop) latched the destination as a writer that "cannot be started"
+    (``did not answer within 120.0 s: Connection reset by peer``, at once),
+    though under a spool a dying writer is restarted however often it dies.
+    It is a death like the first: counted, and restarted."""
+    sink = spooled_writer(tmp_path, "outage", restarts=0)
+    writer = sink.inner
+    assert isinstance(writer, WriterProcessSink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await sink.submit(vec_batch(0, 4, seq_start=0))
+        await sink.flush()
+        first = writer.writer_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        with guarded(sink):
+            while not (replacement := starting_writers({first})):
+                await trio.sleep(0.001)
+        # Stopped at once: a new interpreter importing chDB is far from ready.
+        (starting,) = replacement
+        os.kill(starting, signal.SIGSTOP)
+        assert writer.writer_pid == first  # still the dead one: not started yet
+        os.kill(starting, signal.SIGKILL)
+        for i in range(1, 6):
+            await sink.submit(vec_batch(0, 4, seq_start=4 * i))
+        with guarded(sink):
+            await sink.wait_delivered()
+            assert writer.failure is None and sink.failure is None
+            assert writer.counters.crashes == 2 and writer.counters.restarts == 1
+            assert writer.writer_pid not in (None, first, starting)
+            assert await counts(writer) == {"n": 24, "u": 24, "lo": 0, "hi": 23}
+            await sink.close()

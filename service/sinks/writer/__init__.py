@@ -4,6 +4,7 @@ the model process, payloads shared in memory rather than copied."""
 from taproute.service.sinks.writer.errors import (
     DirectoryInUse,
     WriterCrashed,
+    WriterDied,
     WriterInsertFailed,
     WriterStartError,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "WriterCrashed",
     "WriterHealth",
     "WriterInsertFailed",
+    "WriterDied",
     "WriterProcessSink",
     "WriterStartError",
 ]

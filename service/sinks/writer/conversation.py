@@ -33,7 +33,7 @@ from taproute.service.sinks.writer.blocks import (
     WriterCounters,
     WriterHealth,
 )
-from taproute.service.sinks.writer.errors import WriterCrashed, WriterInsertFailed
+from taproute.service.sinks.writer.errors import WriterCrashed, WriterDied, WriterInsertFailed
 from taproute.service.sinks.writer.process import WriterProcess, describe_exit
 from taproute.service.sinks.writer.protocol import (
     Answer,
@@ -105,30 +105,42 @@ class WriterConversation(HandsOverToOwner):
             if not await self._restart(process, code):
                 return
 
-    async def _restart(self, dead: WriterProcess, code: int) -> bool:
-        """After writer ``dead`` exited with ``code``: restart it (True) or latch (False)."""
+    def _died(self, reason: str) -> None:
+        """A writer died (``reason``): counted, reported, and what waited on it
+        answered (queries) or settled (an owner's blocks, handed over)."""
         self.counters.crashes += 1
         self._crashes_in_a_row += 1
-        reason = f"writer process {dead.pid} for {self.config.where} {describe_exit(code)}"
         self._health = WriterHealth(False, time.time(), reason)
         for query in list(self._queries.values()):
             self._answer(query, Answer(query.id, None, WriterCrashed(reason)))
         for block in list(self._blocks.values()):  # insert_now's are the spool's to retry
             if block.waiter is not None:
                 self._finish(block, WriterCrashed(reason))
-            elif self._failed_blocks is not None and block.state != HANDING:
+            elif self._failed_blocks is not None and block.state not in (HANDING, DONE):
                 self._hand_over_later(block, WriterCrashed(reason))
-        if self._failed_blocks is None and self._crashes_in_a_row > self.restarts:
-            self._give_up(WriterCrashed(f"{reason}; {self.restarts} restart(s) in a row failed"))
-            return False
-        await trio.sleep(self.retry.backoff(self._crashes_in_a_row))
-        try:
-            process = await trio.to_thread.run_sync(
-                WriterProcess.start, self.config, self.start_timeout
-            )
-        except Exception as exc:
-            self._give_up(exc)
-            return False
+
+    async def _restart(self, dead: WriterProcess, code: int) -> bool:
+        """After writer ``dead`` exited with ``code``: restart it (True) or latch (False)."""
+        reason = f"writer process {dead.pid} for {self.config.where} {describe_exit(code)}"
+        self._died(reason)
+        while True:
+            if self._failed_blocks is None and self._crashes_in_a_row > self.restarts:
+                error = WriterCrashed(f"{reason}; {self.restarts} restart(s) in a row failed")
+                self._give_up(error)
+                return False
+            await trio.sleep(self.retry.backoff(self._crashes_in_a_row))
+            try:
+                process = await trio.to_thread.run_sync(
+                    WriterProcess.start, self.config, self.start_timeout
+                )
+            except WriterDied as exc:  # killed while it started: one more death
+                reason = str(exc)
+                self._died(reason)
+                continue
+            except Exception as exc:  # it cannot start (its sink refused, no answer)
+                self._give_up(exc)
+                return False
+            break
         if self._closing:  # closed while it started: stop it, whatever cancels us
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(process.kill)

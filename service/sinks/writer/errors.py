@@ -9,6 +9,11 @@ class WriterStartError(TaprouteError, RuntimeError):
     """The writer process could not be started (it exited, or never answered)."""
 
 
+class WriterDied(WriterStartError):
+    """The writer process was killed by a signal before it was ready (an OOM
+    kill, a SIGKILL): a death like any other, answered with a restart."""
+
+
 class DirectoryInUse(ConfigError):
     """Another process has the chDB directory open (chDB allows one per directory)."""
 

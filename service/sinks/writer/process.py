@@ -21,7 +21,7 @@ import sys
 
 import trio
 
-from taproute.service.sinks.writer.errors import WriterStartError
+from taproute.service.sinks.writer.errors import WriterDied, WriterStartError
 from taproute.service.sinks.writer.protocol import (
     Close,
     MessageStream,
@@ -46,6 +46,25 @@ def describe_exit(code: int | None) -> str:
             name = f"signal {-code}"
         return f"was killed by {name}"
     return f"exited with status {code}"
+
+
+def _ended(process: subprocess.Popen[bytes], within: float = 5.0) -> int | None:
+    """The exit code of a process whose socket just ended (it is exiting),
+    or None if it still runs ``within`` seconds later."""
+    try:
+        return process.wait(within)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _not_ready(pid: int, config: WriterConfig, code: int, answered: str) -> WriterStartError:
+    """A writer that ended before it was ready: killed by a signal, a death
+    (:class:`WriterDied`, restarted like one); otherwise it cannot start."""
+    kind = WriterDied if code < 0 else WriterStartError
+    return kind(
+        f"writer process {pid} for {config.where} {describe_exit(code)} before it was "
+        f"ready{answered}"
+    )
 
 
 class WriterProcess:
@@ -102,8 +121,13 @@ class WriterProcess:
             reply = receive_blocking(messages)
             messages.settimeout(None)
         except BaseException as exc:
+            # Its socket failed: it died (reset, broken pipe), or never answered.
+            died = isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+            ended = _ended(process) if died else None
             started.kill()
             started.close_sockets()
+            if ended is not None:
+                raise _not_ready(process.pid, config, ended, "") from exc
             if isinstance(exc, (TimeoutError, OSError)):
                 raise WriterStartError(
                     f"writer process for {config.where} did not answer within {timeout} s: {exc}"
@@ -111,14 +135,12 @@ class WriterProcess:
             raise
         if isinstance(reply, Ready):
             return started
+        ended = None if isinstance(reply, StartFailed) else _ended(process)
         code = started.kill()
         started.close_sockets()
         if isinstance(reply, StartFailed):
             raise reply.error
-        raise WriterStartError(
-            f"writer process for {config.where} {describe_exit(code)} before it was ready "
-            f"(answered {reply!r})"
-        )
+        raise _not_ready(process.pid, config, code if ended is None else ended, f" ({reply!r})")
 
     # -- the Trio side ------------------------------------------------------------
 
