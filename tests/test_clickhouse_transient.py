@@ -117,3 +117,33 @@ def test_chdb_errors_are_classified_by_the_code_in_their_text(chdb_transport):
 
 def test_the_two_code_tables_do_not_overlap():
     assert not set(RETRYABLE_CODES) & set(PERMANENT_CODES)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # What chDB raised inserting into a directory remounted read-only
+        # (a read-only bind mount, found probing a running service).
+        "Code: 1001. DB::Exception: std::__1::filesystem::filesystem_error: filesystem "
+        'error: in create_directories: Read-only file system ["/data/store/84e/84e998c7-'
+        'dc4f-408a-aa77-8ae1627117b0/tmp_insert_all_16_16_0"]. (STD_EXCEPTION)',
+        "Code: 1001. DB::Exception: std::__1::filesystem::filesystem_error: filesystem "
+        'error: in create_directories: Permission denied ["/data/store/x/tmp_insert_1"]. '
+        "(STD_EXCEPTION)",
+        "Code: 75. DB::Exception: Cannot write to file /data/store/x/data.bin: "
+        "Input/output error. (CANNOT_WRITE_TO_FILE_DESCRIPTOR)",
+        "Code: 1001. DB::Exception: std::__1::filesystem::filesystem_error: No space left "
+        "on device. (STD_EXCEPTION)",
+    ],
+)
+def test_the_storage_refusing_a_write_is_retried_whatever_its_code(message):
+    """Taken for bad data (code 1001 is in neither table), a spool split each
+    such block down to single records and dead-lettered every one as
+    'destination_refused' while the destination read healthy; a read-only or
+    failing disk is an outage: retried, spooled, delivered once it is fixed."""
+    from chdb import ChdbError
+
+    verdict = classify(ChdbError(message))
+    assert verdict.retry and verdict.reason.startswith("storage error ("), verdict
+    # Bad data stays refused.
+    assert not classify(ChdbError("Code: 53. DB::Exception: Type mismatch. (TYPE_MISMATCH)")).retry

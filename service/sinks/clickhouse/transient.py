@@ -3,6 +3,9 @@
 A failed insert is classified by the most specific thing it carries, in this
 order:
 
+0. **The storage's own error** (:data:`STORAGE_ERRORS`: a read-only file
+   system, no space left, a quota, an I/O error, permission denied), under
+   whatever code carries it: retried, the disk is at fault, not the block.
 1. **The ClickHouse error code** (``X-ClickHouse-Exception-Code`` on HTTP,
    ``Code: N.`` in chDB's message).  Codes in :data:`RETRYABLE_CODES` say the
    server is busy, short of memory or parts, or lost a replica or the
@@ -87,6 +90,21 @@ PERMANENT_CODES: Mapping[int, str] = {
 #: HTTP statuses retried when no ClickHouse code came with them (a proxy answered).
 RETRYABLE_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
 
+#: What the storage under a table says when it cannot take a write (the
+#: C library's texts of EROFS, ENOSPC, EDQUOT, EIO, EACCES), whatever code
+#: carries it (chDB wraps a C++ filesystem_error as STD_EXCEPTION, 1001):
+#: the disk is at fault, not the block, and the same block goes in once it is
+#: fixed.  Retried; taken for bad data, a spool split such blocks down to
+#: single records and dead-lettered every one while the destination read
+#: healthy.
+STORAGE_ERRORS: tuple[str, ...] = (
+    "Read-only file system",
+    "No space left on device",
+    "Disk quota exceeded",
+    "Input/output error",
+    "Permission denied",
+)
+
 _CODE_IN_TEXT = re.compile(r"\bCode:\s*(\d+)\.")
 _STATUS_IN_TEXT = re.compile(r"\bHTTP status (\d{3})\b")
 
@@ -129,6 +147,10 @@ def _connection_error(error: BaseException) -> bool:
 def classify(error: BaseException) -> Verdict:
     """Classify a failed insert (see the module docstring for the rules)."""
     code = error_code(error)
+    text = str(error)
+    storage = next((e for e in STORAGE_ERRORS if e in text), None)
+    if storage is not None:
+        return Verdict(True, f"storage error ({storage})")
     if code is not None:
         if code in RETRYABLE_CODES:
             return Verdict(True, f"ClickHouse code {code} {RETRYABLE_CODES[code]}")
