@@ -138,13 +138,26 @@ def test_dead_letter_controls_over_http_need_the_token(tmp_path):
         # whichever Starlette kept.
         for ambiguous, says in (
             ("route=", "route= must name a route"),
-            ("route=r&route=other", "route= given 2 times"),
+            ("route=r&route=other", "query parameter 'route' given 2 times"),
         ):
             where = f"{url}/dead-letters/{second}/reroute?{ambiguous}"
             status, body = request(where, "POST", token=TOKEN)
             assert status == 400 and says in body["error"], (ambiguous, status, body)
         status, body = request(f"{url}/dead-letters/{first}/skip?route=", "POST", token=TOKEN)
         assert status == 400 and "route= must name a route" in body["error"]
+        # Options an endpoint does not take, or takes once, were ignored by
+        # showing a letter and by listing (older_than=1&older_than=2 took one).
+        status, body = request(f"{url}/dead-letters/{first}?verbose=1")
+        assert (status, body["error"]) == (
+            400,
+            f"unknown query parameter 'verbose' for /dead-letters/{first} (it takes: none)",
+        )
+        status, body = request(f"{url}/dead-letters?older_than=1&older_than=2")
+        assert (status, body["error"]) == (
+            400,
+            "query parameter 'older_than' given 2 times for /dead-letters",
+        )
+        assert request(f"{url}/trace?hook=layers.0.q", "POST")[0] == 400
 
         SCRIPT.broken = False  # fixed: reroute goes through routing again
         status, body = request(f"{url}/dead-letters/{second}/reroute", "POST", token=TOKEN)

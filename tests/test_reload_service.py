@@ -180,6 +180,10 @@ def test_sighup_reloads_a_running_taproute_run(tmp_path):
         assert post(f"{url}/reload", None)[0] == 401
         assert post(f"{url}/reload", "wrong")[0] == 401
         assert get_json(f"{url}/status")["generation"] == 2
+        # A reload takes no options: one given (a dry run?) is refused, not
+        # ignored while the file is applied.
+        assert post(f"{url}/reload?dry_run=1", "s3cret")[0] == 400
+        assert get_json(f"{url}/status")["generation"] == 2
         code, body = post(f"{url}/reload", "s3cret")
         assert (code, body) == (200, {"generation": 3})
         status = get_json(f"{url}/status")

@@ -43,15 +43,23 @@ def json_error(status: int, message: str) -> JSONResponse:
 
 def unknown_parameters(request: Request, known: tuple[str, ...]) -> JSONResponse | None:
     """A 400 naming the query parameters ``request`` has beyond ``known``, or
-    None: a mistyped filter or option is refused, never silently ignored."""
-    unknown = sorted(set(request.query_params) - set(known))
-    if not unknown:
-        return None
-    names = ", ".join(repr(name) for name in unknown)
-    takes = ", ".join(known)
-    return json_error(
-        400, f"unknown query parameter {names} for {request.url.path} (it takes: {takes})"
-    )
+    one it gives more than once, or None: a mistyped filter or option is
+    refused, never silently ignored, and neither is a repeated one (which
+    value was meant?)."""
+    query = request.query_params
+    unknown = sorted(set(query) - set(known))
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        takes = ", ".join(known) or "none"
+        return json_error(
+            400, f"unknown query parameter {names} for {request.url.path} (it takes: {takes})"
+        )
+    for name in sorted(set(query)):
+        if len(given := query.getlist(name)) > 1:
+            return json_error(
+                400, f"query parameter {name!r} given {len(given)} times for {request.url.path}"
+            )
+    return None
 
 
 class RouteNotTaken(ValueError):
@@ -118,6 +126,9 @@ def reload_route(reload: Callable[[], int], token: str | None) -> Route:
         refused = bearer_refusal(token, request)
         if refused is not None:
             return refused
+        unknown = unknown_parameters(request, ())
+        if unknown is not None:  # a reload takes no options: refused, not applied
+            return unknown
         try:
             number = await trio.to_thread.run_sync(reload)
         except NoReloader as exc:
@@ -186,6 +197,9 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         ident = letter_id(request)
         if isinstance(ident, JSONResponse):
             return ident
+        unknown = unknown_parameters(request, ())
+        if unknown is not None:
+            return unknown
         try:
             letter = await trio.to_thread.run_sync(store.get, ident)
         except DeadLetterNotFound as exc:
@@ -212,8 +226,6 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             if unknown is not None:  # a mistyped ?route= must not reroute to the old route
                 return unknown
             routes = request.query_params.getlist("route")
-            if len(routes) > 1:  # which one was meant? refused, never guessed
-                return json_error(400, f"route= given {len(routes)} times; name one route")
             if routes == [""]:  # an unset variable must not reroute to the old route
                 return json_error(400, "route= must name a route (leave it out for the old one)")
             route = routes[0] if routes else None
@@ -254,6 +266,9 @@ def trace_route(trace: Callable[..., Any], max_body_bytes: int = DEFAULT_MAX_BOD
 
 def _trace_endpoint(trace: Callable[..., Any], max_body_bytes: int) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> JSONResponse:
+        unknown = unknown_parameters(request, ())  # the record is the body's
+        if unknown is not None:
+            return unknown
         try:
             raw = await read_body(request, max_body_bytes)
         except BodyTooLarge as exc:
