@@ -232,6 +232,17 @@ class DestinationCounters:
             "help": "Records the destination refused (bad data): dead-lettered.",
         },
     )
+    #: Of a sink that retries its writes itself (None for others): its insert
+    #: attempts that failed, retried or not; it grows while the sink retries.
+    insert_errors: int | None = attrs.field(
+        default=None,
+        metadata={
+            "kind": "count",
+            "metric": "taproute_destination_insert_errors",
+            "help": "Insert attempts of the destination's sink that failed, retried or not "
+            "(a writer process's death counts as one).",
+        },
+    )
 
 
 @attrs.frozen(kw_only=True)

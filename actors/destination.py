@@ -40,6 +40,7 @@ from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.sink import (
     BoundsBlocking,
+    CountsInsertErrors,
     GivesUp,
     NamesHooks,
     RecordSink,
@@ -137,6 +138,7 @@ class DestinationActor:
         self._spools: Spools | None = None
         #: The sink, when it can give up records it took.
         self._gives_up: GivesUp | None = None
+        self._insert_errors: CountsInsertErrors | None = None
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -210,6 +212,7 @@ class DestinationActor:
             sink.use_blocking_budget(blocking_budget)
         self._spools = sink if isinstance(sink, Spools) else None
         self._gives_up = sink if isinstance(sink, GivesUp) else None
+        self._insert_errors = sink if isinstance(sink, CountsInsertErrors) else None
         self.sink = sink
         return sink
 
@@ -520,6 +523,8 @@ class DestinationActor:
     def snapshot(self) -> DestinationCounters:
         """A detached copy of the counters."""
         self._count_given_up()
+        if self._insert_errors is not None:
+            self.counters.insert_errors = self._insert_errors.insert_errors()
         self.counters.queue_depth = self.mailbox.records
         if self._spools is not None:
             spool = self._spools.spool_status()

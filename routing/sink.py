@@ -124,6 +124,17 @@ class GivesUp(Protocol):
 
 
 @runtime_checkable
+class CountsInsertErrors(Protocol):
+    """A sink that retries failed writes itself (a ClickHouse sink, in this
+    process or a writer process): ``insert_errors`` is how many of its insert
+    attempts failed so far, retried or not (a writer process's death counts
+    as one; it only grows).  A destination exports it (``insert_errors``), so
+    trouble shows while the sink still retries, before anything is latched."""
+
+    def insert_errors(self) -> int: ...
+
+
+@runtime_checkable
 class ReleasesWhenCut(Protocol):
     """A sink holding something only its ``close()`` would give back (a
     connection, a client, chDB's data directory), which can let go of it
@@ -314,6 +325,7 @@ __all__ = [
     "Spools",
     "DescribesRecords",
     "EndsKeys",
+    "CountsInsertErrors",
     "GivesUp",
     "NamesHooks",
     "ReleasesWhenCut",

@@ -4,11 +4,14 @@ it runs (chDB allows one directory per process, hence a process of its own).
 
     python -m tests.chdb_removed_child run CONFIG
     python -m tests.chdb_removed_child recover CONFIG
+    python -m tests.chdb_removed_child retrying CONFIG
 
 ``run`` submits records 0..63, flushes, removes the chDB directory, submits
 64..127 and flushes again, then prints what the service reports as JSON.
 ``recover`` starts the service again from the same file, waits until
-everything is delivered and prints what the table holds.
+everything is delivered and prints what the table holds.  ``retrying``
+removes the directory under a destination without a spool and reports its
+failed insert attempts while the sink still retries.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -52,6 +57,19 @@ def main(action: str, path: str) -> None:
             destination = snapshot.destinations["ch"]
             report["healthy"] = destination.healthy
             report["reason"] = destination.unhealthy_reason
+            report["failure"] = snapshot.failure
+        elif action == "retrying":  # no spool: the sink retries on its own
+            hook = runtime.bind_hook("layers.0", layout="vec")
+            submit(runtime, hook, 0)
+            runtime.flush()
+            shutil.rmtree(data)
+            submit(runtime, hook, 64)
+            give_up = time.monotonic() + 60
+            while (runtime.counters().destinations["ch"].insert_errors or 0) < 3:
+                assert time.monotonic() < give_up, runtime.counters().destinations["ch"]
+                threading.Event().wait(0.01)
+            snapshot = runtime.counters()
+            report["insert_errors_while_retrying"] = snapshot.destinations["ch"].insert_errors
             report["failure"] = snapshot.failure
         else:
             runtime.flush(wait=True)

@@ -32,7 +32,8 @@ destination = "ch"
 path = "data"
 raw = ["vec"]
 spool = "{spool}"
-retry = {{ attempts = 1 }}
+retry = {{ attempts = {attempts}, initial_backoff = 0.01, max_backoff = 0.01 }}
+close_timeout = 0.5
 
 [routing]
 unmatched = "drop"
@@ -54,7 +55,7 @@ def child(action: str, config: Path) -> dict[str, object]:
 
 def test_rows_after_the_directory_was_removed_wait_in_the_spool_for_the_next_start(tmp_path):
     config = tmp_path / "router.toml"
-    config.write_text(CONFIG.format(spool="outage"))
+    config.write_text(CONFIG.format(spool="outage", attempts=1))
     ran = child("run", config)
     assert ran["healthy"] is False, ran
     assert "was removed or replaced" in str(ran["reason"]), ran
@@ -67,8 +68,21 @@ def test_rows_after_the_directory_was_removed_wait_in_the_spool_for_the_next_sta
 
 def test_without_a_spool_the_removed_directory_is_a_latched_failure_naming_it(tmp_path):
     config = tmp_path / "router.toml"
-    config.write_text(CONFIG.format(spool="off"))
+    config.write_text(CONFIG.format(spool="off", attempts=1))
     ran = child("run", config)
     data = tmp_path / "data"
     assert f"the chDB directory {data} was removed or replaced" in str(ran["failure"]), ran
     assert "flush_raised" in ran and "close_raised" in ran, ran
+
+
+def test_a_sink_retrying_without_a_spool_shows_its_failed_attempts(tmp_path):
+    """Without a spool a ClickHouse sink retries a failed insert within its
+    Retry budget (25 s by default) before anything is latched; meanwhile
+    /status and /metrics showed a destination with no error at all (healthy
+    is null without a spool, errors counts only calls that raised).  Its
+    failed attempts are now counted as they happen (insert_errors,
+    taproute_destination_insert_errors_total)."""
+    config = tmp_path / "router.toml"
+    config.write_text(CONFIG.format(spool="off", attempts=1000))
+    ran = child("retrying", config)
+    assert ran["insert_errors_while_retrying"] >= 3 and ran["failure"] is None, ran

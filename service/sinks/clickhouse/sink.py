@@ -567,6 +567,11 @@ class ClickHouseSink(OwnerInserts):
         shutdown's cut) with rows buffered or being inserted."""
         return sum(c.abandoned_rows for c in self.counters.values())
 
+    def insert_errors(self) -> int:
+        """Insert attempts that failed, retried or not, over all tables
+        (``CountsInsertErrors``)."""
+        return sum(c.errors for c in self.counters.values())
+
     def table_counters(self) -> dict[str, TableCounters]:
         """A detached copy of every table's counters."""
         return {name: attrs.evolve(c) for name, c in self.counters.items()}

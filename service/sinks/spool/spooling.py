@@ -49,6 +49,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.sink import (
+    CountsInsertErrors,
     GivesUp,
     NamesHooks,
     RecordSink,
@@ -354,6 +355,11 @@ class SpoolingSink:
             await self.spool.wait_changed()
 
     # -- observation -----------------------------------------------------------
+    def insert_errors(self) -> int:
+        """The inner sink's failed insert attempts (``CountsInsertErrors``), or 0."""
+        inner = self.inner
+        return inner.insert_errors() if isinstance(inner, CountsInsertErrors) else 0
+
     def given_up_records(self) -> int:
         """Records this destination took and then lost: those its inner sink
         gave up (``GivesUp``: the rows a ClickHouse sink had buffered or was

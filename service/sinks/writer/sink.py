@@ -443,6 +443,11 @@ class WriterProcessSink(WriterConversation):
         """The latched failure, or None."""
         return self._latch.failure
 
+    def insert_errors(self) -> int:
+        """Inserts the writer reported failed, retried or not, and writer
+        deaths (each cut its inserts short) (``CountsInsertErrors``)."""
+        return self.counters.errors + self.counters.crashes
+
     def given_up_records(self) -> int:
         """Rows this sink took and gave up (``GivesUp``; ``counters.abandoned_rows``):
         buffered or in flight when a failure latched or a shutdown's cut
