@@ -190,7 +190,7 @@ def test_sighup_reloads_a_running_taproute_run(tmp_path):
         assert status["generation"] == 3 and list(status["routes"]) == ["norms"]
         path.write_text(config_text(tmp_path, BROKEN))
         code, body = post(f"{url}/reload", "s3cret")
-        assert code == 422
+        assert code == 422 and body["file"] == str(path)  # where the key paths are
         assert any("unknown processor 'no.such.processor'" in p for p in body["problems"])
         assert get_json(f"{url}/status")["generation"] == 3
 

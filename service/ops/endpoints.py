@@ -138,13 +138,14 @@ def reload_route(reload: Callable[[], int], token: str | None) -> Route:
                 message if where is None else f"{where}: {message}"
                 for message, where in exc.located()
             ]
-            return JSONResponse(
-                {
-                    "error": "reload refused; the running generation goes on",
-                    "problems": problems,
-                },
-                status_code=422,
-            )
+            body: dict[str, object] = {
+                "error": "reload refused; the running generation goes on",
+                "problems": problems,
+            }
+            path = getattr(exc, "path", None)
+            if path is not None:  # the file the problems' key paths are in
+                body["file"] = str(path)
+            return JSONResponse(body, status_code=422)
         return JSONResponse({"generation": number})
 
     return Route("/reload", endpoint, methods=["POST"])
