@@ -866,3 +866,29 @@ def test_processor_modules_beside_the_config_file_are_found(tmp_path, monkeypatc
     assert sys.path[0] == str(tmp_path.resolve())
     config.import_processors()  # again: the folder is on the path once
     assert sys.path.count(str(tmp_path.resolve())) == 1
+
+
+def test_run_takes_a_sighup_sent_while_it_starts(tmp_path, chdb_transport, monkeypatch):
+    # A reload sent while the service was still being built (a config
+    # manager reloading every instance) found no handler yet: SIGHUP's
+    # default action ended the process (exit 129). The handlers are in
+    # place from the start now; the reload is applied once it serves.
+    from taproute.service.host import loadgen
+
+    path = write(tmp_path, base(chdb_transport, unique("hup_start")))
+    starting = loadgen._serving
+
+    def hang_up_while_starting(built: object) -> object:
+        os.kill(os.getpid(), signal.SIGHUP)
+        return starting(built)
+
+    monkeypatch.setattr(loadgen, "_serving", hang_up_while_starting)
+    missed: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: missed.append(signum))
+    try:
+        out = io.StringIO()
+        run_load(load_config(path), rate=1000, duration=0.2, out=out)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert missed == []
+    assert f"reloaded {path}: generation 2" in out.getvalue()

@@ -77,10 +77,16 @@ def run_load(
     rng = np.random.default_rng(seed)
     runtime: RecordService | None = None
     submitted, elapsed = 0, 0.0
+    # From the start to the end of the close: a SIGHUP sent while the
+    # service is built (a config manager reloading every instance) or while
+    # it closes would otherwise take SIGHUP's default action, the end of the
+    # process. One sent before it serves is applied once it does.
+    signals = _Signals()
+    restore = _on_signals(signals)
     try:
         with config.build() as built, _serving(built).start() as runtime:
             submitted, elapsed = _drive(
-                config, built, runtime, rate, duration, rng, out, call_timeout
+                config, built, runtime, rate, duration, rng, out, call_timeout, signals
             )
     except ShutdownAbandoned:
         # Closing was cut off by the grace: what the routes and destinations
@@ -88,6 +94,8 @@ def run_load(
         if runtime is not None:
             _end(runtime, out, elapsed, duration, submitted, summary)
         raise
+    finally:
+        restore()
     # Closed (leaving the block): drained, flushed and closed within the
     # shutdown grace.
     assert runtime is not None
@@ -120,9 +128,10 @@ def _drive(
     rng: np.random.Generator,
     out: TextIO,
     call_timeout: float | None,
+    signals: _Signals,
 ) -> tuple[int, float]:
-    """Submit at ``rate`` until ``duration`` or a stop signal; (records
-    submitted, seconds it took)."""
+    """Submit at ``rate`` until ``duration`` or a stop signal (``signals``,
+    whose handlers are in place); (records submitted, seconds it took)."""
     schema = built.sink.schema
     feeds = []
     for hook in config.producer.hooks:
@@ -131,43 +140,37 @@ def _drive(
         feeds.append((output_id, schema.layout_id(hook.layout), hook.batch, payload, record))
     reloader = ConfigReloader(runtime, config, call_timeout=call_timeout)
     runtime.reloader = reloader
-    hangup = threading.Event()
-    stop = threading.Event()
-    restore = _on_signals(hangup, stop)
-    try:
-        # Only once the handlers are in place: whoever reads this line may
-        # signal at once (SIGHUP's default action would end the process).
-        urls = ", ".join(f"{u}/metrics" for u in runtime.http_urls)
-        print(f"serving {urls}", file=out, flush=True)
-        started = time.monotonic()
-        submitted = 0
-        seq = 0
-        next_report = started + 0.5
-        while (now := time.monotonic()) - started < duration and not stop.is_set():
-            if hangup.is_set():
-                hangup.clear()
-                _reload(reloader, runtime, out)
-            due = rate * (now - started)
-            if submitted >= due:
-                time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
-                continue
-            output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
-            descriptors = make_descriptors(
-                output_id,
-                record,
-                count=batch,
-                layout_ids=layout_id,
-                keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
-                seqs=np.arange(seq * batch, (seq + 1) * batch),
-            )
-            runtime.submit_batch(descriptors, payload)
-            submitted += batch
-            seq += 1
-            if now >= next_report:
-                _progress(out, now - started, duration, submitted, runtime.counters())
-                next_report = now + 0.5
-    finally:
-        restore()
+    hangup, stop = signals.hangup, signals.stop
+    # The handlers are in place (run_load): whoever reads this line may signal at once.
+    urls = ", ".join(f"{u}/metrics" for u in runtime.http_urls)
+    print(f"serving {urls}", file=out, flush=True)
+    started = time.monotonic()
+    submitted = 0
+    seq = 0
+    next_report = started + 0.5
+    while (now := time.monotonic()) - started < duration and not stop.is_set():
+        if hangup.is_set():
+            hangup.clear()
+            _reload(reloader, runtime, out)
+        due = rate * (now - started)
+        if submitted >= due:
+            time.sleep(min(0.01, (submitted - due) / rate))  # pacing, not synchronisation
+            continue
+        output_id, layout_id, batch, payload, record = feeds[seq % len(feeds)]
+        descriptors = make_descriptors(
+            output_id,
+            record,
+            count=batch,
+            layout_ids=layout_id,
+            keys=np.arange(seq * batch, (seq + 1) * batch) % 4096,
+            seqs=np.arange(seq * batch, (seq + 1) * batch),
+        )
+        runtime.submit_batch(descriptors, payload)
+        submitted += batch
+        seq += 1
+        if now >= next_report:
+            _progress(out, now - started, duration, submitted, runtime.counters())
+            next_report = now + 0.5
     return submitted, min(time.monotonic() - started, duration)  # less when stopped early
 
 
@@ -210,9 +213,18 @@ def print_summary(counters: ServiceSnapshot, out: TextIO) -> None:
         )
 
 
-def _on_signals(hangup: threading.Event, stop: threading.Event) -> Callable[[], None]:
-    """Set ``hangup`` on SIGHUP and ``stop`` on SIGINT/SIGTERM (main thread
-    only); returns what puts the old handlers back.
+@attrs.frozen
+class _Signals:
+    """What the signal handlers of a run set: ``hangup`` (SIGHUP: reload the
+    file) and ``stop`` (SIGINT, SIGTERM: stop submitting, then close)."""
+
+    hangup: threading.Event = attrs.Factory(threading.Event)
+    stop: threading.Event = attrs.Factory(threading.Event)
+
+
+def _on_signals(signals: _Signals) -> Callable[[], None]:
+    """Set ``signals.hangup`` on SIGHUP and ``signals.stop`` on SIGINT/SIGTERM
+    (main thread only); returns what puts the old handlers back.
 
     Why a flag for SIGINT: a KeyboardInterrupt raised in the middle of a
     submission (inside the ingress lock, or between a buffer's hand-over and
@@ -222,6 +234,8 @@ def _on_signals(hangup: threading.Event, stop: threading.Event) -> Callable[[], 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous: dict[int, Any] = {}
+
+    hangup, stop = signals.hangup, signals.stop
 
     def on_stop(signum: int, frame: object) -> None:
         if stop.is_set() and signum == signal.SIGINT:
