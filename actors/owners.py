@@ -145,12 +145,13 @@ class StatefulRoute(KeyedRoute):
                 self.owner_mailboxes[owner], (part, keys[selection]), part, wait=wait
             )
 
-    async def restore(self, restored: Restored) -> None:
+    async def restore(self, restored: Restored, *, copy: bool = False) -> None:
         """Restored records go to their keys' owners like new ones, with their
         park ids and history (a key's records, restored in parked order, keep it)."""
         attempt = restored_attempt(restored)
         self.counters.accepted += len(attempt.batch)
-        self.counters.restored += len(attempt.batch)
+        if not copy:
+            self.counters.restored += len(attempt.batch)
         try:
             keys = self._keys(attempt.batch)
         except Exception as exc:

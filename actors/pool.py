@@ -92,9 +92,10 @@ class StatelessRoute(RouteActor):
         finally:
             self._settle(batch)
 
-    async def restore(self, restored: Restored) -> None:
+    async def restore(self, restored: Restored, *, copy: bool = False) -> None:
         self.counters.accepted += len(restored.records)
-        self.counters.restored += len(restored.records)
+        if not copy:
+            self.counters.restored += len(restored.records)
         await self._enqueue(self.mailbox, restored_attempt(restored), restored.records)
 
     async def run(self, nursery: trio.Nursery) -> None:

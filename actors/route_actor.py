@@ -134,8 +134,10 @@ class RouteActor(RouteScreening):
         the same as ``dispatch(batch)``."""
         await self.dispatch(batch)
 
-    async def restore(self, restored: Restored) -> None:
-        """Take back records a previous run left parked (tried again at once)."""
+    async def restore(self, restored: Restored, *, copy: bool = False) -> None:
+        """Take back records a previous run left parked (tried again at once);
+        ``copy``: a rerouted dead letter's copy, parked by this run (counted
+        accepted, not restored)."""
         raise NotImplementedError(f"route {self.name!r} ({self.planned.route.mode}) parks nothing")
 
     async def run(self, nursery: trio.Nursery) -> None:

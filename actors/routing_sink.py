@@ -154,7 +154,10 @@ class RoutingSink(SinkFlushing):
         self._in_flight = InFlight()
         self._lock = Turnstile()
         self._rerouter = Rerouter(
-            lock=self._lock, check_open=self._check_open, check=self.intake.check
+            lock=self._lock,
+            check_open=self._check_open,
+            check=self.intake.check,
+            parker=self._parker,
         )
         topology = build_topology(
             config,

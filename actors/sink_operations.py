@@ -10,6 +10,8 @@ sink's lock, so they are ordered with the batches submitted before them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,16 +46,32 @@ class SinkOperations(Reloading):
         """Raise :class:`RerouteRefused` unless ``route`` exists and takes ``hook``."""
         self._rerouter.check_target(hook, route)
 
+    def reroute_parks_in(self, route: str) -> Path | None:
+        """The SQLite file a dead letter's copy for ``route`` is parked in before
+        the route takes it (the letter's claim must be in the same file, to
+        share the transaction), or None (kept in memory only)."""
+        return self._rerouter.parks_copies_in(route)
+
     def reroute_from_thread(
-        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
+        self,
+        descriptors: Any,
+        payload: bytes,
+        routes: tuple[str, ...],
+        *,
+        letter_id: int,
+        claim: Callable[[Any], object] | None = None,
     ) -> None:
         """Send a dead letter's copy to ``routes`` only (not through the route
         table nor predicates), from a thread other than the loop's; returns once
-        the routes took it.  A copy that fails again is linked to ``letter_id``."""
+        the routes took it.  A copy that fails again is linked to ``letter_id``.
+
+        ``claim(connection)`` (one route whose :meth:`reroute_parks_in` is the
+        letter's file): marks the letter rerouted in the transaction that parks
+        the copy, so a crash cannot leave a rerouted letter without its copy."""
         token, nursery = self._token, self._nursery
         if token is None or nursery is None or not self.running:
             raise SinkClosed("the routing sink is not running; reroute refused")
-        self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id)
+        self._rerouter.from_thread(token, nursery, descriptors, payload, routes, letter_id, claim)
 
     def trace(self, hook: str, **fields: Any) -> TraceResult:
         """Where a record of ``hook`` with these descriptor fields would go, and why.

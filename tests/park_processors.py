@@ -8,7 +8,9 @@
 - ``kill_on_retry``: the same, and once :data:`KILL_ARMED` is set the process
   SIGKILLs itself inside the next *retry* of such a batch (mid-retry);
 - ``ok``: every batch succeeds;
-- ``invalid``: those batches raise ``InvalidInput`` (given up, dead-lettered).
+- ``invalid``: those batches raise ``InvalidInput`` (given up, dead-lettered);
+- ``kill``: the process SIGKILLs itself inside any call on such records (a
+  rerouted dead letter's copy being processed).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def flaky(records: Records) -> np.ndarray | Failed:
     if mode != "ok" and failing(first) and not HEALED.is_set():
         if mode == "invalid":
             raise InvalidInput(f"batch at seq {first}: store says malformed")
-        if mode == "kill_on_retry" and calls > 1 and KILL_ARMED.is_set():
+        if mode == "kill" or (mode == "kill_on_retry" and calls > 1 and KILL_ARMED.is_set()):
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         return Failed(f"feature store down (batch at seq {first})")

@@ -33,7 +33,13 @@ class Rerouter(Protocol):
     def reroute_targets(self, hook: str, route: str) -> None: ...
 
     def reroute_from_thread(
-        self, descriptors: Any, payload: bytes, routes: tuple[str, ...], *, letter_id: int
+        self,
+        descriptors: Any,
+        payload: bytes,
+        routes: tuple[str, ...],
+        *,
+        letter_id: int,
+        claim: Any = None,
     ) -> None: ...
 
 
@@ -86,6 +92,19 @@ class DeadLetterControls:
                 f"dead letter {letter_id}: {exc}; it stays a dead letter"
             ) from None
         descriptors, payload = self._records(letter)
+        parks_in = getattr(sink, "reroute_parks_in", None)
+        file = parks_in(target) if parks_in is not None else None
+        if file is not None and file == self.store.path.resolve():
+            # The copy is parked in the transaction that marks the letter
+            # rerouted: a crash cannot leave a rerouted letter without its copy.
+            sink.reroute_from_thread(
+                descriptors,
+                payload,
+                (target,),
+                letter_id=letter_id,
+                claim=lambda db: self.store.claim_reroute_in(db, letter_id, target),
+            )
+            return self.store.get(letter_id)
         self.store.claim_reroute(letter_id, target)  # refuses a second reroute, atomically
         try:
             sink.reroute_from_thread(descriptors, payload, (target,), letter_id=letter_id)

@@ -351,27 +351,33 @@ class DeadLetterStore:
         """Mark a *dead* letter rerouted to ``routes`` and give its copy an id (one
         transaction); a second reroute, or a reroute of a skipped letter, is refused."""
         with self._transaction() as db:
-            row = db.execute("SELECT state FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
-            if row is None:
-                raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
-            if row[0] != "dead":
-                done = db.execute(
-                    "SELECT id, routes FROM reroutes WHERE letter_id = ?", (letter_id,)
-                ).fetchone()
-                how = f" as copy {done[0]} to route(s) {done[1]}" if done else ""
-                raise RerouteRefused(
-                    f"dead letter {letter_id} is {row[0]}{how}; a letter is rerouted at most "
-                    "once and a skipped one stays skipped: refused"
-                )
-            db.execute(
-                "UPDATE dead_letters SET state = 'rerouted', handled_at = ? WHERE id = ?",
-                (time.time(), letter_id),
+            return self.claim_reroute_in(db, letter_id, routes)
+
+    def claim_reroute_in(self, db: sqlite3.Connection, letter_id: int, routes: str) -> int:
+        """:meth:`claim_reroute` inside the caller's transaction on this file
+        (the park store keeps the copy in the same one: a crash leaves the
+        letter dead, or rerouted with its copy parked)."""
+        row = db.execute("SELECT state FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
+        if row is None:
+            raise DeadLetterNotFound(f"no dead letter with id {letter_id} in {self.path}")
+        if row[0] != "dead":
+            done = db.execute(
+                "SELECT id, routes FROM reroutes WHERE letter_id = ?", (letter_id,)
+            ).fetchone()
+            how = f" as copy {done[0]} to route(s) {done[1]}" if done else ""
+            raise RerouteRefused(
+                f"dead letter {letter_id} is {row[0]}{how}; a letter is rerouted at most "
+                "once and a skipped one stays skipped: refused"
             )
-            cursor = db.execute(
-                "INSERT INTO reroutes (letter_id, routes, at) VALUES (?, ?, ?)",
-                (letter_id, routes, time.time()),
-            )
-            copy_id = cursor.lastrowid
+        db.execute(
+            "UPDATE dead_letters SET state = 'rerouted', handled_at = ? WHERE id = ?",
+            (time.time(), letter_id),
+        )
+        cursor = db.execute(
+            "INSERT INTO reroutes (letter_id, routes, at) VALUES (?, ?, ?)",
+            (letter_id, routes, time.time()),
+        )
+        copy_id = cursor.lastrowid
         assert copy_id is not None
         return copy_id
 

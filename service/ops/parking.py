@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -95,37 +95,55 @@ class ParkedRecordStore:
     # -- ParkStore -----------------------------------------------------------
 
     def park(self, run: str, parking: Parking) -> ParkIds:
+        with self.dead_letters.transaction() as db:
+            return self._insert(db, run, parking)
+
+    @property
+    def file(self) -> Path:
+        """The SQLite file parked records (and the dead letters) are kept in."""
+        return self._file
+
+    def park_copy(
+        self, run: str, parking: Parking, claim: Callable[[sqlite3.Connection], object]
+    ) -> ParkIds:
+        """Park a rerouted dead letter's copy in the transaction that ``claim``
+        marks the letter rerouted in (``claim`` raising parks nothing): a crash
+        leaves the letter dead, or rerouted with its copy parked for the next start."""
+        with self.dead_letters.transaction() as db:
+            claim(db)
+            return self._insert(db, run, parking)
+
+    def _insert(self, db: sqlite3.Connection, run: str, parking: Parking) -> ParkIds:
         batch = parking.records
         desc = np.ascontiguousarray(batch.descriptors)
         raw = desc.view(np.uint8).reshape(len(desc), DESCRIPTOR_DTYPE.itemsize)
         names = self.hooks.names() if self.hooks is not None else ()
         output_ids = desc["output_id"].tolist()
         now = time.time()
-        with self.dead_letters.transaction() as db:
-            first = db.execute("SELECT COALESCE(MAX(id), 0) FROM parked").fetchone()[0] + 1
-            db.executemany(
-                "INSERT INTO parked (id, run, route, grp, code, error, failures, "
-                "first_failure_at, last_failure_at, parked_at, descriptor, payload, hook) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        first + i,
-                        run,
-                        parking.route,
-                        first,
-                        parking.code.value,
-                        parking.error,
-                        parking.failures,
-                        parking.first_failure_at,
-                        parking.last_failure_at,
-                        now,
-                        raw[i].tobytes(),
-                        batch.payload_of(i).tobytes(),
-                        names[output_ids[i]] if 0 <= output_ids[i] < len(names) else None,
-                    )
-                    for i in range(len(batch))
-                ],
-            )
+        first = db.execute("SELECT COALESCE(MAX(id), 0) FROM parked").fetchone()[0] + 1
+        db.executemany(
+            "INSERT INTO parked (id, run, route, grp, code, error, failures, "
+            "first_failure_at, last_failure_at, parked_at, descriptor, payload, hook) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    first + i,
+                    run,
+                    parking.route,
+                    first,
+                    parking.code.value,
+                    parking.error,
+                    parking.failures,
+                    parking.first_failure_at,
+                    parking.last_failure_at,
+                    now,
+                    raw[i].tobytes(),
+                    batch.payload_of(i).tobytes(),
+                    names[output_ids[i]] if 0 <= output_ids[i] < len(names) else None,
+                )
+                for i in range(len(batch))
+            ],
+        )
         return np.arange(first, first + len(batch), dtype=np.int64)
 
     def failed_again(self, ids: ParkIds, failures: int, last_failure_at: float) -> None:

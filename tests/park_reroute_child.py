@@ -1,0 +1,70 @@
+"""A child process for tests/test_reroute_crash.py: the service of
+``tests/park_crash_child.py`` (chDB destination, dead-letter store beside it)
+gives up 192 of its 1,728 records as malformed, then an operator reroutes one
+dead letter and the process is SIGKILLed while the route processes the copy.
+
+    python -m tests.park_reroute_child produce DIR
+    python -m tests.park_reroute_child recover DIR
+
+``produce`` prints ``letters N``, then ``rerouting ID SEQ`` before the
+reroute; the processor kills the process inside the copy's call.
+``recover`` is ``tests.park_crash_child``'s (processor healed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from taproute.service import make_descriptors
+from tests.park_child_setup import start
+from tests.park_crash_child import BATCH, BATCHES, CONFIG, recover
+from tests.processors import SCHEMA
+
+
+def produce(directory: Path) -> None:
+    os.environ["TAPROUTE_PARK_MODE"] = "invalid"
+    _, runtime = start(directory, CONFIG)
+    q = runtime.bind_hook("q", layout="vec")
+    vec = SCHEMA.layout_id("vec")
+    for b in range(BATCHES):
+        first = b * BATCH
+        values = (np.arange(first, first + BATCH, dtype=np.float32)[:, None] + np.arange(4)).astype(
+            np.float32
+        )
+        runtime.submit_batch(
+            make_descriptors(
+                q,
+                16,
+                count=BATCH,
+                layout_ids=vec,
+                keys=np.arange(BATCH),
+                seqs=np.arange(first, first + BATCH),
+            ),
+            values,
+        )
+    runtime.flush()
+    letters = runtime.controls.store.list(limit=10**6)
+    print(f"letters {len(letters)}", flush=True)
+    letter = letters[0]
+    print(f"rerouting {letter.id} {letter.seq}", flush=True)
+    os.environ["TAPROUTE_PARK_MODE"] = "kill"  # the copy's call kills the process
+    runtime.reroute(letter.id)
+    print("rerouted", flush=True)
+    runtime.flush()
+    sys.exit(3)  # the processor should have killed us
+
+
+def main() -> None:
+    command, directory = sys.argv[1:3]
+    if command == "produce":
+        produce(Path(directory))
+    else:
+        recover(Path(directory), "ok")
+
+
+if __name__ == "__main__":
+    main()
