@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
@@ -152,8 +153,19 @@ def reload_route(reload: Callable[[], int], token: str | None) -> Route:
 
 
 def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
-    """``/dead-letters`` (list, show) and its skip / reroute mutations (bearer token)."""
+    """``/dead-letters`` (list, show) and its skip / reroute mutations (bearer token).
+
+    A store SQLite cannot use now (locked by another process past its busy
+    timeout, read-only, damaged) answers 503 naming the file and SQLite's
+    reason: the request changed nothing and may be tried again."""
     store = controls.store
+
+    def unavailable(exc: sqlite3.Error) -> JSONResponse:
+        return json_error(
+            503,
+            f"dead-letter store {store.path} cannot be used now: {type(exc).__name__}: {exc} "
+            "(locked by another process, read-only or damaged?); nothing was changed",
+        )
 
     def authorized(request: Request) -> JSONResponse | None:
         return bearer_refusal(controls.token, request)
@@ -184,14 +196,17 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
         state = query.get("state", "dead")
         if state not in ("dead", "skipped", "rerouted", "all"):
             return json_error(400, f"state must be dead, skipped, rerouted or all, got {state!r}")
-        letters = await trio.to_thread.run_sync(
-            lambda: store.list(
-                route=query.get("route"),
-                code=query.get("code"),
-                older_than=older_than,
-                state=None if state == "all" else state,  # type: ignore[arg-type]
+        try:
+            letters = await trio.to_thread.run_sync(
+                lambda: store.list(
+                    route=query.get("route"),
+                    code=query.get("code"),
+                    older_than=older_than,
+                    state=None if state == "all" else state,  # type: ignore[arg-type]
+                )
             )
-        )
+        except sqlite3.Error as exc:
+            return unavailable(exc)
         return JSONResponse([letter.summary() for letter in letters])
 
     async def show(request: Request) -> JSONResponse:
@@ -205,6 +220,8 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
             letter = await trio.to_thread.run_sync(store.get, ident)
         except DeadLetterNotFound as exc:
             return json_error(404, str(exc))
+        except sqlite3.Error as exc:
+            return unavailable(exc)
         body = letter.summary()
         body["traceback"] = letter.traceback
         body["payload_bytes"] = len(letter.payload or b"")
@@ -240,6 +257,8 @@ def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
                 return json_error(409, str(exc))
             except RouteNotTaken as exc:
                 return json_error(400, str(exc))
+            except sqlite3.Error as exc:
+                return unavailable(exc)
             return JSONResponse(letter.summary())
 
         return endpoint
