@@ -68,7 +68,11 @@ from taproute.service.host.metrics import SnapshotCollector
 from taproute.service.host.reload import ConfigReloader
 from taproute.service.host.runtime import RecordRuntime
 from taproute.service.host.service import RecordService, create_record_runtime
-from taproute.service.ops.dead_letters import DeadLetterNotFound, DeadLetterStore
+from taproute.service.ops.dead_letters import (
+    DeadLetterNotFound,
+    DeadLetterStore,
+    DeadLetterStoreError,
+)
 from taproute.service.ops.parking import ParkedRecordStore
 from taproute.service.replay import (
     ClickHouseCorpus,
@@ -197,6 +201,7 @@ __all__ += [
     "ConfigError",
     "ConfigFileError",
     "DeadLetterNotFound",
+    "DeadLetterStoreError",
     "PayloadDtypeMismatch",
     "PayloadSizeMismatch",
     "PlanErrors",

@@ -11,6 +11,7 @@ restarts; writes happen in worker threads, never on the Trio loop.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -169,6 +170,7 @@ class DeadLetterStore:
             )
         self._db.executescript(_LINKS)  # a store written before reroute links existed
         self._add_generation_column()
+        self._identity = _identity(self.path)
 
     def _create(self) -> None:
         """Open the store, creating it (and its directory) if missing; a path that
@@ -197,6 +199,7 @@ class DeadLetterStore:
         except sqlite3.Error as exc:
             self._db.close()
             raise DeadLetterStoreError(f"cannot open {self.path}: {exc}") from None
+        self._identity = _identity(self.path)
 
     def _add_generation_column(self) -> None:
         """A store written before generations were recorded gets the column (NULL there)."""
@@ -209,6 +212,7 @@ class DeadLetterStore:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._check_file()
                 yield self._db
             except BaseException:
                 # SQLite rolls back by itself on some errors (SQLITE_FULL): a
@@ -217,6 +221,18 @@ class DeadLetterStore:
                     self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def _check_file(self) -> None:
+        """Refuse to write once the file at ``path`` is not the one opened: a
+        deleted (or replaced) file would take the writes into an unlinked
+        inode and lose them when the process ends, while every count said
+        they were kept."""
+        if _identity(self.path) != self._identity:
+            raise DeadLetterStoreError(
+                f"dead-letter store {self.path} was deleted or replaced while open: "
+                "nothing more is written to it (what is written would be lost with "
+                "the process); restart to open a new store"
+            )
 
     def attach_hooks(self, hooks: HookRegistry) -> None:
         """Name hooks from ``hooks`` (the routing sink calls this)."""
@@ -405,3 +421,12 @@ class DeadLetterStore:
         """Close the database file."""
         with self._lock:
             self._db.close()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` (device, inode), or None when there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
