@@ -21,6 +21,7 @@ from taproute.routing import (
 )
 from taproute.service import CaptureSink, DeadLetterStore, HttpConfig, create_record_runtime
 from taproute.service.host.cli import main
+from taproute.service.ops.parking import ParkedRecordStore
 from tests.conftest import vec_batch
 from tests.failing_processors import SCRIPT
 from tests.processors import SCHEMA
@@ -284,6 +285,9 @@ def test_cli_lists_shows_skips_and_reroutes_and_doctor_warns(tmp_path, chdb_tran
     assert "dead letter 2 rerouted" in capsys.readouterr().out
     rows = chdb_transport.query(f"SELECT seq FROM `{prefix}_norm`").to_pylist()
     assert rows == [{"seq": 1}]
+    # The copy was parked with its claim; delivered, it is no longer parked
+    # (a next start must not deliver it again).
+    assert ParkedRecordStore(DeadLetterStore(dead, create=False)).count() == 0
     assert main(["dead-letters", "list", "--config", str(path), "--state", "all"]) == 0
     assert "2 dead letter(s)" in capsys.readouterr().out
     assert main(["check", "--config", str(path)]) == 0
