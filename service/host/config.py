@@ -262,7 +262,14 @@ class ServiceConfig:
         store = self.open_dead_letters(hooks)
         # Records parked for a retry are kept in the dead-letter file too; a
         # give-up moves them to the letters in one transaction.
-        parking = None if store is None else ParkedRecordStore(store)
+        try:
+            parking = None if store is None else ParkedRecordStore(store)
+        except DeadLetterStoreError as exc:  # names the path and why
+            assert store is not None
+            store.close()
+            location = self.dead_letter_location()
+            where = "dead_letters.path" if location is None else location[1]
+            raise ConfigFileError(self.source, [f"{where}: {exc}"]) from None
         try:
             sink = RoutingSink(
                 self.routing_config(),

@@ -26,7 +26,7 @@ from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import RecordFailure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.parking import ParkIds, Parking, Restored
-from taproute.service.ops.dead_letters import DeadLetterStore
+from taproute.service.ops.dead_letters import DeadLetterStore, DeadLetterStoreError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS parked (
@@ -73,13 +73,18 @@ class ParkedRecordStore:
             )
         self.dead_letters = dead_letters
         self._file = dead_letters.path.resolve()
-        with dead_letters.transaction() as db:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            columns = {row[1] for row in db.execute("PRAGMA table_info(parked)")}
-            if "hook" not in columns:  # a file from before hooks were named
-                db.execute("ALTER TABLE parked ADD COLUMN hook TEXT")
+        try:
+            with dead_letters.transaction() as db:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(parked)")}
+                if "hook" not in columns:  # a file from before hooks were named
+                    db.execute("ALTER TABLE parked ADD COLUMN hook TEXT")
+        except sqlite3.Error as exc:  # locked by another process, read-only, damaged
+            raise DeadLetterStoreError(
+                f"cannot keep parked records in {dead_letters.path}: {exc}"
+            ) from None
 
     @property
     def hooks(self) -> HookRegistry | None:
