@@ -45,15 +45,33 @@ if step == "capture":
         runtime.flush(timeout=60)
     sys.exit(0)
 
-processor, lane, mode, prefix, resume, block_after = sys.argv[5:11]
+processor, lane, mode, prefix, resume, block_after, hold_at = sys.argv[5:12]
 done = []
 
 
 def on_unit(unit):
     done.append(unit)
     print(unit, flush=True)
-    if len(done) == int(block_after):
+    if hold_at == "unit" and len(done) == int(block_after):
         sys.stdin.readline()  # hold here (units written, not yet ledgered) until killed
+
+
+if hold_at == "checkpoint":
+    import os
+
+    rename, ledgers = os.replace, []
+
+    def replace(source, target):
+        # Hold just before checkpoint number `block_after` (the run's first is 0)
+        # renames its ledger into place: its state is written, its ledger is not.
+        if str(target).endswith("ledger.json"):
+            if len(ledgers) == int(block_after):
+                print("checkpoint", flush=True)
+                sys.stdin.readline()
+            ledgers.append(target)
+        rename(source, target)
+
+    os.replace = replace
 
 target = (ParquetDir(str(out / prefix)) if mode == "parquet"
           else ClickHouseTable(f"{prefix}_{lane}"))
@@ -103,7 +121,14 @@ def data(tmp_path_factory):
 
 
 def replay_step(
-    root: Path, processor: str, lane: str, mode: str, prefix: str, resume="-", block_after=0
+    root: Path,
+    processor: str,
+    lane: str,
+    mode: str,
+    prefix: str,
+    resume="-",
+    block_after=0,
+    hold_at="unit",
 ):
     return python(
         SCRIPT,
@@ -117,6 +142,7 @@ def replay_step(
         prefix,
         resume,
         str(block_after),
+        hold_at,
         stdin=subprocess.PIPE,
     )
 
@@ -153,6 +179,18 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(data, processor, lane, 
     summary = json.loads(out.splitlines()[-1])
     assert summary["run_id"] == run_dir.name
     assert summary["skipped"] == 3 and summary["run"] == 32 - 3
+    result = outputs(data, lane, mode, crashed, clean)
+    assert len(result[clean]) == 512
+    assert result[crashed] == result[clean]
+    # Equal as sorted lists already rules out a unit written twice; say it plainly too.
+    # (running_sum's rows repeat legitimately: keys k and k + 16 share a slot.)
+    assert result[f"{crashed}_dupes"] == result[f"{clean}_dupes"]
+    if lane == "norm":
+        assert result[f"{crashed}_dupes"] == [{"n": 0}]
+
+
+def outputs(data: Path, lane: str, mode: str, crashed: str, clean: str) -> dict:
+    """Both runs' rows, sorted, and how many distinct rows each holds more than once."""
     order = "key, seq" if lane == "norm" else "key, count"
     if mode == "parquet":
         source = "file('{}/*.parquet', Parquet)"
@@ -165,11 +203,32 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(data, processor, lane, 
             f"SELECT count() AS n FROM (SELECT * FROM {tables[name]} GROUP BY ALL "
             "HAVING count() > 1)"
         )
-    result = json.loads(finish(python(QUERY, str(data / "chdb"), json.dumps(queries))))
+    return json.loads(finish(python(QUERY, str(data / "chdb"), json.dumps(queries))))
+
+
+@pytest.mark.parametrize("mode", ["clickhouse", "parquet"])
+def test_sigkill_inside_a_checkpoint_resumes_from_a_consistent_state(data, mode):
+    """Killed after a checkpoint wrote the stateful state but before its ledger
+    was renamed into place: the ledger on disk is the previous checkpoint's, so
+    the state a resume starts from must be that checkpoint's too.  (The state
+    file was replaced first, so the resume added units 4-6 into a state that
+    already held them: every running sum after them came out wrong.)"""
+    processor, lane = "replay.running_sum", "sum"
+    crashed, clean = f"crash_in_checkpoint_{mode}", f"clean_in_checkpoint_{mode}"
+    finish(replay_step(data, processor, lane, mode, clean))
+    proc = replay_step(data, processor, lane, mode, crashed, block_after=2, hold_at="checkpoint")
+    # on_unit reports a unit after the checkpoint that follows it: five units,
+    # then the checkpoint after unit 6 (the run's third) holds.
+    lines = [proc.stdout.readline() for _ in range(6)]
+    assert [line[:1] for line in lines] == ["u"] * 5 + ["c"], lines
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    proc.stdin.close()
+    (run_dir,) = (data / "runs" / crashed).iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["status"] == "running" and len(ledger["units"]) == 3
+    out = finish(replay_step(data, processor, lane, mode, crashed, resume=run_dir.name))
+    assert json.loads(out.splitlines()[-1])["skipped"] == 3
+    result = outputs(data, lane, mode, crashed, clean)
     assert len(result[clean]) == 512
     assert result[crashed] == result[clean]
-    # Equal as sorted lists already rules out a unit written twice; say it plainly too.
-    # (running_sum's rows repeat legitimately: keys k and k + 16 share a slot.)
-    assert result[f"{crashed}_dupes"] == result[f"{clean}_dupes"]
-    if lane == "norm":
-        assert result[f"{crashed}_dupes"] == [{"n": 0}]

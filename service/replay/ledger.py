@@ -4,10 +4,15 @@ checkpoint a resume starts from.
 ``<runs>/<run id>/ledger.json`` holds the run id, the config and its hash,
 the params, every finished unit with its output row counts and attempts,
 failed units with their errors, per-phase timings (read, process, write:
-p50/p95) and start/end times; ``state.npz`` holds a stateful processor's
-K x N state as of the same checkpoint.  Both are replaced atomically
-(written aside, then renamed), ledger last, so a crash leaves a consistent
-pair.  The driver owns the ledger, whatever the backend.
+p50/p95) and start/end times; ``state-<n>.npz`` holds a stateful processor's
+K x N state as of checkpoint ``n``, the one the ledger names (``"state"``).
+Each checkpoint writes a new state file (aside, then renamed), then renames
+its ledger into place, and only then removes the older state files: a crash
+at any point leaves the ledger naming a state file of its own checkpoint.
+(Replacing one ``state.npz`` before the ledger left, after a kill between
+the two, a state ahead of its ledger: a resume added the units redone into
+a state that already held them.)  The driver owns the ledger, whatever the
+backend.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from taproute.service.replay.errors import ConfigChanged, UnknownRun
+from taproute.service.replay.errors import ConfigChanged, MissingSource, UnknownRun
 
 PHASES = ("read", "process", "write")
 
@@ -151,16 +156,23 @@ class RunLedger:
     # -- checkpoint ---------------------------------------------------------
 
     def checkpoint(self, state: tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None) -> None:
-        """Write state (if any) then the ledger, each atomically."""
-        if state is not None:
-            aside = self.directory / "state.tmp.npz"
-            np.savez(aside, slots=state[0], valid=state[1])
-            os.replace(aside, self.directory / "state.npz")
+        """Write state (if any) to a new file, then the ledger naming it, each
+        atomically; then drop the state files no ledger names any more."""
         self.data["checkpoints"] += 1
+        if state is not None:
+            name = f"state-{self.data['checkpoints']}.npz"
+            aside = self.directory / f"state-{self.data['checkpoints']}.tmp.npz"
+            np.savez(aside, slots=state[0], valid=state[1])
+            os.replace(aside, self.directory / name)
+            self.data["state"] = name
         self.data["timings"] = self.timings
         self.data["phases"] = {p: percentiles(v) for p, v in self.timings.items()}
         self.data["checkpointed_at"] = _now()
         self._write(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+        if state is not None:
+            for old in self.directory.glob("state*.npz"):
+                if old.name != self.data["state"]:
+                    old.unlink(missing_ok=True)
         self.write_metrics()
 
     def write_metrics(self) -> None:
@@ -227,8 +239,14 @@ class RunLedger:
         self._write(json.dumps(data, indent=1, sort_keys=True, default=str))
 
     def load_state(self) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None:
-        path = self.directory / "state.npz"
+        name = self.data.get("state", "state.npz")  # a ledger of before state-<n>.npz
+        path = self.directory / name
         if not path.is_file():
+            if "state" in self.data:
+                raise MissingSource(
+                    f"run {self.run_id}: its ledger's checkpoint state {str(path)!r} is gone; "
+                    "the run cannot be resumed (start a new run)"
+                )
             return None
         with np.load(path) as saved:
             return saved["slots"], saved["valid"]
