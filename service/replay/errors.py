@@ -38,6 +38,10 @@ class UnknownRun(ReplayConfigError):
     """``resume`` names a run id that has no ledger."""
 
 
+class RunInUse(ReplayConfigError):
+    """Another replay (in this process or another) is running ``run_id`` now."""
+
+
 class NotExactlyOnce(ReplayConfigError):
     """An existing output table has no deduplication window, so a resumed
     replay could write a unit twice."""

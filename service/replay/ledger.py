@@ -18,6 +18,7 @@ backend.
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from taproute.service.replay.errors import ConfigChanged, MissingSource, UnknownRun
+from taproute.service.replay.errors import ConfigChanged, MissingSource, RunInUse, UnknownRun
 
 PHASES = ("read", "process", "write")
 
@@ -72,6 +73,32 @@ class RunLedger:
         self.data = data
         self._saved: str | None = None
         self.timings: dict[str, list[float]] = {p: list(data["timings"].get(p, [])) for p in PHASES}
+        self._lock_fd: int | None = None
+
+    def _lock(self) -> None:
+        """Hold ``lock`` in the run directory until :meth:`release`: one driver
+        per run.  (Two resumes of one run raced on the ledger and state files:
+        one died on a rename the other had done, and could mark the run
+        interrupted after the other finished it.)"""
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunInUse(
+                f"run {self.directory.name} in {self.directory.parent} is being run by another "
+                f"replay now (pid {holder}); wait for it to end, or stop it, then resume"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Give the run's lock back (the run may be resumed from here on)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @property
     def run_id(self) -> str:
@@ -101,6 +128,7 @@ class RunLedger:
         }
         ledger = cls(runs_dir / run_id, data)
         ledger.directory.mkdir(parents=True, exist_ok=False)
+        ledger._lock()
         return ledger
 
     @classmethod
@@ -110,18 +138,26 @@ class RunLedger:
         if not path.is_file():
             known = sorted(p.parent.name for p in runs_dir.glob("*/ledger.json"))
             raise UnknownRun(f"no run {run_id!r} under {runs_dir} (runs there: {known or 'none'})")
-        data = json.loads(path.read_text())
-        if data["config_hash"] != config_hash(config):
-            changes = _diff(data["config"], config)
-            raise ConfigChanged(
-                f"run {run_id} was started with another configuration (hash "
-                f"{data['config_hash']}, now {config_hash(config)}); changed: " + "; ".join(changes)
-            )
-        text = path.read_text()
+        ledger = cls(path.parent, json.loads(path.read_text()))
+        ledger._lock()
+        try:
+            text = path.read_text()  # as the last driver left it, now that none runs
+            data = json.loads(text)
+            if data["config_hash"] != config_hash(config):
+                changes = _diff(data["config"], config)
+                raise ConfigChanged(
+                    f"run {run_id} was started with another configuration (hash "
+                    f"{data['config_hash']}, now {config_hash(config)}); changed: "
+                    + "; ".join(changes)
+                )
+        except BaseException:
+            ledger.release()
+            raise
         data["resumes"].append(_now())
         data["status"] = "running"
         data["failed"] = {}  # failed units are tried again
-        ledger = cls(path.parent, data)
+        ledger.data = data
+        ledger.timings = {p: list(data["timings"].get(p, [])) for p in PHASES}
         ledger._saved = text
         return ledger
 

@@ -80,7 +80,6 @@ class _Run(CheckedRun):
         )
 
     def run(self, plan: list[WorkUnit], resume: str | None) -> ReplayReport:
-        config = self.config
         identity = self.identity()
         for lane in self.lanes.values():
             lane.prepare(create=True)
@@ -90,6 +89,13 @@ class _Run(CheckedRun):
             ledger = RunLedger.create(runs, identity, len(plan))
         else:
             ledger = RunLedger.resume(runs, resume, identity)
+        try:  # the ledger holds the run's lock: one driver per run
+            return self._execute(plan, resume, ledger)
+        finally:
+            ledger.release()
+
+    def _execute(self, plan: list[WorkUnit], resume: str | None, ledger: RunLedger) -> ReplayReport:
+        config = self.config
         state = self._initial_state(ledger)
         job = JobSpec(
             processor=self.spec.name,
