@@ -60,6 +60,10 @@ class InProcess:
         pass
 
 
+#: How often an idle pool worker checks that its driver still lives.
+_DRIVER_CHECK_SECONDS = 1.0
+
+
 def _worker_main(job: JobSpec, worker: int, inbox: Any, outbox: Any) -> None:
     """A pool process: build the job, then run units until told to stop."""
     try:
@@ -67,8 +71,16 @@ def _worker_main(job: JobSpec, worker: int, inbox: Any, outbox: Any) -> None:
     except BaseException as exc:
         outbox.put((worker, None, f"worker {worker} could not start: {type(exc).__name__}: {exc}"))
         return
+    driver = mp.parent_process()
     while True:
-        item = inbox.get()
+        try:
+            item = inbox.get(timeout=_DRIVER_CHECK_SECONDS)
+        except queue.Empty:
+            # A driver killed (SIGKILL, OOM) never sends the stop: without this a
+            # worker waited on its inbox forever, orphaned, holding its processor.
+            if driver is not None and not driver.is_alive():
+                return
+            continue
         if item is None:
             return
         unit_id, table = item
