@@ -6,6 +6,7 @@ resolved to a target.  :mod:`~taproute.service.replay.runner` drives it.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,21 @@ class CheckedRun:
         self._check()
         layouts = lanes_of(self.spec)
         self.targets = self._resolve_targets(layouts)
+        # A resume redoes up to checkpoint_units units, each inserting once per lane
+        # into its table, plus the final rows: the table's window must hold them.
+        per_table = collections.Counter(
+            t.table for t in self.targets.values() if isinstance(t, ClickHouseTable)
+        )
         self.lanes = {
-            lane: open_lane(lane, target, config.schema.layout(layouts[lane]), self.transport)
+            lane: open_lane(
+                lane,
+                target,
+                config.schema.layout(layouts[lane]),
+                self.transport,
+                redone_blocks=config.checkpoint_units * per_table[target.table] + 1
+                if isinstance(target, ClickHouseTable)
+                else 1,
+            )
             for lane, target in self.targets.items()
         }
 

@@ -92,12 +92,21 @@ class ClickHouseLane:
     """A lane writing into a ClickHouse table through the run's transport."""
 
     def __init__(
-        self, name: str, target: ClickHouseTable, layout: Layout, transport: Transport
+        self,
+        name: str,
+        target: ClickHouseTable,
+        layout: Layout,
+        transport: Transport,
+        *,
+        redone_blocks: int = 1,
     ) -> None:
         self.name = name
         self.target = target
         self.transport = transport
         self.spec = rows_table_spec(layout, target.table)
+        #: Inserts into the table a resume may repeat (the units since the last
+        #: checkpoint, on every lane writing the table, and the final rows).
+        self.redone_blocks = redone_blocks
 
     def prepare(self, *, create: bool) -> None:
         """Check (or create) the table; refuse one a resume could write twice to."""
@@ -118,11 +127,14 @@ class ClickHouseLane:
         except Exception as exc:
             raise type(exc)(f"lane {self.name!r}: {exc}") from None
         try:
-            check_deduplication(self.transport, self.spec.name, waiver=None)
+            check_deduplication(
+                self.transport, self.spec.name, waiver=None, blocks=self.redone_blocks
+            )
         except NoDeduplication as exc:
             raise NotExactlyOnce(
                 f"lane {self.name!r}: output table {self.spec.name!r} has no deduplication "
-                f"window, so a resumed replay could insert a unit twice ({exc})"
+                f"window covering the {self.redone_blocks} insert(s) a resume may redo, so a "
+                f"resumed replay could insert a unit twice ({exc})"
             ) from None
 
     def write(self, data: pa.Table, *, run_id: str, part: str) -> None:
@@ -165,9 +177,15 @@ class ParquetLane:
 
 
 def open_lane(
-    name: str, target: LaneTarget, layout: Layout, transport: Transport | None
+    name: str,
+    target: LaneTarget,
+    layout: Layout,
+    transport: Transport | None,
+    *,
+    redone_blocks: int = 1,
 ) -> ClickHouseLane | ParquetLane:
-    """The lane ``name`` writing ``layout`` rows to ``target``."""
+    """The lane ``name`` writing ``layout`` rows to ``target`` (``redone_blocks``:
+    the inserts into its table a resume may repeat)."""
     if isinstance(target, ParquetDir):
         return ParquetLane(name, target, layout)
     if transport is None:
@@ -175,7 +193,7 @@ def open_lane(
             f"lane {name!r} writes to ClickHouse table {target.table!r}, but the run has no "
             "ClickHouse (give clickhouse= a chDB directory or a server URL)"
         )
-    return ClickHouseLane(name, target, layout, transport)
+    return ClickHouseLane(name, target, layout, transport, redone_blocks=redone_blocks)
 
 
 def describe_targets(targets: dict[str, LaneTarget]) -> dict[str, Any]:

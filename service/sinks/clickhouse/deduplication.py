@@ -98,12 +98,14 @@ def _fix(table: str, setting: str, waiver: str | None) -> str:
 
 
 def check_deduplication(
-    transport: _Queries, table: str, *, waiver: str | None = SINK_WAIVER
+    transport: _Queries, table: str, *, waiver: str | None = SINK_WAIVER, blocks: int = 1
 ) -> None:
     """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts.
 
     ``waiver`` is how the caller's user can accept duplicates instead (offered
-    at the end of the messages); None where they cannot.
+    at the end of the messages); None where they cannot.  ``blocks``: how many
+    of the latest blocks a retry may repeat (the window must hold them all:
+    older ones fall out of it and are written again).
     """
     found = _engine(transport, None, table)
     if found is None:
@@ -132,9 +134,16 @@ def check_deduplication(
             f"SETTINGS non_replicated_deduplication_window = {WINDOW} (as create_tables=True "
             "creates) or a ReplicatedMergeTree" + (f"; or {waiver}" if waiver else "")
         )
-    if _window(transport, engine_full, setting) <= 0:
+    window = _window(transport, engine_full, setting)
+    if window <= 0:
         raise NoDeduplication(
             f"table {label} ({engine}) does not deduplicate retried inserts ({setting} "
             "is 0): a block whose reply was lost would be written twice. Run "
             + _fix(fix_table, setting, waiver)
+        )
+    if window < blocks:
+        raise NoDeduplication(
+            f"table {label} ({engine}) remembers only its last {window} block(s) ({setting} "
+            f"= {window}), fewer than the {blocks} a retry may insert again: the older ones "
+            "would be written twice. Run " + _fix(fix_table, setting, waiver)
         )
