@@ -291,3 +291,55 @@ def test_output_into_a_closed_pipe_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == ["taproute: output closed early (broken pipe)"]
     assert done.returncode == 1
+
+
+def test_replay_of_a_chdb_directory_another_process_holds_is_one_line_exit_2(tmp_path):
+    """Two replays of one chDB corpus at once (or a replay beside a running
+    service): chDB lets one process open a directory, and the second replay
+    died with a traceback ending in "Error initializing EmbeddedServer: .",
+    exit 1, naming neither the directory nor who held it."""
+    data = tmp_path / "chdb"
+    data.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, chdb.session as s; x = s.Session(sys.argv[1]); "
+            "print('ready', flush=True); sys.stdin.read()",
+            str(data),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        child = subprocess.run(
+            [
+                *COMMAND,
+                "replay",
+                "--schema",
+                "tests.processors:SCHEMA",
+                "--processor",
+                "test.norms",
+                "--layout",
+                "vec",
+                "--chdb",
+                str(data),
+                "--output",
+                f"norm=parquet:{tmp_path / 'out'}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert child.returncode == 2, child.stderr
+    assert child.stderr.strip().splitlines() == [
+        f"taproute: replay --chdb {data}: chDB directory in use by process {holder.pid} "
+        "(chDB allows one process per directory)"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -202,8 +202,21 @@ def _dispatch(args: argparse.Namespace) -> int:
             return trace.trace_remote(args.url, args.hook, fields, layout=args.layout)
         return trace.trace(args.config, args.hook, fields, layout=args.layout)
     if args.command == "replay":
+        from taproute.service.host.config_destinations import chdb_holder
         from taproute.service.replay import cli as replay_cli
 
+        # chDB refuses a second process on a directory with a bare traceback
+        # ("Error initializing EmbeddedServer"): name the directory and holder.
+        for flag, where in (("--chdb", args.chdb), ("--into", args.into)):
+            if where is None or str(where).startswith(("http://", "https://")):
+                continue
+            holder = chdb_holder(Path(where))
+            if holder is not None:
+                raise errors.CommandError(
+                    f"replay {flag} {where}: chDB directory in use by process {holder} "
+                    "(chDB allows one process per directory)",
+                    code=errors.BAD_INPUT,
+                )
         return replay_cli.main(args)
     if args.command == "report":
         from taproute.service.signals import cli as signals_cli
