@@ -537,6 +537,59 @@ def test_resume_with_another_config_is_refused_naming_the_change(corpus, tmp_pat
         )
 
 
+def _register_resized(key_range: int) -> None:
+    """``test.resized``, a per-key sum over ``key_range`` keys (registered again
+    with another range, as a changed module would be: same function, same name)."""
+    from taproute.routing import SlotSpec, stateful_processor
+    from tests.processors import SUM
+
+    def finish(state, keys):
+        rows = np.zeros(len(keys), dtype=SUM.dtype)
+        rows["key"] = keys
+        rows["count"] = state.slots[keys, 0]
+        return rows
+
+    @stateful_processor(
+        "test.resized",
+        key=lambda d: d["key"] % key_range,
+        key_range=key_range,
+        slot=SlotSpec((1,), "float64"),
+        input="vec",
+        output="sum",
+        finish=finish,
+    )
+    def resized(records, keys, state):
+        np.add.at(state.slots[:, 0], keys, 1)
+
+    del resized
+
+
+def test_resume_with_a_checkpoint_of_another_state_shape_is_refused(corpus, tmp_path):
+    """The processor's key range changed under the same name (the config hash
+    does not see it): the checkpoint's 16 x 1 state went into a 32 x 1 region
+    and the resume died on a numpy broadcast ValueError; now it is refused,
+    naming the run and both shapes, and the ledger is left as it was."""
+    ch = corpus
+    _register_resized(16)
+    out = {"sum": ParquetDir(str(tmp_path / "resized"))}
+    first = run_replay(**settings(ch, tmp_path, processor="test.resized"), outputs=out)
+    before = first.ledger.read_text()
+    _register_resized(32)
+    try:
+        with pytest.raises(ConfigChanged) as refused:
+            run_replay(
+                **settings(ch, tmp_path, processor="test.resized"),
+                outputs=out,
+                resume=first.run_id,
+            )
+    finally:
+        _register_resized(16)
+    assert first.run_id in str(refused.value)
+    assert "holds 16 keys x slot (1,) float64" in str(refused.value)
+    assert "now has key_range=32, slot (1,) float64" in str(refused.value)
+    assert first.ledger.read_text() == before
+
+
 def test_resume_of_an_unknown_run(corpus, tmp_path):
     with pytest.raises(UnknownRun, match="no run 'r-missing'"):
         run_replay(**settings(corpus, tmp_path, processor="test.norms"), resume="r-missing")

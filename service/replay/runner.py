@@ -37,6 +37,7 @@ from taproute.service.replay.backends import InProcess, open_backend
 from taproute.service.replay.checked import CheckedRun
 from taproute.service.replay.config import ReplayConfig
 from taproute.service.replay.errors import (
+    ConfigChanged,
     ReplayConfigError,
     UnitsFailed,
 )
@@ -158,12 +159,23 @@ class _Run(CheckedRun):
     def _initial_state(self, ledger: RunLedger) -> State | None:
         if not self.stateful:
             return None
-        saved = ledger.load_state()
-        if saved is not None:
-            return saved
         assert isinstance(self.spec, ProcessorSpec) and self.spec.slot and self.spec.key_range
         region = StateRegion(self.spec.key_range, self.spec.slot.shape, self.spec.slot.dtype, 1)
-        return region.slots, region.valid
+        saved = ledger.load_state()
+        if saved is None:
+            return region.slots, region.valid
+        slots, valid = saved
+        if slots.shape != region.slots.shape or slots.dtype != region.slots.dtype:
+            # The processor was registered again with another key range or slot
+            # (its name, hence the config hash, unchanged): the checkpoint does not fit.
+            raise ConfigChanged(
+                f"run {ledger.run_id}: its checkpoint state ({ledger.directory}) holds "
+                f"{slots.shape[0]} keys x slot {tuple(slots.shape[1:])} {slots.dtype}, but "
+                f"processor {self.spec.name!r} now has key_range={self.spec.key_range}, slot "
+                f"{tuple(region.slots.shape[1:])} {region.slots.dtype}; resume it with the "
+                "processor it started with, or start a new run"
+            )
+        return slots, valid
 
     def _current_state(self) -> State | None:
         backend = self._backend
