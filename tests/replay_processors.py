@@ -40,6 +40,26 @@ def running_sum(records: Records, keys: np.ndarray, state) -> np.ndarray:
     return _sum_rows(state, keys)
 
 
+#: Keys whose records make ``replay.sum_fails_on_key`` raise (tests set and clear it).
+STATEFUL_POISON_KEYS: set[int] = set()
+
+
+@stateful_processor(
+    "replay.sum_fails_on_key",
+    key=lambda d: d["key"] % KEY_RANGE,
+    key_range=KEY_RANGE,
+    slot=SlotSpec((5,), "float64"),
+    input="vec",
+    output="sum",
+)
+def sum_fails_on_key(records: Records, keys: np.ndarray, state) -> np.ndarray:
+    """``replay.running_sum``, raising on a unit holding a key of STATEFUL_POISON_KEYS."""
+    poisoned = set(records.descriptors["key"].tolist()) & STATEFUL_POISON_KEYS
+    if poisoned:
+        raise ValueError(f"cannot handle key(s) {sorted(poisoned)}")
+    return running_sum(records, keys, state)
+
+
 #: Keys whose records make ``replay.fails_on_key`` raise.
 POISON_KEYS = {13}
 #: Calls of ``replay.flaky`` so far (it fails its first call).

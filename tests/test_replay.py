@@ -511,6 +511,40 @@ def test_failing_unit_is_retried_then_recorded_and_others_finish(corpus, tmp_pat
     assert written == 288 - bad_rows
 
 
+def test_a_stateful_unit_failing_stops_the_units_after_it_and_resume_equals_a_clean_run(
+    corpus, tmp_path
+):
+    """A stateful processor carries its state from unit to unit in plan order.
+    When one unit failed and the others went on, they missed its records, and
+    the failed unit, retried on resume after them, saw theirs: the running
+    sums written differed from an uninterrupted run's.  Now the run stops at
+    the failed unit (saying so), and the resume, from it, writes what an
+    uninterrupted run writes."""
+    ch = corpus
+    clean, failing = f"{ch.prefix}_sum_clean", f"{ch.prefix}_sum_failing"
+    base = dict(processor="replay.sum_fails_on_key", stateful_output="units", retries=0)
+    run_replay(**settings(ch, tmp_path, **base), outputs={"sum": ClickHouseTable(clean)})
+    rp.STATEFUL_POISON_KEYS.add(13)
+    try:
+        with pytest.raises(UnitsFailed) as caught:
+            run_replay(**settings(ch, tmp_path, **base), outputs={"sum": ClickHouseTable(failing)})
+    finally:
+        rp.STATEFUL_POISON_KEYS.clear()
+    report = caught.value.report
+    (unit,) = report.failed  # the first unit holding key 13; none after it ran
+    after = len(report.plan) - 1 - [u.id for u in report.plan].index(unit)
+    assert "processor 'replay.sum_fails_on_key'" in str(caught.value)
+    assert f"the {after} unit(s) after it were not run" in str(caught.value)
+    assert report.units_run == len(report.plan) - 1 - after
+    resumed = run_replay(
+        **settings(ch, tmp_path, **base),
+        outputs={"sum": ClickHouseTable(failing)},
+        resume=report.run_id,
+    )
+    assert resumed.units_run == after + 1 and not resumed.failed
+    assert rows(ch, failing, "ALL") == rows(ch, clean, "ALL")
+
+
 def test_transient_failure_is_retried(corpus, tmp_path):
     ch = corpus
     rp.FLAKY_CALLS[0] = 0

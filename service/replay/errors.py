@@ -50,13 +50,15 @@ class NotExactlyOnce(ReplayConfigError):
 class UnitsFailed(ReplayError):
     """The run finished, but some work units failed past the retry budget."""
 
-    def __init__(self, run_id: str, failed: dict[str, str]) -> None:
+    def __init__(self, run_id: str, failed: dict[str, str], processor: str | None = None) -> None:
         self.run_id = run_id
         self.failed = failed
+        self.processor = processor
+        of = f" in processor {processor!r}" if processor else ""
         listing = "\n".join(f"  - {unit}: {error}" for unit, error in sorted(failed.items()))
         super().__init__(
-            f"replay {run_id}: {len(failed)} work unit(s) failed (other units finished; "
-            f"resume with --resume {run_id} after fixing the cause):\n{listing}"
+            f"replay {run_id}: {len(failed)} work unit(s) failed{of} (the units that finished "
+            f"are kept; resume with --resume {run_id} after fixing the cause):\n{listing}"
         )
 
 

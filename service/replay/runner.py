@@ -141,7 +141,7 @@ class _Run(CheckedRun):
             ledger=ledger.directory / "ledger.json",
             plan=plan,
             lanes=describe_targets(self.targets),
-            units_run=len(todo) - len(ledger.data["failed"]),
+            units_run=sum(1 for u in todo if ledger.done(u.id)),
             units_skipped=len(plan) - len(todo),
             records=records,
             rows_written=dict(self._written),
@@ -150,7 +150,9 @@ class _Run(CheckedRun):
         )
         if report.failed:
             error = UnitsFailed(
-                ledger.run_id, {u: e.splitlines()[0] for u, e in report.failed.items()}
+                ledger.run_id,
+                {u: e.splitlines()[0] for u, e in report.failed.items()},
+                self.spec.name,
             )
             error.report = report  # type: ignore[attr-defined]
             raise error
@@ -224,7 +226,21 @@ class _Run(CheckedRun):
                 if outcome.retryable and attempts[unit.id] <= config.retries:
                     bags[b].appendleft(unit)
                 else:
-                    self._ledger.record_failure(unit.id, outcome.error)
+                    error = outcome.error
+                    if self.stateful and not self.partial:
+                        # The state is carried from unit to unit in plan order: a unit
+                        # run past this one would miss its records, and this one, run
+                        # on resume after them, would see theirs (rows unlike an
+                        # uninterrupted run's). Stop here; a resume starts from it.
+                        left = sum(len(bag) for bag in bags)
+                        for bag in bags:
+                            bag.clear()
+                        first, _, rest = error.partition("\n")
+                        error = (
+                            f"{first} (the {left} unit(s) after it were not run: a stateful "
+                            f"processor's state is carried across units in order)\n{rest}"
+                        )
+                    self._ledger.record_failure(unit.id, error)
             else:
                 records += outcome.records
                 self._finish_unit(unit, outcome, attempts[unit.id], read_seconds[unit.id])
