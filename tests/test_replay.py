@@ -624,6 +624,28 @@ def test_resume_with_a_checkpoint_of_another_state_shape_is_refused(corpus, tmp_
     assert first.ledger.read_text() == before
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda text: text[:300], r"is not valid JSON \(Unterminated string"),
+        (lambda text: '{"run_id": "x"}', r"is not a replay ledger: it lacks config_hash, config"),
+    ],
+    ids=["truncated", "foreign"],
+)
+def test_resume_of_a_damaged_ledger_is_refused_naming_it(corpus, tmp_path, damage, message):
+    """A ledger cut short or not a ledger at all died in the resume with a
+    JSONDecodeError or a KeyError traceback; now it is refused, naming the file."""
+    ch = corpus
+    out = {"norm": ParquetDir(str(tmp_path / "damaged"))}
+    first = run_replay(**settings(ch, tmp_path, processor="test.norms"), outputs=out)
+    first.ledger.write_text(damage(first.ledger.read_text()))
+    with pytest.raises(ReplayConfigError, match=message) as refused:
+        run_replay(
+            **settings(ch, tmp_path, processor="test.norms"), outputs=out, resume=first.run_id
+        )
+    assert str(first.ledger) in str(refused.value)
+
+
 def test_resume_of_an_unknown_run(corpus, tmp_path):
     with pytest.raises(UnknownRun, match="no run 'r-missing'"):
         run_replay(**settings(corpus, tmp_path, processor="test.norms"), resume="r-missing")

@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from taproute.service.replay.errors import ConfigChanged, MissingSource, RunInUse, UnknownRun
+from taproute.service.replay.errors import (
+    ConfigChanged,
+    MissingSource,
+    ReplayConfigError,
+    RunInUse,
+    UnknownRun,
+)
 
 PHASES = ("read", "process", "write")
 
@@ -63,6 +69,25 @@ def percentiles(samples: list[float]) -> dict[str, float]:
         "p50": float(np.percentile(values, 50)),
         "p95": float(np.percentile(values, 95)),
     }
+
+
+#: What every ledger holds (a file without them is not one this driver wrote).
+_KEYS = ("run_id", "config_hash", "config", "status", "resumes", "units", "failed", "timings")
+
+
+def _parse(path: Path, text: str) -> dict[str, Any]:
+    """The ledger in ``text`` (read from ``path``); a damaged or foreign file is
+    refused, naming it, rather than failing later on a missing key."""
+    try:
+        data: dict[str, Any] = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReplayConfigError(f"ledger {str(path)!r} is not valid JSON ({exc})") from None
+    missing = [k for k in _KEYS if k not in data] if isinstance(data, dict) else list(_KEYS)
+    if missing:
+        raise ReplayConfigError(
+            f"ledger {str(path)!r} is not a replay ledger: it lacks {', '.join(missing)}"
+        )
+    return data
 
 
 class RunLedger:
@@ -138,11 +163,11 @@ class RunLedger:
         if not path.is_file():
             known = sorted(p.parent.name for p in runs_dir.glob("*/ledger.json"))
             raise UnknownRun(f"no run {run_id!r} under {runs_dir} (runs there: {known or 'none'})")
-        ledger = cls(path.parent, json.loads(path.read_text()))
+        ledger = cls(path.parent, _parse(path, path.read_text()))
         ledger._lock()
         try:
             text = path.read_text()  # as the last driver left it, now that none runs
-            data = json.loads(text)
+            data = _parse(path, text)
             if data["config_hash"] != config_hash(config):
                 changes = _diff(data["config"], config)
                 raise ConfigChanged(
