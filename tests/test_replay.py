@@ -813,6 +813,25 @@ def test_parquet_corpus_filters_and_bad_files(parquet_corpus, tmp_path):
         )
 
 
+def test_a_parquet_corpus_named_by_its_directory_says_so(tmp_path):
+    """`--parquet out/export` (the directory, not its files) was refused as
+    "no such file", though the directory is right there."""
+    from taproute.service.replay import ParquetCorpus
+
+    (tmp_path / "export").mkdir()
+    with pytest.raises(
+        MissingSource, match=r"is a directory; name its files, e\.g\. '.*\*\.parquet'"
+    ):
+        run_replay(
+            source=ParquetCorpus([tmp_path / "export"], "vec"),
+            processor="test.norms",
+            schema=SCHEMA,
+            outputs={"norm": ParquetDir(str(tmp_path / "out"))},
+            runs_dir=tmp_path / "runs",
+        )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
 def test_a_killed_worker_stops_the_run_and_resume_finishes_it(corpus, tmp_path, monkeypatch):
     import os
 

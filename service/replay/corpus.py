@@ -233,6 +233,12 @@ class ParquetCorpus:
         found: list[Path] = []
         for pattern in self.patterns:
             matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            folders = [m for m in matches if Path(m).is_dir()]
+            if folders:
+                raise MissingSource(
+                    f"corpus file {folders[0]!r} is a directory; name its files, e.g. "
+                    f"{str(Path(folders[0]) / '*.parquet')!r}"
+                )
             if not matches or not all(Path(m).is_file() for m in matches):
                 raise MissingSource(f"corpus file {pattern!r}: no such file")
             found.extend(Path(m).resolve() for m in matches)
