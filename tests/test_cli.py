@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +199,31 @@ def test_run_refuses_a_rate_or_duration_it_cannot_pace(capsys, tmp_path, argv, m
     assert line.endswith(f"{message} (see --help)")
 
 
+@contextmanager
+def _chdb_held(data: Path) -> Iterator[int]:
+    """chDB directory ``data`` opened by another process until the block
+    ends (chDB lets one process open a directory); yields that process's pid."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, chdb.session as s; x = s.Session(sys.argv[1]); "
+            "print('ready', flush=True); sys.stdin.read()",
+            str(data),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        yield holder.pid
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
 def test_offline_reroute_while_the_service_holds_chdb_is_one_line(tmp_path):
     data = tmp_path / "data"
     store = letters_store(tmp_path / "dead.sqlite")
@@ -220,20 +247,7 @@ path = "{store}"
 unmatched = "drop"
 """
     )
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, chdb.session as s; x = s.Session(sys.argv[1]); "
-            "print('ready', flush=True); sys.stdin.read()",
-            str(data),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with _chdb_held(data) as holder_pid:
         child = subprocess.run(
             [*COMMAND, "dead-letters", "reroute", "1", "--config", str(config)],
             capture_output=True,
@@ -241,15 +255,12 @@ unmatched = "drop"
             cwd=REPO,
             timeout=120,
         )
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert child.returncode == 2, child.stderr
     lines = child.stderr.strip().splitlines()
     assert len(lines) == 1, child.stderr
     assert lines[0] == (
         f"{config}: destinations.ch.path: cannot open chDB at {data}: "
-        f"in use by process {holder.pid}"
+        f"in use by process {holder_pid}"
     )
     reopened = DeadLetterStore(store, create=False)
     try:
@@ -300,20 +311,7 @@ def test_replay_of_a_chdb_directory_another_process_holds_is_one_line_exit_2(tmp
     exit 1, naming neither the directory nor who held it."""
     data = tmp_path / "chdb"
     data.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, chdb.session as s; x = s.Session(sys.argv[1]); "
-            "print('ready', flush=True); sys.stdin.read()",
-            str(data),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with _chdb_held(data) as holder_pid:
         child = subprocess.run(
             [
                 *COMMAND,
@@ -334,12 +332,9 @@ def test_replay_of_a_chdb_directory_another_process_holds_is_one_line_exit_2(tmp
             cwd=REPO,
             timeout=120,
         )
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert child.returncode == 2, child.stderr
     assert child.stderr.strip().splitlines() == [
-        f"taproute: replay --chdb {data}: chDB directory in use by process {holder.pid} "
+        f"taproute: replay --chdb {data}: chDB directory in use by process {holder_pid} "
         "(chDB allows one process per directory)"
     ]
     assert not (tmp_path / "out").exists()

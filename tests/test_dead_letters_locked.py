@@ -65,22 +65,11 @@ def test_a_store_locked_by_another_process_answers_503_naming_it(tmp_path):
         dead_letters=store,
     ) as runtime:
         (url,) = runtime.http_urls
-        locker = subprocess.Popen(
-            [sys.executable, "-c", LOCKER, str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert locker.stdout is not None and locker.stdout.readline() == "locked\n"
+        with locked(path):
             status, body = request(f"{url}/dead-letters/{letter_id}/skip", "POST", TOKEN)
             assert status == 503, body
             assert str(path) in body["error"] and "locked" in body["error"]
             assert "nothing was changed" in body["error"]
-        finally:
-            assert locker.stdin is not None
-            locker.stdin.close()
-            locker.wait(timeout=60)
         assert store.get(letter_id).state == "dead"  # nothing changed
         status, body = request(f"{url}/dead-letters/{letter_id}/skip", "POST", TOKEN)
         assert status == 200 and body["state"] == "skipped"
