@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,9 +59,9 @@ failure_window = 3600.0
 )
 
 
-def produce(directory: Path, kill_at: str) -> None:
-    os.environ["TAPROUTE_PARK_MODE"] = "kill_on_retry" if kill_at == "mid_retry" else "fail"
-    _, runtime = start(directory, CONFIG)
+def submit_batches(runtime: Any) -> None:
+    """Submit the test's BATCHES batches of BATCH records of hook ``q``
+    (record ``i`` holds ``i, i+1, i+2, i+3``; keys 0..BATCH-1 in each batch)."""
     q = runtime.bind_hook("q", layout="vec")
     vec = SCHEMA.layout_id("vec")
     for b in range(BATCHES):
@@ -79,6 +80,12 @@ def produce(directory: Path, kill_at: str) -> None:
             ),
             values,
         )
+
+
+def produce(directory: Path, kill_at: str) -> None:
+    os.environ["TAPROUTE_PARK_MODE"] = "kill_on_retry" if kill_at == "mid_retry" else "fail"
+    _, runtime = start(directory, CONFIG)
+    submit_batches(runtime)
     report = runtime.flush()
     print(f"ack {BATCHES * BATCH - 1}", flush=True)
     print(f"report {json.dumps(_report(report))}", flush=True)

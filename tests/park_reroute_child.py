@@ -17,35 +17,14 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from taproute.service import make_descriptors
 from tests.park_child_setup import start
-from tests.park_crash_child import BATCH, BATCHES, CONFIG, recover
-from tests.processors import SCHEMA
+from tests.park_crash_child import CONFIG, recover, submit_batches
 
 
 def produce(directory: Path) -> None:
     os.environ["TAPROUTE_PARK_MODE"] = "invalid"
     _, runtime = start(directory, CONFIG)
-    q = runtime.bind_hook("q", layout="vec")
-    vec = SCHEMA.layout_id("vec")
-    for b in range(BATCHES):
-        first = b * BATCH
-        values = (np.arange(first, first + BATCH, dtype=np.float32)[:, None] + np.arange(4)).astype(
-            np.float32
-        )
-        runtime.submit_batch(
-            make_descriptors(
-                q,
-                16,
-                count=BATCH,
-                layout_ids=vec,
-                keys=np.arange(BATCH),
-                seqs=np.arange(first, first + BATCH),
-            ),
-            values,
-        )
+    submit_batches(runtime)
     runtime.flush()
     letters = runtime.controls.store.list(limit=10**6)
     print(f"letters {len(letters)}", flush=True)
