@@ -11,12 +11,9 @@ failure is latched, naming the directory."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import run_child
 
 CONFIG = """
 [[layouts]]
@@ -41,14 +38,7 @@ unmatched = "drop"
 
 
 def child(action: str, config: Path) -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.chdb_removed_child", action, str(config)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_child("chdb_removed_child", action, str(config))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 

@@ -8,31 +8,22 @@ store."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.children import run_child
 from tests.park_processors import failing
 
-ROOT = Path(__file__).resolve().parent.parent
 RECORDS = 1728  # tests/park_crash_child.py: 108 batches of 16
 FAILING = 192  # its 12 batches the broken feature store fails
 
 
 def child(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.park_crash_child", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_child("park_crash_child", *args)
 
 
 def produce(tmp_path: Path, kill_at: str) -> None:

@@ -6,24 +6,14 @@ a restart they are processed once each, in arrival order per key."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import run_child
 
 
 def child(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.park_keyed_child", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_child("park_keyed_child", *args)
 
 
 def test_a_failing_keys_parked_records_survive_sigkill_in_key_order(tmp_path):

@@ -8,27 +8,17 @@ lost the record while the letter said it had been handled."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 from taproute.service.ops.dead_letters import DeadLetterStore
+from tests.children import run_child
 
-ROOT = Path(__file__).resolve().parent.parent
 RECORDS, FAILING = 1728, 192  # tests/park_crash_child.py's records and the malformed ones
 
 
 def child(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.park_reroute_child", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_child("park_reroute_child", *args)
 
 
 def test_a_copy_killed_in_its_route_is_delivered_once_after_restart(tmp_path):

@@ -5,26 +5,16 @@ once after a restart."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import run_child
 
 
 def child(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.spool_crash_child", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_child("spool_crash_child", *args)
 
 
 def acked(out: str) -> int:
