@@ -156,8 +156,10 @@ class DestinationCounters:
     not returned from: never delivered); ``given_up_records``, records the
     sink took (counted sent) and then gave up itself: a ClickHouse sink's
     buffered or in-flight rows when a cut cancelled it, or rows a close
-    stopped waiting for (its ``abandoned_rows``).  Every count only grows
-    (records given up stay counted as sent: they were handed over).
+    stopped waiting for (its ``abandoned_rows``); ``failed_records``, records
+    (or a processor's rows) in submits the sink raised on (the failure is
+    latched): never taken, never delivered, not counted sent.  Every count
+    only grows (records given up stay counted as sent: they were handed over).
     Live: ``queue_depth``, records waiting in its mailbox.  ``cut_short``:
     the call shutdown found still running and cut off (``"submit"``, ``"flush"``, ``"close"``, or
     ``"queued"`` for batches waiting behind one), else None."""
@@ -181,6 +183,11 @@ class DestinationCounters:
         "taproute_destination_given_up_records",
         "Records the sink took and then gave up, not delivered (a shutdown's cut, a "
         "close that stopped waiting).",
+    )
+    failed_records: int = count(
+        "taproute_destination_failed_records",
+        "Records (or rows) in submits the sink raised on (a failure, latched): never "
+        "taken, never delivered.",
     )
     queue_depth: int = live(
         "taproute_destination_queue_depth_records", "Records waiting for the sink."

@@ -395,11 +395,14 @@ class DestinationActor:
             # (binding_invalid, dead-lettered), not a failure of the router.
             self.counters.errors += 1
             if self._undeliverable is None or route is None or isinstance(batch, RowBatch):
+                self.counters.failed_records += len(batch)
                 self._latch.latch(exc, route=route, destination=self.name, where="submit")
             else:
                 await self._undeliverable(route, batch, exc)
         except Exception as exc:
+            # Latched; the sink did not take the batch: never delivered, counted.
             self.counters.errors += 1
+            self.counters.failed_records += len(batch)
             self._latch.latch(exc, route=route, destination=self.name, where="submit")
         else:
             if not returned:  # cut while the sink had it: never delivered

@@ -13,7 +13,9 @@ class ForwardRoute(RouteActor):
 
     A record counts as processed (and emitted) once the destination's sink
     took it; one the sink refused is failed instead, never both, so
-    ``processed + failed`` is what the route was given.
+    ``processed + failed`` is what the route was given, but for records in
+    a submit the sink raised on (a failure, latched): those are counted by
+    the destination (``failed_records``).
     """
 
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:

@@ -19,7 +19,10 @@ class IngressCounters:
     when full, seconds producers spent blocked in ``submit``, records shed
     past ``max_block``, batches merged with others of their wake-up into
     one dispatch; records given up at a shutdown whose grace ran out before
-    the record worker handed them on (``abandoned``); key controls refused
+    the record worker handed them on (``abandoned``); records ``submit()``
+    accepted and never routed because the runtime had failed (``given_up``:
+    queued when the first failure was latched, in the batch the record
+    sink's submit refused, or left when the loop died); key controls refused
     because no stateful route holds a key (``refused_key_controls``: the
     caller's future raised :class:`KeyNotHeld`, or nobody looked, as
     ``capture_context(end_keys=...)`` does not); key controls the runtime
@@ -49,6 +52,11 @@ class IngressCounters:
     abandoned: int = count(
         "taproute_ingress_abandoned_records",
         "Records still in ingress when a shutdown's grace ran out, given up.",
+    )
+    given_up: int = count(
+        "taproute_ingress_given_up_records",
+        "Records accepted by submit and never routed because the runtime had failed "
+        "(queued when its first failure was latched, or refused by the record sink).",
     )
     refused_key_controls: int = count(
         "taproute_ingress_refused_key_controls",

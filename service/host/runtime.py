@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Self
+from typing import Literal, Self
 
 import trio
 
@@ -281,18 +281,27 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             if not self._ready.is_set():
                 self._start_error = error
             failure = self._latch.latch(error, where="runtime loop")
-            self._give_up(self._ingress.fail(failure, loop_gone=True), failure, count=False)
+            # What producers had queued will never be routed: given up, counted.
+            items = self._ingress.fail(failure, loop_gone=True)
+            self._give_up(items, failure, count="given_up")
         else:
             if self._stopped_short:  # what is still in ingress is given up, counted
                 gone = SinkClosed("runtime stopped: the shutdown grace ran out")
-                self._give_up(self._ingress.fail(gone, loop_gone=True), gone, count=True)
+                self._give_up(self._ingress.fail(gone, loop_gone=True), gone, count="abandoned")
         finally:
             self._ready.set()
 
-    def _give_up(self, items: Sequence[object], error: BaseException, *, count: bool) -> None:
+    def _give_up(
+        self,
+        items: Sequence[object],
+        error: BaseException,
+        *,
+        count: Literal["abandoned", "given_up"],
+    ) -> None:
         """Fail the controls among ``items`` with ``error`` and release the
-        batches (counted as abandoned at ingress with ``count``): nothing
-        will take them any more."""
+        batches, counted at ingress as ``count`` (``abandoned``: a shutdown's
+        grace ran out; ``given_up``: the runtime failed): nothing will take
+        them any more."""
         for item in items:
             if isinstance(item, Control):
                 if not item.future.done():
@@ -300,8 +309,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         self._ingress.count_failed_key_control()
                     item.future.set_exception(error)
             elif isinstance(item, RecordBatch):
-                if count:
+                if count == "abandoned":
                     self._ingress.counters.abandoned += len(item)
+                else:
+                    self._ingress.counters.given_up += len(item)
                 with contextlib.suppress(Exception):  # a release callback's own failure
                     item.lease.release()
 
@@ -430,7 +441,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                     await self._hand_on(run)
             except trio.Cancelled:  # the grace ran out: what was taken and not handed on
                 gone = SinkClosed("runtime stopped: the shutdown grace ran out")
-                self._give_up([*run, *items[position + 1 :]], gone, count=True)
+                self._give_up([*run, *items[position + 1 :]], gone, count="abandoned")
                 raise
             finally:
                 self._ingress.done(records, nbytes)
@@ -440,7 +451,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         into one when the arena spans their payloads, and release each once.
 
         Empties ``batches``.  A failure is latched; later batches are released
-        without being submitted.
+        without being submitted.  Records never handed on because of a
+        failure (the sink's submit raised, or one was latched before) are
+        counted as given up at ingress (``taproute_ingress_given_up_records``):
+        ``submit()`` had accepted them.
         """
         handed = list(batches)
         batches.clear()
@@ -454,17 +468,23 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         for position, batch in enumerate(handed):
             try:
                 # An empty batch only comes for its release: nothing to route.
-                if self._latch.failure is None and len(batch):
-                    self._sink_call = "submit"
-                    await self._submit(batch)
+                if len(batch):
+                    if self._latch.failure is not None:
+                        self._ingress.counters.given_up += len(batch)
+                    else:
+                        self._sink_call = "submit"
+                        await self._submit(batch)
             except Exception as exc:
+                # The sink refused the batch (a routing sink raises what it
+                # latched before it takes any of it): none of it is routed.
+                self._ingress.counters.given_up += len(batch)
                 self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
             except trio.Cancelled:  # the grace ran out: this one and the rest are given up
                 if not isinstance(self.record_sink, CutsShort):  # (else counted where it was)
                     self._sink_abandoned[0] += len(batch)
                     self._sink_abandoned[1] += 1
                 gone = SinkClosed("runtime stopped: the shutdown grace ran out")
-                self._give_up(list(handed[position + 1 :]), gone, count=True)
+                self._give_up(list(handed[position + 1 :]), gone, count="abandoned")
                 raise
             finally:
                 self._sink_call = None
