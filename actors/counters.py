@@ -252,6 +252,52 @@ class DestinationCounters:
     )
 
 
+@attrs.define
+class StoreCounters:
+    """A durable store the routes write given-up (and parked) records to: the
+    dead-letter SQLite file, named by its path.
+
+    Live: ``available`` (False while another holder keeps it locked: writes
+    wait and retry; ``unavailable_since``, wall seconds, and
+    ``unavailable_reason`` say since when and why), ``waiting_writes`` and
+    ``waiting_records`` (writes waiting for it now, each holding its records
+    in its route).  Counts: ``locked_attempts``, write attempts that found it
+    locked (each waited the store's busy timeout, then was retried), and
+    ``locked_writes``, writes that had to wait (done, or still waiting)."""
+
+    name: str
+    available: bool = live(
+        "taproute_store_available",
+        "1 while the store takes writes, 0 while it is locked by another holder "
+        "(writes wait and retry).",
+        True,
+    )
+    waiting_writes: int = live(
+        "taproute_store_waiting_writes", "Writes waiting for a locked store now."
+    )
+    waiting_records: int = live(
+        "taproute_store_waiting_records",
+        "Records in writes waiting for a locked store now (held by their routes).",
+    )
+    locked_attempts: int = count(
+        "taproute_store_locked_attempts",
+        "Write attempts that found the store locked (retried with backoff).",
+    )
+    locked_writes: int = count(
+        "taproute_store_locked_writes", "Writes that found the store locked and had to wait."
+    )
+    unavailable_since: float | None = None
+    unavailable_reason: str | None = None
+
+
+@runtime_checkable
+class ReportsStore(Protocol):
+    """A failure handler's owner or park store that reports its store
+    (:class:`StoreCounters`): the routing sink adds it to its snapshot."""
+
+    def store_status(self) -> StoreCounters: ...
+
+
 @attrs.frozen(kw_only=True)
 class RouterSnapshot:
     """Everything a routing sink counted, at one moment.
@@ -261,6 +307,8 @@ class RouterSnapshot:
     ``unmatched_samples`` a few recent ones per hook with the routes that
     declined them.  ``causal``: derived records accepted and refused by the
     causal limits.  ``failure`` is the latched failure's message, if any.
+    ``stores``: the durable stores give-ups are written to (the dead-letter
+    file), by path, with whether they take writes now.
     ``generation`` is the number of the configuration generation routing new
     records (1 until a reload; 0 for a sink that has no generations).
     """
@@ -275,6 +323,8 @@ class RouterSnapshot:
     #: Per hook, recent records no route took, with each route's refusal.
     unmatched_samples: dict[str, list[UnmatchedSample]] = attrs.Factory(dict)
     generation: int = 0
+    #: The stores given-up and parked records are written to, by name (path).
+    stores: dict[str, StoreCounters] = attrs.Factory(dict)
 
 
 @runtime_checkable

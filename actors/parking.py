@@ -2,7 +2,9 @@
 
 :class:`Parker` wraps a :class:`~taproute.routing.parking.ParkStore` (or
 none: parking then stays in memory, as before stores existed) for the route
-actors.  Every store call runs in a worker thread.  Records whose retry
+actors.  Every store call runs in a worker thread (a store that waits out
+a lock another holder keeps on its file retries it there, see
+:class:`~taproute.routing.parking.WaitsOutLocks`).  Records whose retry
 succeeded are not forgotten at once: their output is only in a destination's
 buffer then, so the destination actor forgets them once it has flushed that
 output (``DestinationActor.settle``, which batches the deletes: up to 64,
@@ -16,14 +18,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import trio
 
 from taproute.actors.attempt import Attempt
 from taproute.actors.retry import RetryGate
 from taproute.routing.failures import FailureCode
-from taproute.routing.parking import ParkIds, Parking, ParkStore, Restored
+from taproute.routing.parking import ParkIds, Parking, ParkStore, Restored, WaitsOutLocks
+
+T = TypeVar("T")
 
 
 class Parker:
@@ -35,6 +40,13 @@ class Parker:
         self.run = uuid.uuid4().hex
         #: Every route's retries, held back while a flush counts.
         self.retries = RetryGate()
+
+    async def _call(self, fn: Callable[..., T], *args: object, records: int = 0) -> T:
+        """A store method in a worker thread; a store that waits out a lock
+        another holder keeps on it (:class:`WaitsOutLocks`) runs it itself."""
+        if isinstance(self.store, WaitsOutLocks):
+            return await self.store.call(fn, *args, records=records)
+        return await trio.to_thread.run_sync(fn, *args)
 
     @property
     def durable(self) -> bool:
@@ -52,11 +64,12 @@ class Parker:
             return
         if attempt.park_ids is not None:
             if attempt.failures:
-                await trio.to_thread.run_sync(
+                await self._call(
                     store.failed_again,
                     attempt.park_ids,
                     attempt.failures,
                     attempt.last_failure_wall,
+                    records=len(attempt.batch),
                 )
             return
         if waiting_behind is None:
@@ -74,18 +87,20 @@ class Parker:
             first_failure_at=attempt.first_failure_wall,
             last_failure_at=attempt.last_failure_wall,
         )
-        attempt.park_ids = await trio.to_thread.run_sync(store.park, self.run, parking)
+        attempt.park_ids = await self._call(
+            store.park, self.run, parking, records=len(attempt.batch)
+        )
 
     async def unpark(self, ids: Sequence[int] | ParkIds) -> None:
         """Forget records now (given up, discarded, or delivered and flushed)."""
         if self.store is not None and len(ids):
-            await trio.to_thread.run_sync(self.store.unpark, ids)
+            await self._call(self.store.unpark, ids)
 
     async def restore(self, routes: Sequence[str]) -> list[Restored]:
         """Records earlier runs left parked on ``routes``, oldest first."""
         if self.store is None:
             return []
-        return await trio.to_thread.run_sync(self.store.restore, self.run, list(routes))
+        return await self._call(self.store.restore, self.run, list(routes))
 
     def release(self) -> None:
         """The run stopped: what it holds stays in the store for the next start."""

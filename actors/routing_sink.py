@@ -43,7 +43,7 @@ import numpy.typing as npt
 import trio
 
 from taproute.actors.chain import CausalGate, link_chains
-from taproute.actors.counters import RouterSnapshot
+from taproute.actors.counters import ReportsStore, RouterSnapshot, StoreCounters
 from taproute.actors.destination import DestinationActor, DestinationSpec
 from taproute.actors.forward import ForwardRoute
 from taproute.actors.generation import Generation
@@ -149,6 +149,13 @@ class RoutingSink(SinkFlushing):
         self._registry = registry
         _name_hooks_of(getattr(on_failure, "__self__", None), self.hooks)
         _name_hooks_of(park, self.hooks)
+        #: The stores give-ups and parked records go to that say whether they
+        #: take writes (a dead-letter file another process holds locked).
+        self._stores = [
+            owner
+            for owner in (getattr(on_failure, "__self__", None), park)
+            if isinstance(owner, ReportsStore)
+        ]
         #: Every give-up of every route is logged here (rate-limited per route).
         self.give_up_log = GiveUpLog()
         self._in_flight = InFlight()
@@ -497,4 +504,10 @@ class RoutingSink(SinkFlushing):
             causal=self.causal.snapshot(),
             unmatched_samples=self.refusals.by_hook(),
             generation=self._gen.number,
+            stores=self.store_status(),
         )
+
+    def store_status(self) -> dict[str, StoreCounters]:
+        """Each store give-ups and parked records are written to, by name (one
+        file shared by the dead letters and the park store is one store)."""
+        return {status.name: status for status in (s.store_status() for s in self._stores)}

@@ -18,8 +18,8 @@ dead-letter store's SQLite file.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import attrs
 import numpy as np
@@ -93,4 +93,20 @@ class ParkStore(Protocol):
         ...
 
 
-__all__ = ["ParkIds", "ParkStore", "Parking", "Restored"]
+T = TypeVar("T")
+
+
+@runtime_checkable
+class WaitsOutLocks(Protocol):
+    """A store whose writes may find it locked for a while by another holder
+    (an operator's session on its file): it runs its own blocking methods
+    in a worker thread and tries again while it is locked, within its own
+    bound, instead of failing at once."""
+
+    def call(self, fn: Callable[..., T], *args: object, records: int = 0) -> Awaitable[T]:
+        """``fn(*args)`` in a worker thread, waiting out a lock (``records``:
+        how many records wait in this write, for the store's status)."""
+        ...
+
+
+__all__ = ["ParkIds", "ParkStore", "Parking", "Restored", "WaitsOutLocks"]

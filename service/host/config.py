@@ -25,6 +25,7 @@ into the library's own value classes, checked, then built into a service.
 
     [dead_letters]
     path = "dead-letters.sqlite"             # default: beside the first chDB destination
+    lock_bound = 300.0                       # seconds a write waits out a locked file
 
     [routing]
     unmatched = "drop"                       # or default_destination = "..."
@@ -243,7 +244,12 @@ class ServiceConfig:
         path, where = location
         prepare_directory(self.source, path.parent, where)
         try:
-            return DeadLetterStore(path, hooks=hooks)
+            return DeadLetterStore(
+                path,
+                hooks=hooks,
+                busy_timeout=self.dead_letters.busy_timeout,
+                lock_bound=self.dead_letters.lock_bound,
+            )
         except DeadLetterStoreError as exc:  # names the path and why
             raise ConfigFileError(self.source, [f"{where}: {exc}"]) from None
         except (OSError, sqlite3.Error, TaprouteError) as exc:

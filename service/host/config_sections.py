@@ -12,6 +12,7 @@ from taproute.routing.causal import CAUSAL_LIMITS, CausalLimits
 from taproute.routing.checks import Limit
 from taproute.routing.limits import QUEUE_BYTES, QUEUE_RECORDS, SHUTDOWN_GRACE_S
 from taproute.service.host.config_rules import add_limits
+from taproute.service.ops.dead_letters import BUSY_TIMEOUT_S, LOCK_BOUND_S
 
 
 @attrs.frozen(kw_only=True)
@@ -66,9 +67,18 @@ class ShutdownOptions:
 
 @attrs.frozen(kw_only=True)
 class DeadLetterOptions:
-    """Where given-up records are kept (default: beside the first chDB destination)."""
+    """Where given-up records are kept (default: beside the first chDB destination).
+
+    ``busy_timeout``: seconds one write waits for a lock another holder keeps
+    on the file (an operator's ``sqlite3`` session); ``lock_bound``: seconds a
+    write keeps trying a locked file, its records waiting in their route,
+    before the failure is latched (``DeadLetterStore(busy_timeout=,
+    lock_bound=)``).
+    """
 
     path: str | None = None
+    busy_timeout: float = BUSY_TIMEOUT_S
+    lock_bound: float = LOCK_BOUND_S
 
 
 @attrs.frozen(kw_only=True)
@@ -98,4 +108,5 @@ add_limits(
     },
 )
 add_limits(ShutdownOptions, SHUTDOWN_LIMITS)
+add_limits(DeadLetterOptions, {"busy_timeout": Limit(0, 3600), "lock_bound": Limit(0, 86400)})
 add_limits(ProducerHook, {"batch": Limit(1, 2**20), "elements": Limit(0, 2**28)})

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from taproute.actors.counters import (
     DestinationCounters,
     RouteCounters,
+    StoreCounters,
     declared,
 )
 from taproute.service.host.counters import IngressCounters, ServiceSnapshot
@@ -51,6 +52,8 @@ class SnapshotCollector(Collector):
         yield failures
         destinations = [([d.name], d) for d in snap.destinations.values()]
         yield from _families(DestinationCounters, destinations, ["destination"])
+        stores = [([s.name], s) for s in snap.stores.values()]
+        yield from _families(StoreCounters, stores, ["store"])
         unmatched = CounterMetricFamily(
             "taproute_unmatched_records",
             "Records no route took, by what happened to them.",

@@ -32,7 +32,7 @@ from typing import Literal, Self
 
 import trio
 
-from taproute.actors.counters import Observable, RouterSnapshot
+from taproute.actors.counters import Observable, ReportsStore, RouterSnapshot
 from taproute.actors.destination import is_sink, release_unclosed
 from taproute.actors.fairness import scheduled_now
 from taproute.routing.batch import RecordBatch
@@ -249,6 +249,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         self._sink_abandoned = [0, 0]
         self._shutdown_lock = threading.Lock()
         self._shutdown_error: ShutdownAbandoned | None = None
+        #: Stores reported in the snapshot besides the record sink's (the
+        #: service's dead-letter store when its sink is not a routing sink).
+        self._stores: list[ReportsStore] = []
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -636,6 +639,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             unmatched_samples=sink.unmatched_samples,
             generation=sink.generation,
             ingress=self._ingress.snapshot(),
+            stores={
+                **sink.stores,
+                **{s.name: s for s in (store.store_status() for store in self._stores)},
+            },
         )
 
 

@@ -72,6 +72,8 @@ class RecordService(RecordRuntime):
         self.dead_letters = dead_letters
         if dead_letters is not None and dead_letters.hooks is None:
             dead_letters.attach_hooks(self.hooks)  # letters name their hook, reroutes find it
+        if dead_letters is not None:
+            self._stores.append(dead_letters)  # whether it takes writes, in the snapshot
         # Checked once: a sink that can trace gets the /trace endpoint.
         self._trace = record_sink.trace if isinstance(record_sink, Traceable) else None
         if http is not None:

@@ -7,27 +7,65 @@ never retried) or *reroute* them (a copy, with its own id, goes to the
 route(s) that failed it; at most once per letter; a skipped letter stays
 skipped).  The file survives
 restarts; writes happen in worker threads, never on the Trio loop.
+
+A store another holder keeps locked (an operator's ``sqlite3`` session in a
+transaction, a ``taproute dead-letters`` command, a backup) is transient:
+each attempt waits SQLite's busy timeout (``busy_timeout``, 5 s) in its
+worker thread, and a write that found the file locked is tried again with
+bounded backoff (:meth:`DeadLetterStore.call`) while its records wait in
+their route; the store reports itself unavailable meanwhile
+(:meth:`DeadLetterStore.store_status`).  Only a lock that outlasts
+``lock_bound`` (300 s by default) fails the write.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import attrs
 import trio
 
+from taproute.actors.counters import StoreCounters
 from taproute.routing.errors import RerouteRefused, TaprouteError
 from taproute.routing.failures import RecordFailure
 from taproute.routing.hooks import HookRegistry
 
 State = Literal["dead", "skipped", "rerouted"]
+
+T = TypeVar("T")
+
+#: Seconds one attempt waits for a lock another connection holds (SQLite's
+#: busy timeout), in its worker thread.
+BUSY_TIMEOUT_S = 5.0
+
+#: Seconds a write waits out a locked store (attempt after attempt) before it
+#: fails; the failure handler's error is then latched.
+LOCK_BOUND_S = 300.0
+
+#: Backoff between attempts on a locked store: from this, doubling, capped.
+_LOCK_BACKOFF_S = 0.05
+_LOCK_BACKOFF_MAX_S = 2.0
+
+
+def is_locked(exc: BaseException) -> bool:
+    """True for SQLite's "another connection holds the lock" errors
+    (``SQLITE_BUSY``, ``SQLITE_LOCKED``): transient, unlike a damaged,
+    read-only or full file."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)  # pragma: no cover - old sqlite3
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -136,14 +174,40 @@ class DeadLetterStore:
     dead-letter store (operators' tools: a mistyped path is refused, not
     created); a missing, unreadable or foreign file raises
     :class:`DeadLetterStoreError` and is left as it was.
+
+    ``busy_timeout``: seconds one attempt waits for a lock another connection
+    holds; ``lock_bound``: seconds a write of the routes (:meth:`call`) keeps
+    trying a locked store before it fails (``math.inf``: it never does).
     """
 
     def __init__(
-        self, path: str | Path, hooks: HookRegistry | None = None, *, create: bool = True
+        self,
+        path: str | Path,
+        hooks: HookRegistry | None = None,
+        *,
+        create: bool = True,
+        busy_timeout: float = BUSY_TIMEOUT_S,
+        lock_bound: float = LOCK_BOUND_S,
     ) -> None:
+        for name, value in (("busy_timeout", busy_timeout), ("lock_bound", lock_bound)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or math.isnan(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"DeadLetterStore {name}: expected seconds >= 0, found "
+                    f"{type(value).__name__} {value!r}"
+                )
+        if math.isinf(busy_timeout):
+            raise ValueError("DeadLetterStore busy_timeout: expected finite seconds, found inf")
         self.path = Path(path)
         self.hooks = hooks
+        self.busy_timeout = float(busy_timeout)
+        self.lock_bound = float(lock_bound)
         self._lock = threading.Lock()
+        self._status = StoreCounters(str(self.path))
         if create:
             self._create()
             return
@@ -151,7 +215,13 @@ class DeadLetterStore:
             raise DeadLetterStoreError(f"no dead-letter store at {self.path}")
         uri = f"{self.path.resolve().as_uri()}?mode=rw"
         try:
-            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            self._db = sqlite3.connect(
+                uri,
+                uri=True,
+                check_same_thread=False,
+                isolation_level=None,
+                timeout=self.busy_timeout,
+            )
         except sqlite3.Error as exc:
             raise DeadLetterStoreError(f"{self.path}: unreadable store: {exc}") from None
         try:
@@ -186,7 +256,10 @@ class DeadLetterStore:
             ) from None
         try:
             self._db = sqlite3.connect(
-                str(self.path), check_same_thread=False, isolation_level=None
+                str(self.path),
+                check_same_thread=False,
+                isolation_level=None,
+                timeout=self.busy_timeout,
             )
         except sqlite3.Error as exc:
             raise DeadLetterStoreError(f"cannot open {self.path}: {exc}") from None
@@ -214,13 +287,15 @@ class DeadLetterStore:
             try:
                 self._check_file()
                 yield self._db
+                # A COMMIT that fails (busy) leaves the transaction open:
+                # rolled back below, so the next BEGIN (a retry) can start.
+                self._db.execute("COMMIT")
             except BaseException:
                 # SQLite rolls back by itself on some errors (SQLITE_FULL): a
                 # second ROLLBACK would raise and hide the first error.
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def _check_file(self) -> None:
         """Refuse to write once the file at ``path`` is not the one opened: a
@@ -299,8 +374,61 @@ class DeadLetterStore:
         return ids
 
     async def handle(self, failure: RecordFailure) -> None:
-        """The routing sink's failure handler: store, in a worker thread."""
-        await trio.to_thread.run_sync(self.put, failure)
+        """The routing sink's failure handler: store, in a worker thread,
+        waiting out a locked store (:meth:`call`)."""
+        await self.call(self.put, failure, records=len(failure.records))
+
+    async def call(self, fn: Callable[..., T], *args: object, records: int = 0) -> T:
+        """``fn(*args)``, a write to this store, in a worker thread; while the
+        file is locked by another holder (each attempt waits ``busy_timeout``)
+        it is tried again with backoff, and the store reports itself
+        unavailable (:meth:`store_status`; ``records``: how many records wait
+        in this write).  A lock that outlasts ``lock_bound`` raises
+        :class:`DeadLetterStoreError` naming the file; any other error is raised
+        at once."""
+        started: float | None = None
+        delay = _LOCK_BACKOFF_S
+        status = self._status
+        try:
+            while True:
+                try:
+                    result = await trio.to_thread.run_sync(fn, *args)
+                except sqlite3.OperationalError as exc:
+                    if not is_locked(exc):
+                        raise
+                    now = trio.current_time()
+                    status.locked_attempts += 1
+                    if started is None:
+                        started = now
+                        status.locked_writes += 1
+                        status.waiting_writes += 1
+                        status.waiting_records += records
+                    if status.available:
+                        status.available = False
+                        status.unavailable_since = time.time()
+                    status.unavailable_reason = f"{type(exc).__name__}: {exc}"
+                    waited = now - started
+                    if waited >= self.lock_bound:
+                        raise DeadLetterStoreError(
+                            f"dead-letter store {self.path} stayed locked for {waited:.1f} s, "
+                            f"past its lock_bound of {self.lock_bound:g} s ({exc}); "
+                            f"{records} record(s) not written"
+                        ) from None
+                    await trio.sleep(min(delay, self.lock_bound - waited))
+                    delay = min(2 * delay, _LOCK_BACKOFF_MAX_S)
+                    continue
+                if not status.available:  # it took a write: locked no more
+                    status.available = True
+                    status.unavailable_since = status.unavailable_reason = None
+                return result
+        finally:
+            if started is not None:
+                status.waiting_writes -= 1
+                status.waiting_records -= records
+
+    def store_status(self) -> StoreCounters:
+        """Whether the store takes writes now, and what waited for it (a detached copy)."""
+        return attrs.evolve(self._status)
 
     def list(
         self,

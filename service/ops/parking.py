@@ -15,12 +15,13 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
-import trio
 
+from taproute.actors.counters import StoreCounters
 from taproute.native import DESCRIPTOR_DTYPE
 from taproute.routing.batch import RecordBatch
 from taproute.routing.failures import RecordFailure
@@ -53,6 +54,8 @@ _LIVE_LOCK = threading.Lock()
 
 #: id, route, grp, failures, first_failure_at, last_failure_at, descriptor, payload, hook
 _Row = tuple[int, str, int, int, float, float, bytes, bytes, str | None]
+
+T = TypeVar("T")
 
 _IN_CHUNK = 500  # ids per `IN (...)` (SQLite's variable limit is far above)
 
@@ -207,8 +210,18 @@ class ParkedRecordStore:
         return ids
 
     async def handle(self, failure: RecordFailure) -> None:
-        """The routing sink's failure handler (in a worker thread)."""
-        await trio.to_thread.run_sync(self.handle_blocking, failure)
+        """The routing sink's failure handler (in a worker thread, waiting out a
+        locked file: :meth:`DeadLetterStore.call`)."""
+        await self.dead_letters.call(self.handle_blocking, failure, records=len(failure.records))
+
+    def call(self, fn: Callable[..., T], *args: object, records: int = 0) -> Awaitable[T]:
+        """The dead-letter store's :meth:`~DeadLetterStore.call` (the same
+        file, the same lock): the routes' park store writes wait out a lock."""
+        return self.dead_letters.call(fn, *args, records=records)
+
+    def store_status(self) -> StoreCounters:
+        """The file's status (the dead-letter store's)."""
+        return self.dead_letters.store_status()
 
     def count(self, route: str | None = None) -> int:
         """Records parked now (on ``route``, or all)."""
