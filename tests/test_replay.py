@@ -453,12 +453,14 @@ def test_output_table_with_another_schema(corpus, tmp_path):
             "non_replicated_deduplication_window is 0",
         ),
         # A window shorter than what a resume redoes (16 units since the last
-        # checkpoint, and the final rows) let the older redone units through
-        # twice: a probe killed a run 6 units past a checkpoint into a table
-        # with a window of 2 and found 4 units' rows doubled after the resume.
+        # checkpoint; a stateless processor has no final rows) let the older
+        # redone units through twice: a probe killed a run 6 units past a
+        # checkpoint into a table with a window of 2 and found 4 units' rows
+        # doubled after the resume.
         (
             " SETTINGS non_replicated_deduplication_window = 4",
-            r"window covering the 17 insert\(s\) a resume may redo.*only its last 4 block",
+            r"window covering the 16 insert\(s\) a resume may redo \(checkpoint_units=16 "
+            r"units.*only its last 4 block",
         ),
     ],
     ids=["no-window", "zero-window", "short-window"],
@@ -474,6 +476,110 @@ def test_output_table_without_dedup_window_is_refused(corpus, tmp_path, settings
             **settings(ch, tmp_path, processor="test.norms"),
             outputs={"norm": ClickHouseTable(f"{ch.prefix}_nodedup")},
         )
+
+
+class Stopped(Exception):
+    """What the test raises to stop a run where a crash would."""
+
+
+@pytest.mark.parametrize("window", [12, 11])
+def test_a_resume_into_a_partitioned_table_writes_no_row_twice(
+    corpus, tmp_path, monkeypatch, window
+):
+    """ClickHouse deduplicates per block, and an insert into a partitioned table
+    is one block per partition it touches: each unit here touches 4, so a
+    resume redoing 3 units (checkpoint_units) repeats 12 blocks.  The check
+    counted one block per insert (3 + 1 <= 11) and let a window of 11 through;
+    the redone units' oldest block had left the window, was written again, and
+    pushed the next one out: every redone row came out twice.  Now a window of
+    12 holds the redo (no row twice after the resume), and one of 11 is refused
+    at the first insert, nothing written, naming table, window and the limit."""
+    from taproute.service.replay.ledger import RunLedger
+
+    ch = corpus
+    table = f"{ch.prefix}_parts"
+    ch.transport.execute(
+        f"CREATE TABLE {table} (key Int64, seq Int64, norm Float32) ENGINE = MergeTree "
+        f"PARTITION BY seq % 4 ORDER BY (key, seq) "
+        f"SETTINGS non_replicated_deduplication_window = {window}"
+    )
+    kwargs = settings(ch, tmp_path, processor="test.norms", checkpoint_units=3)
+    checkpoint = RunLedger.checkpoint
+    calls = []
+
+    def crash_at_third_checkpoint(ledger, state):
+        # The run's first checkpoint is at its start, the second after unit 3:
+        # the third (after unit 6) never lands, so units 4-6 are written and
+        # not in the ledger, as when the process dies there.
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stopped("the driver died here")
+        checkpoint(ledger, state)
+
+    monkeypatch.setattr(RunLedger, "checkpoint", crash_at_third_checkpoint)
+    outputs = {"norm": ClickHouseTable(table)}
+    if window < 12:
+        with pytest.raises(NotExactlyOnce) as refused:
+            run_replay(**kwargs, outputs=outputs)
+        message = str(refused.value)
+        assert f"output table {table!r}" in message
+        assert f"non_replicated_deduplication_window = {window}" in message
+        assert "more than 3 partition" in message  # 11 // 3 inserts a resume redoes
+        assert "at least 12" in message  # 3 inserts x 4 partitions, at the least
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        assert f"--resume {run_dir.name}" in message
+        assert ch.query(f"SELECT count() AS n FROM {table}").to_pylist() == [{"n": 0}]
+        return
+    with pytest.raises(Stopped):
+        run_replay(**kwargs, outputs=outputs)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert len(json.loads((run_dir / "ledger.json").read_text())["units"]) == 3
+    monkeypatch.setattr(RunLedger, "checkpoint", checkpoint)
+    parts = ch.query(
+        f"SELECT count(DISTINCT _partition_id) AS n FROM {table} WHERE seq IN "
+        f"(SELECT seq FROM {table} ORDER BY key, seq LIMIT 40)"
+    ).to_pylist()
+    assert parts == [{"n": 4}]  # a unit's rows (the first 40) touch every partition
+    report = run_replay(**kwargs, outputs=outputs, resume=run_dir.name)
+    assert report.units_skipped == 3
+    got = ch.query(f"SELECT count() AS n, uniqExact(seq) AS u FROM {table}").to_pylist()
+    assert got == [{"n": 288, "u": 288}]
+
+
+def test_a_unit_of_more_rows_than_a_clickhouse_block_is_deduplicated_whole(clickhouse):
+    """ClickHouse cut an insert of more than min_insert_block_size_rows (1,048,449)
+    rows into blocks of that size, each remembered on its own: two units of 1.1M
+    rows were 4 blocks, and a table whose window held the 2 inserts a resume
+    redoes wrote both units again on the redo.  A lane's insert is written as
+    one block: the redo of both units leaves each row once."""
+    from taproute.service.replay.lanes import Redo, open_lane
+
+    ch = clickhouse
+    table = f"{ch.prefix}_big"
+    ch.transport.execute(
+        f"CREATE TABLE {table} (key Int64, seq Int64, norm Float32) ENGINE = MergeTree "
+        "ORDER BY (key, seq) SETTINGS non_replicated_deduplication_window = 2"
+    )
+    lane = open_lane(
+        "norm", ClickHouseTable(table), SCHEMA.layout("norm"), ch.transport, redo=Redo(2)
+    )
+    lane.prepare(create=False)
+    n = 1_100_000
+    units = {
+        f"u{u}": pa.table(
+            {
+                "key": np.full(n, u, dtype=np.int64),
+                "seq": np.arange(u * n, (u + 1) * n, dtype=np.int64),
+                "norm": np.ones(n, dtype=np.float32),
+            }
+        )
+        for u in range(2)
+    }
+    for _ in range(2):  # the run, then a resume redoing both units
+        for part, data in units.items():
+            lane.write(data, run_id="r", part=part)
+    got = ch.query(f"SELECT count() AS n, uniqExact(seq) AS u FROM {table}").to_pylist()
+    assert got == [{"n": 2 * n, "u": 2 * n}]
 
 
 def test_unknown_lane_is_refused(corpus, tmp_path):

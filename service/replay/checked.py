@@ -19,6 +19,7 @@ from taproute.service.replay.lanes import (
     ClickHouseTable,
     LaneTarget,
     ParquetDir,
+    Redo,
     describe_targets,
     open_lane,
 )
@@ -47,23 +48,38 @@ class CheckedRun:
         self._check()
         layouts = lanes_of(self.spec)
         self.targets = self._resolve_targets(layouts)
-        # A resume redoes up to checkpoint_units units, each inserting once per lane
-        # into its table, plus the final rows: the table's window must hold them.
-        per_table = collections.Counter(
-            t.table for t in self.targets.values() if isinstance(t, ClickHouseTable)
-        )
+        redo = self._redo()
         self.lanes = {
             lane: open_lane(
                 lane,
                 target,
                 config.schema.layout(layouts[lane]),
                 self.transport,
-                redone_blocks=config.checkpoint_units * per_table[target.table] + 1
-                if isinstance(target, ClickHouseTable)
-                else 1,
+                redo=redo[target.table] if isinstance(target, ClickHouseTable) else Redo(),
             )
             for lane, target in self.targets.items()
         }
+
+    def _redo(self) -> dict[str, Redo]:
+        """Table -> the inserts into it a resume may repeat: the units since the
+        last checkpoint (up to checkpoint_units), each inserting once on every
+        lane writing the table; or, where a stateful processor writes only its
+        final rows (its one lane), that one insert."""
+        units = self.config.checkpoint_units
+        lanes = collections.Counter(
+            t.table for t in self.targets.values() if isinstance(t, ClickHouseTable)
+        )
+        redo: dict[str, Redo] = {}
+        for table, count in lanes.items():
+            if self.final_rows:
+                redo[table] = Redo(1, "the final rows")
+            else:
+                redo[table] = Redo(
+                    units * count,
+                    f"checkpoint_units={units} units since the last checkpoint x {count} "
+                    "lane(s) writing the table",
+                )
+        return redo
 
     # -- validation ---------------------------------------------------------
 

@@ -6,8 +6,14 @@ resume:
 
 - ClickHouse tables get one insert per unit and lane, with the
   ``insert_deduplication_token`` ``<run id>-<unit id>-<lane>``; a resumed run
-  re-inserting a unit that landed before the crash is a no-op.  An existing
-  table must have a deduplication window (taproute creates them with one).
+  re-inserting a unit that landed before the crash is a no-op.  ClickHouse
+  remembers the last ``<window>`` blocks of a table, a block per partition an
+  insert touches, per piece it cut the insert into: each insert here is
+  written uncut (:data:`ONE_BLOCK`) and may touch at most ``window // inserts
+  a resume may redo`` partitions (``max_partitions_per_insert_block``), so
+  the window holds everything a resume repeats; a table whose window is
+  shorter than those inserts is refused before the run, an insert touching
+  more partitions when it is made (nothing of it written).
 - Parquet directories get one file per unit and lane, ``<unit id>.parquet``,
   written to a temporary name and renamed into place: rewriting a unit
   replaces the file with the same rows.
@@ -25,13 +31,35 @@ import pyarrow.parquet as pq
 
 from taproute.routing.layout import Layout
 from taproute.service.replay.errors import NotExactlyOnce, ReplayConfigError, plain_table
-from taproute.service.sinks.clickhouse.deduplication import NoDeduplication, check_deduplication
+from taproute.service.sinks.clickhouse.deduplication import (
+    DeduplicationWindow,
+    NoDeduplication,
+    check_deduplication,
+)
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     check_table,
     rows_table_spec,
 )
+from taproute.service.sinks.clickhouse.transient import error_code
 from taproute.service.sinks.clickhouse.transport import Transport
+
+#: Settings of every replay insert into ClickHouse, so that it is written as
+#: one block per partition it touches, never cut further: squashed whole
+#: (not cut at ``min_insert_block_size_rows`` / ``_bytes``, about a million
+#: rows or 256 MB), on one insert thread, not merged into other clients'
+#: asynchronous inserts; and refused, not written, when it touches more
+#: partitions than ``max_partitions_per_insert_block`` (set per lane).
+ONE_BLOCK: dict[str, int] = {
+    "min_insert_block_size_rows": 2**62,
+    "min_insert_block_size_bytes": 2**62,
+    "max_insert_threads": 1,
+    "async_insert": 0,
+    "throw_on_max_partitions_per_insert_block": 1,
+}
+
+#: ClickHouse's code for an insert touching more partitions than allowed.
+_TOO_MANY_PARTS = 252
 
 
 @attrs.frozen
@@ -88,6 +116,16 @@ class Lane(Protocol):
         ...
 
 
+@attrs.frozen
+class Redo:
+    """The inserts into one table a resume may repeat: ``inserts``, and
+    ``why`` in words (the units since the last checkpoint on every lane
+    writing it, the final rows)."""
+
+    inserts: int = 1
+    why: str = "one insert"
+
+
 class ClickHouseLane:
     """A lane writing into a ClickHouse table through the run's transport."""
 
@@ -98,15 +136,24 @@ class ClickHouseLane:
         layout: Layout,
         transport: Transport,
         *,
-        redone_blocks: int = 1,
+        redo: Redo = Redo(),
     ) -> None:
         self.name = name
         self.target = target
         self.transport = transport
         self.spec = rows_table_spec(layout, target.table)
-        #: Inserts into the table a resume may repeat (the units since the last
-        #: checkpoint, on every lane writing the table, and the final rows).
-        self.redone_blocks = redone_blocks
+        self.redo = redo
+        #: The table's deduplication window (known once prepared).
+        self.window: DeduplicationWindow | None = None
+        #: Partitions one insert may touch: the window over the redone inserts
+        #: (capped by the server's own limit, then ``capped`` is True).
+        self.partitions = 1
+        self.capped = False
+        #: What each insert runs with (:data:`ONE_BLOCK` and the partition limit).
+        self.insert_settings: dict[str, int] = {
+            **ONE_BLOCK,
+            "max_partitions_per_insert_block": 1,
+        }
 
     def prepare(self, *, create: bool) -> None:
         """Check (or create) the table; refuse one a resume could write twice to."""
@@ -126,21 +173,63 @@ class ClickHouseLane:
             raise
         except Exception as exc:
             raise type(exc)(f"lane {self.name!r}: {exc}") from None
+        inserts = max(1, self.redo.inserts)
         try:
-            check_deduplication(
-                self.transport, self.spec.name, waiver=None, blocks=self.redone_blocks
+            self.window = check_deduplication(
+                self.transport, self.spec.name, waiver=None, blocks=inserts
             )
         except NoDeduplication as exc:
             raise NotExactlyOnce(
                 f"lane {self.name!r}: output table {self.spec.name!r} has no deduplication "
-                f"window covering the {self.redone_blocks} insert(s) a resume may redo, so a "
+                f"window covering the {inserts} insert(s) a resume may redo ({self.redo.why}; "
+                "each insert is at least one block, one per partition it touches), so a "
                 f"resumed replay could insert a unit twice ({exc})"
             ) from None
+        self.partitions = self.window.size // inserts
+        current = {
+            str(row["name"]): str(row["value"])
+            for row in self.transport.query(
+                "SELECT name, value FROM system.settings WHERE name IN "
+                "('max_partitions_per_insert_block', 'throw_on_max_partitions_per_insert_block')"
+            ).to_pylist()
+        }
+        limit = int(current.get("max_partitions_per_insert_block", "0"))  # 0: no limit
+        self.capped = 0 < limit < self.partitions
+        if self.capped:
+            self.partitions = limit
+        self.insert_settings = {**ONE_BLOCK, "max_partitions_per_insert_block": self.partitions}
+        if "throw_on_max_partitions_per_insert_block" not in current:
+            # A server older than the setting always throws past the limit.
+            del self.insert_settings["throw_on_max_partitions_per_insert_block"]
 
     def write(self, data: pa.Table, *, run_id: str, part: str) -> None:
         token = f"{run_id}-{part}-{self.name}"
-        self.transport.insert(
-            self.spec.name, data.select(self.spec.column_names), dedup_token=token
+        try:
+            self.transport.insert(
+                self.spec.name,
+                data.select(self.spec.column_names),
+                dedup_token=token,
+                settings=self.insert_settings,
+            )
+        except Exception as exc:
+            if self.capped or error_code(exc) != _TOO_MANY_PARTS or "partitions" not in str(exc):
+                raise
+            raise self._too_many_partitions(part, run_id) from None
+
+    def _too_many_partitions(self, part: str, run_id: str) -> NotExactlyOnce:
+        window, inserts, allowed = self.window, max(1, self.redo.inserts), self.partitions
+        assert window is not None
+        rows = "the final rows" if part == "final" else f"the rows of unit {part!r}"
+        return NotExactlyOnce(
+            f"lane {self.name!r}: {rows} touch more than {allowed} partition(s) of output "
+            f"table {self.spec.name!r}, whose {window.setting} = {window.size} holds {allowed} "
+            f"per insert for the {inserts} insert(s) a resume may redo ({self.redo.why}): "
+            "ClickHouse remembers a block per partition an insert touches, and a redone block "
+            f"that left the window is written twice. Nothing of them was written. The window "
+            f"needs {inserts} x the partitions one insert touches, at least "
+            f"{inserts * (allowed + 1)}: ALTER TABLE `{self.spec.name}` MODIFY SETTING "
+            f"{window.setting} = N, or lower checkpoint_units; then resume run {run_id} "
+            f"(--resume {run_id})"
         )
 
     def count(self) -> int | None:
@@ -182,10 +271,10 @@ def open_lane(
     layout: Layout,
     transport: Transport | None,
     *,
-    redone_blocks: int = 1,
+    redo: Redo = Redo(),
 ) -> ClickHouseLane | ParquetLane:
-    """The lane ``name`` writing ``layout`` rows to ``target`` (``redone_blocks``:
-    the inserts into its table a resume may repeat)."""
+    """The lane ``name`` writing ``layout`` rows to ``target`` (``redo``: the
+    inserts into its table a resume may repeat)."""
     if isinstance(target, ParquetDir):
         return ParquetLane(name, target, layout)
     if transport is None:
@@ -193,7 +282,7 @@ def open_lane(
             f"lane {name!r} writes to ClickHouse table {target.table!r}, but the run has no "
             "ClickHouse (give clickhouse= a chDB directory or a server URL)"
         )
-    return ClickHouseLane(name, target, layout, transport, redone_blocks=redone_blocks)
+    return ClickHouseLane(name, target, layout, transport, redo=redo)
 
 
 def describe_targets(targets: dict[str, LaneTarget]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+import attrs
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
@@ -86,26 +87,41 @@ def _window(transport: _Queries, engine_full: str, setting: str) -> int:
     return int(default[0]["value"]) if default else 0
 
 
+@attrs.frozen
+class DeduplicationWindow:
+    """A table's deduplication window: the setting holding it, and its size (blocks)."""
+
+    setting: str
+    size: int
+
+
 #: How a :class:`ClickHouseSink` caller accepts duplicates (what the messages offer).
 SINK_WAIVER = "pass require_deduplication=False to accept duplicates (at-least-once)"
 
 
-def _fix(table: str, setting: str, waiver: str | None) -> str:
+def _fix(table: str, setting: str, waiver: str | None, at_least: int = 1) -> str:
+    window = max(WINDOW, at_least)
     return (
-        f"ALTER TABLE `{table}` MODIFY SETTING {setting} = {WINDOW}, or create it with "
-        f"SETTINGS {setting} = {WINDOW} (as create_tables=True does)"
+        f"ALTER TABLE `{table}` MODIFY SETTING {setting} = {window}, or create it with "
+        f"SETTINGS {setting} = {window}"
+        + (" (as create_tables=True does)" if window == WINDOW else "")
     ) + (f"; or {waiver}" if waiver else "")
 
 
 def check_deduplication(
     transport: _Queries, table: str, *, waiver: str | None = SINK_WAIVER, blocks: int = 1
-) -> None:
-    """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts.
+) -> DeduplicationWindow:
+    """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts;
+    return its window (how many of its latest blocks it remembers).
 
     ``waiver`` is how the caller's user can accept duplicates instead (offered
     at the end of the messages); None where they cannot.  ``blocks``: how many
     of the latest blocks a retry may repeat (the window must hold them all:
-    older ones fall out of it and are written again).
+    older ones fall out of it and are written again).  ClickHouse remembers
+    one entry per part an insert writes: one per partition it touches, per
+    block it was cut into (``max_insert_block_size`` rows, squashed up to
+    ``min_insert_block_size_rows`` / ``_bytes``), so a caller counting
+    inserts must bound those (as replay's lanes do).
     """
     found = _engine(transport, None, table)
     if found is None:
@@ -145,5 +161,6 @@ def check_deduplication(
         raise NoDeduplication(
             f"table {label} ({engine}) remembers only its last {window} block(s) ({setting} "
             f"= {window}), fewer than the {blocks} a retry may insert again: the older ones "
-            "would be written twice. Run " + _fix(fix_table, setting, waiver)
+            "would be written twice. Run " + _fix(fix_table, setting, waiver, blocks)
         )
+    return DeduplicationWindow(setting, window)

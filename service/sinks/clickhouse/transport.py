@@ -58,8 +58,16 @@ class Transport(Protocol):
         """Run a statement (DDL)."""
         ...
 
-    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
-        """Insert ``data`` into ``table``; a repeat with the same token is not written twice."""
+    def insert(
+        self,
+        table: str,
+        data: pa.Table,
+        *,
+        dedup_token: str,
+        settings: Mapping[str, int] | None = None,
+    ) -> None:
+        """Insert ``data`` into ``table``; a repeat with the same token is not written
+        twice.  ``settings``: more query-level settings for this insert."""
         ...
 
     def query(self, sql: str) -> pa.Table:
@@ -296,11 +304,19 @@ class ChdbTransport:
         with self._lock:
             self._session.query(sql)
 
-    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
+    def insert(
+        self,
+        table: str,
+        data: pa.Table,
+        *,
+        dedup_token: str,
+        settings: Mapping[str, int] | None = None,
+    ) -> None:
         columns = ", ".join(f"`{name}`" for name in data.column_names)
-        settings = (
+        extra = "".join(f", {name} = {int(value)}" for name, value in (settings or {}).items())
+        query_settings = (
             f"SETTINGS insert_deduplicate = 1, insert_deduplication_token = '{dedup_token}', "
-            f"{CHDB_INSERT_SETTINGS}"
+            f"{CHDB_INSERT_SETTINGS}{extra}"
         )
         self._check_directory()
         lane = self._connection()
@@ -312,14 +328,14 @@ class ChdbTransport:
                 # work, but part of the read holds the GIL.
                 arrow_input = data  # noqa: F841 - referenced by name in the SQL below
                 lane.connection.query(
-                    f"INSERT INTO `{table}` ({columns}) {settings} "
+                    f"INSERT INTO `{table}` ({columns}) {query_settings} "
                     f"SELECT {columns} FROM Python(arrow_input)"
                 )
                 return
             scratch.write(data)
             try:
                 lane.connection.query(
-                    f"INSERT INTO `{table}` ({columns}) {settings}, {SCRATCH_READ_SETTINGS} "
+                    f"INSERT INTO `{table}` ({columns}) {query_settings}, {SCRATCH_READ_SETTINGS} "
                     f"SELECT {columns} FROM {scratch.source()}"
                 )
             finally:
@@ -487,9 +503,20 @@ class ServerTransport:
     def execute(self, sql: str) -> None:
         self.client.command(sql)
 
-    def insert(self, table: str, data: pa.Table, *, dedup_token: str) -> None:
-        settings = {"insert_deduplicate": 1, "insert_deduplication_token": dedup_token}
-        self.client.insert_arrow(table, data, settings=settings)
+    def insert(
+        self,
+        table: str,
+        data: pa.Table,
+        *,
+        dedup_token: str,
+        settings: Mapping[str, int] | None = None,
+    ) -> None:
+        query_settings: dict[str, Any] = {
+            "insert_deduplicate": 1,
+            "insert_deduplication_token": dedup_token,
+            **(settings or {}),
+        }
+        self.client.insert_arrow(table, data, settings=query_settings)
 
     def query(self, sql: str) -> pa.Table:
         result: pa.Table = self.client.query_arrow(sql)
