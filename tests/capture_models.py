@@ -32,7 +32,9 @@ ACTS = Layout("acts", [("values", "Array(Float32)")])
 VOCAB = 100
 
 
-def gpt2(layers: int = 2, hidden: int = 32) -> GPT2LMHeadModel:
+def gpt2(layers: int = 2, hidden: int = 32, attention: str = "sdpa") -> GPT2LMHeadModel:
+    """A GPT-2 (``attention="eager"``: its attention modules return their weights
+    when the model is called with ``output_attentions=True``)."""
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=layers,
@@ -43,6 +45,7 @@ def gpt2(layers: int = 2, hidden: int = 32) -> GPT2LMHeadModel:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        attn_implementation=attention,
     )
     return GPT2LMHeadModel(config).eval()
 

@@ -80,6 +80,8 @@ def _capture(x, *, mask=None, layout="f32", pool=None):
             layout=layout,
             pool=pool,
             on_error="raise",
+            # dimension 1 of a 4-D output is the tokens only when said so
+            token_axis=1 if x.dim() >= 4 else None,
         )
         with torch.inference_mode(), capture_context(list(range(x.shape[0])), attention_mask=mask):
             module(x)

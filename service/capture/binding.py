@@ -116,10 +116,12 @@ def _check_options(
     token_major: object,
     narrow: object,
     pool: object,
+    token_axis: object = None,
 ) -> None:
     """Refuse, at bind time, what a hook's first call would trip on (and then
     count as a failed runtime): a runtime that is not one, a pool that is not
-    one, a flag that is not a bool (narrow="no" was narrow)."""
+    one, a flag that is not a bool (narrow="no" was narrow), a token axis
+    that is not a dimension after the batch's."""
     if not (
         all(callable(getattr(runtime, call, None)) for call in _TARGET_CALLS)
         and hasattr(runtime, "hooks")
@@ -133,6 +135,17 @@ def _check_options(
         if not isinstance(value, bool):
             raise CaptureError(
                 f"{where}: {flag} must be True or False, found {type(value).__name__} {value!r}"
+            )
+    if token_axis is not None:
+        if isinstance(token_axis, bool) or not isinstance(token_axis, int) or token_axis < 1:
+            raise CaptureError(
+                f"{where}: token_axis must be the index of the output's token dimension, "
+                f"an int >= 1 (dimension 0 is the batch), found {token_axis!r}"
+            )
+        if token_major is True:
+            raise CaptureError(
+                f"{where}: token_axis and token_major=True exclude each other (a token-major "
+                "output's tokens are its rows)"
             )
     if pool is not None and not (
         all(callable(getattr(pool, call, None)) for call in _POOL_CALLS)
@@ -168,6 +181,7 @@ def bind_module(
     layout: str,
     select: Select = None,
     token_major: bool = False,
+    token_axis: int | None = None,
     narrow: bool = False,
     on_error: OnError = "detach",
     pool: HostBufferPool | None = None,
@@ -179,11 +193,19 @@ def bind_module(
     or a callable; without it the output must be a tensor or a tuple/list
     whose first item is one.  The captured tensor is ``(batch, ...)``: row
     ``i`` becomes one record keyed by the context's ``keys[i]``.  Dimension 1
-    of a tensor with 3 or more dimensions is its token axis: the record holds
-    the row's real positions (``lengths`` or ``attention_mask``), shaped
-    ``[tokens, *rest]``; a 2-D ``(batch, features)`` output gives each row
-    whole.  ``token_major=True``: the tensor is ``(batch * tokens, ...)``, as
-    MoE routers return their logits.
+    of a 3-D tensor is its token axis: the record holds the row's real
+    positions (``lengths`` or ``attention_mask``), shaped ``[tokens, *rest]``;
+    a 2-D ``(batch, features)`` output gives each row whole.
+    ``token_major=True``: the tensor is ``(batch * tokens, ...)``, as MoE
+    routers return their logits.  ``token_axis=k``: dimension ``k`` holds the
+    tokens (2 for attention weights ``(batch, heads, queries, keys)``); the
+    record holds the real positions along it, shaped ``[tokens, *the other
+    dimensions in order]`` (``[queries, heads, keys]``).  A tensor of 4 or
+    more dimensions has no default token axis (dimension 1 is as often heads
+    as tokens): without ``token_axis`` its rows are captured whole when the
+    context says no positions, and a call whose context has ``lengths`` or
+    a mask is refused (``bad_output``: the binding detaches, warned, naming
+    ``token_axis``) rather than cut at the wrong dimension.
 
     Values keep their dtype when the layout's element type is the same; a
     widening cast (bf16 -> Float32) is exact and allowed; one that changes
@@ -196,7 +218,9 @@ def bind_module(
     import torch
 
     where = f"bind_module({name!r})"
-    _check_options(where, runtime, token_major=token_major, narrow=narrow, pool=pool)
+    _check_options(
+        where, runtime, token_major=token_major, narrow=narrow, pool=pool, token_axis=token_axis
+    )
     _check_module(where, "module", module)
     if on_error not in ("detach", "raise"):
         raise CaptureError(f"bind_module({name!r}): on_error must be 'detach' or 'raise'")
@@ -217,9 +241,13 @@ def bind_module(
     tensor_type = torch.Tensor
     as_numpy = numpy_view_dtype(dst)
     element_size = dst.itemsize
-    # Plans differ by layout (the template's layout_id) and element size (a
-    # layout id means different layouts in different runtimes' schemas).
-    element_key = (layout_id, element_size)
+    # Plans differ by layout (the template's layout_id), element size (a
+    # layout id means different layouts in different runtimes' schemas) and
+    # the token axis option (a 4-D output without one is judged at planning).
+    element_key = (layout_id, element_size, token_axis)
+    explicit_axis = token_axis is not None
+    axis = token_axis or 0
+    judge_axis = not explicit_axis and not token_major  # a 4-D output's axis is unknown
 
     def capture(output: Any, context: CaptureContext) -> None:
         """Copy and submit one call's records; CaptureError when impossible.
@@ -238,6 +266,18 @@ def bind_module(
         if token_major or not shape or shape[0] != len(context.keys):
             tensor = by_row(tensor, context, hook=name, token_major=token_major)
             shape = tensor.shape
+        if explicit_axis:  # the token axis said at bind time: moved to dimension 1
+            if len(shape) <= axis:
+                raise CaptureError(
+                    f"hook {name!r}: token_axis={axis} but the output has {len(shape)} "
+                    f"dimensions (shape {tuple(shape)})"
+                )
+            if axis > 1:
+                tensor = tensor.movedim(axis, 1)  # a view; copied once, to the host
+                shape = tensor.shape
+            token_axis = True
+        else:
+            token_axis = token_major or len(shape) >= 3
         if tensor.requires_grad:  # inference tensors never do: no new view per call
             tensor = tensor.detach()
         owned = False
@@ -247,7 +287,6 @@ def bind_module(
                 checked.add(tensor.dtype)
             tensor = tensor.to(dst)  # exact (checked above) or narrowing on purpose
             owned = True
-        token_axis = token_major or len(shape) >= 3
         # One plan per output shape and context, shared by every hook of the
         # forward pass, and built from a plan shared between contexts.
         plan_key = (shape, token_axis, element_key)
@@ -290,7 +329,20 @@ def bind_module(
     ) -> SharedPlan:
         """The plan for ``shape`` and the context's real positions, built at
         most once while the shared cache keeps it; the context's keys and step
-        are stamped per call, so contexts alike in shape and mask share it."""
+        are stamped per call, so contexts alike in shape and mask share it.
+
+        Also where a tensor of 4 or more dimensions bound without
+        ``token_axis`` is refused under a context with real positions:
+        once per shape and context, not per call."""
+        if judge_axis and len(shape) >= 4 and context.has_positions:
+            raise CaptureError(
+                f"hook {name!r}: the output is {len(shape)}-D (shape {tuple(shape)}) and the "
+                "capture context says which positions are real (lengths or attention_mask), "
+                "but which dimension holds the tokens is not known: dimension 1 of a 4-D "
+                "output is as often heads (attention weights (batch, heads, queries, keys)) "
+                "as tokens. Bind it with token_axis= (2 for attention weights, 1 for "
+                "(batch, tokens, heads, dim))"
+            )
         shared_key = (plan_key, context.positions_key)
         plans = shared_plans.SHARED_PLANS
         shared = plans.get(shared_key)
@@ -449,6 +501,7 @@ def bind_modules(
     prefix: str = "",
     select: Select = None,
     token_major: bool = False,
+    token_axis: int | None = None,
     narrow: bool = False,
     on_error: OnError = "detach",
     pool: HostBufferPool | None = None,
@@ -458,7 +511,14 @@ def bind_modules(
     Hook names are ``prefix + qualified name``; one buffer pool serves all;
     the other options are :func:`bind_module`'s.  Raises if nothing matches.
     """
-    _check_options("bind_modules", runtime, token_major=token_major, narrow=narrow, pool=pool)
+    _check_options(
+        "bind_modules",
+        runtime,
+        token_major=token_major,
+        narrow=narrow,
+        pool=pool,
+        token_axis=token_axis,
+    )
     _check_module("bind_modules", "model", model)
     if not isinstance(prefix, str):
         raise CaptureError(
@@ -483,6 +543,7 @@ def bind_modules(
             layout=layout,
             select=select,
             token_major=token_major,
+            token_axis=token_axis,
             narrow=narrow,
             on_error=on_error,
             pool=pool,
