@@ -21,10 +21,20 @@ from torch import nn
 
 from taproute.routing import Layout, RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import CaptureError, bind_module, bind_modules, capture_context
+from taproute.service.capture import CaptureWarning, bind_module, bind_modules, capture_context
 from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
 
 SCHEMA = RecordSchema([Layout("f32", [("values", "Array(Float32)")])])
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Forget what earlier tests compiled: Dynamo counts the compiles of one
+    code object (transformers' forward wrapper) across every model instance
+    of the process, and past its recompile_limit (8) a fullgraph=True
+    compile fails hard. A server compiles its one model; these tests many."""
+    torch.compiler.reset()
+    yield
 
 
 def test_a_compiled_model_captures_the_real_positions_of_each_row():
@@ -93,26 +103,119 @@ def test_a_module_bound_after_its_compiled_model_ran_is_captured():
             )
 
 
-def test_binding_a_model_compiled_with_fullgraph_is_refused_and_the_model_still_runs():
-    """A capture hook runs eagerly: a graph break, which torch.compile(...,
-    fullgraph=True) refuses. Binding such a model succeeded, and then every
-    forward pass raised Dynamo's Unsupported into the model, whatever
-    on_error said. The bind is refused now, naming the cause, and binds
-    nothing."""
+def _gpt2_reference(model, names, ids, **call):
+    """What plain torch hooks see of ``names`` in one eager run of ``model``."""
+    reference = Reference(model, names, lambda out: out)
+    with torch.inference_mode():
+        model(ids, **call)
+    reference.remove()
+    return {name: calls[0] for name, calls in reference.calls.items()}
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_model_bound_then_compiled_with_fullgraph_runs_and_captures(backend):
+    """Binding the eager model and compiling it with fullgraph=True afterwards
+    made every forward pass raise Dynamo's Unsupported (the hook, disabled for
+    Dynamo, was a graph break), whatever on_error said. Traced, the hook now
+    calls the capture operator: no graph break, the model runs, and its
+    records are the real positions of each row. Under inductor this also
+    proves the operator, which returns nothing, is not dead code."""
+    model = gpt2()
+    names = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        bindings = bind_modules(runtime, model, "transformer.h.*.mlp", layout="acts")
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        for keys in ([10, 11], [20, 21]):
+            with torch.inference_mode(), capture_context(keys, attention_mask=mask):
+                logits = compiled(ids, attention_mask=mask).logits
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(sink.record_batches, runtime.hooks)
+    assert not any(binding.detached for binding in bindings)
+    for binding in bindings:
+        binding.remove()
+    expected = _gpt2_reference(model, names, ids, attention_mask=mask)
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids, attention_mask=mask).logits)
+    for name in names:
+        assert [(key, step) for key, step, _ in records[name]] == [
+            (10, 0),
+            (11, 0),
+            (20, 0),
+            (21, 0),
+        ]
+        for row, (_, _, payload) in enumerate(records[name]):
+            want = expected[name][row % 2][mask[row % 2].bool()].numpy()
+            got = as_float32(payload).reshape(-1, 32)
+            assert got.shape == want.shape
+            if backend == "eager":
+                np.testing.assert_array_equal(got, want)
+            else:  # inductor fuses differently: equal to float rounding
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_binding_a_model_compiled_with_fullgraph_captures_and_the_model_still_runs():
+    """A model compiled with fullgraph=True was refused at bind time (its hook
+    would have raised out of every pass); it binds and captures now."""
     model = gpt2()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     ids = torch.randint(3, VOCAB, (2, 5))
     sink = CaptureSink()
     with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
-        with pytest.raises(CaptureError, match=r"compiled with torch.compile\(fullgraph=True\)"):
-            bind_modules(runtime, compiled, "transformer.h.0.mlp", layout="acts")
+        (binding,) = bind_modules(runtime, compiled, "transformer.h.0.mlp", layout="acts")
         with torch.inference_mode(), capture_context([1, 2]):
             logits = compiled(ids).logits
         runtime.flush()
-        assert sink.records == 0
-    assert not model.transformer.h[0].mlp._forward_hooks
+        assert sink.records == 2
+        assert list(sink.descriptors()["key"]) == [1, 2]
+    binding.remove()
     with torch.inference_mode():
         torch.testing.assert_close(logits, model(ids).logits)
+
+
+def test_a_fullgraph_hook_whose_select_is_not_a_tensor_is_counted_not_raised():
+    """Under tracing nothing of the hook may raise into the graph: a select
+    that picks no tensor (sdpa attention returns no weights) reaches the
+    capture as an output it cannot capture: bad_output, detached, as eagerly."""
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        (binding,) = bind_modules(runtime, model, "transformer.h.0.attn", layout="acts", select=1)
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with (
+            pytest.warns(CaptureWarning, match="under torch.compile, select=1 gave no tensor"),
+            torch.inference_mode(),
+            capture_context([1, 2]),
+        ):
+            compiled(ids)
+        runtime.flush()
+        assert binding.detached
+        assert runtime.counters().ingress.dropped == {"transformer.h.0.attn": {"bad_output": 2}}
+    assert sink.records == 0
+
+
+def test_a_removed_binding_of_a_compiled_model_captures_nothing_more():
+    """Compiled code calls the capture operator until it is traced again
+    (Dynamo does not watch hooks): after remove() that call captures nothing."""
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        (binding,) = bind_modules(runtime, model, "transformer.h.0.mlp", layout="acts")
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with torch.inference_mode(), capture_context([1, 2]):
+            compiled(ids)
+        binding.remove()
+        with torch.inference_mode(), capture_context([3, 4]):
+            compiled(ids)
+        runtime.flush()
+        assert list(sink.descriptors()["key"]) == [1, 2]
+        assert runtime.counters().ingress.skipped == {}
 
 
 BIND_WHILE_RUNNING = """

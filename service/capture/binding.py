@@ -29,15 +29,16 @@ from taproute.native import BufferLease, untrack_acyclic
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
-from taproute.service.capture.compiled import compiled_fullgraph, uncompiled
+from taproute.service.capture.compiled import compiled_fullgraph, retrace_compiled, uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
-from taproute.service.capture.errors import CaptureError, ContextMismatch, warn_capture
+from taproute.service.capture.errors import CaptureError, ContextMismatch
 from taproute.service.capture.extract import (
     Select,
     by_row,
     check_cast,
     check_select,
     pick,
+    pick_traced,
     plan,
     real_positions,
     torch_dtype,
@@ -59,6 +60,7 @@ from taproute.service.capture.hook_binding import (
 from taproute.service.capture.host_copy import numpy_view_dtype, to_host
 from taproute.service.capture.plans import SharedPlan
 from taproute.service.capture.pool import HostBufferPool
+from taproute.service.capture.traced import NOT_A_TENSOR, capture_operator, register
 
 if TYPE_CHECKING:
     import torch
@@ -164,12 +166,12 @@ def _check_module(where: str, what: str, value: object) -> None:
         raise CaptureError(
             f"{where}: {what} must be a torch.nn.Module, found {type(value).__name__}"
         )
-    if compiled_fullgraph(value):
+    if compiled_fullgraph(value) and capture_operator() is None:
         raise CaptureError(
-            f"{where}: the {what} was compiled with torch.compile(fullgraph=True); a capture "
-            "hook runs eagerly, a graph break that fullgraph refuses, so every forward pass "
-            "would raise: compile it without fullgraph=True (each bound module then breaks "
-            "the graph) to capture from it"
+            f"{where}: the {what} was compiled with torch.compile(fullgraph=True), and this "
+            "torch cannot trace capture hooks (no capture operator): a hook would run "
+            "eagerly, a graph break that fullgraph refuses, so every forward pass would "
+            "raise: compile it without fullgraph=True to capture from it"
         )
 
 
@@ -377,7 +379,14 @@ def bind_module(
             shape_noted[0] = None
             hooks.set_token_shape(output_id, None)
 
-    def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+    def hook(_module: torch.nn.Module | None, _inputs: Any, output: Any) -> None:
+        if is_compiling():
+            # Traced by torch.compile (never reached eagerly, nor when the
+            # operator is missing: the hook is then disabled for Dynamo):
+            # the graph calls the capture operator, whose kernel runs this
+            # hook eagerly with the real tensor.  No graph break.
+            operator([pick_traced(output, select)], number)
+            return
         context = _CONTEXT.get()
         if context is None:
             runtime.count_skipped(name, NO_CONTEXT)
@@ -436,60 +445,33 @@ def bind_module(
                 "detached and drops its records from now on (reason 'detached')",
             )
 
-    # Under torch.compile, Dynamo would trace the hook's Python (and fail on
-    # it, detaching the binding): run it eagerly, a graph break at the hook.
-    eager: Callable[[_Hook], _Hook] = torch.compiler.disable
+    def run(tensors: list[Any]) -> None:
+        """The capture operator's kernel: the hook, eagerly, on the real output.
+        Compiled code keeps calling it after remove() (Dynamo does not watch
+        hooks): a removed binding captures nothing more, as eagerly."""
+        if binding.removed:
+            return
+        (output,) = tensors
+        hook(None, None, NOT_A_TENSOR if output is None else output)
+
+    # Under torch.compile, Dynamo traces the hook: it takes the branch that
+    # calls the capture operator (see traced.py).  A torch that cannot
+    # define the operator runs the hook eagerly instead (a graph break).
+    is_compiling = torch.compiler.is_compiling
+    operator = capture_operator()
+    number = register(run)
+    traceable: _Hook = hook
+    if operator is None:
+        eager: Callable[[_Hook], _Hook] = torch.compiler.disable
+        traceable = eager(hook)
+    # The operator holds ``run`` weakly: it lives as long as the hook does.
+    setattr(hook, "runner", run)  # noqa: B010
     unhooked = not module._forward_hooks
-    binding._handle = module.register_forward_hook(eager(hook))
+    binding._handle = module.register_forward_hook(traceable)
     note_bound(module, hooks, binding)
     if unhooked:
-        _retrace_compiled()
+        retrace_compiled()
     return binding
-
-
-def _retrace_compiled() -> None:
-    """Make code torch.compile has already compiled trace again at its next call.
-
-    Dynamo does not guard on a module's hooks while it has none
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): a
-    model compiled and run before a module of it was bound would go on
-    running the code compiled without the hook, which then never fires:
-    nothing captured, nothing counted.  So every cache entry of compiled
-    code is invalidated, as Dynamo does itself when an object its guards
-    hold is freed: the next call of each compiled function traces again,
-    now with the hook.  Not dropped (``torch.compiler.reset``): that frees
-    entries another thread may be running or checking, and crashed the
-    process.  Taken under Dynamo's compile lock, so a compile in flight
-    ends (with or without the hook) before entries are invalidated; its
-    own entry is installed just after the lock is let go, so one that lands
-    after the invalidation can still lack the hook (a narrow window).  Once
-    per binding, at bind time; nothing per call.  A torch whose Dynamo
-    lacks these internals gets a warning instead.
-    """
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-        from torch._dynamo import convert_frame
-        from torch._dynamo.guards import DeletedGuardManagerWrapper
-
-        with convert_frame.compile_lock:
-            codes = [
-                ref() for ref in (*convert_frame.input_codes.seen, *convert_frame.output_codes.seen)
-            ]
-            for code in codes:
-                if code is None:
-                    continue
-                for entry in _debug_get_cache_entry_list(code):
-                    manager = entry.guard_manager
-                    extra = getattr(manager, "extra_state", None)
-                    if extra is not None and getattr(manager, "cache_entry", None) is not None:
-                        extra.invalidate(entry, DeletedGuardManagerWrapper("capture hook bound"))
-    except Exception as exc:  # internals of another torch: say so, bind anyway
-        warn_capture(
-            "bind_module: could not make torch.compile's code compiled so far trace again "
-            f"({type(exc).__name__}: {exc}); a model compiled and run before this binding "
-            "may not call its hook: bind before compiling, or call torch.compiler.reset() "
-            "while no forward pass runs"
-        )
 
 
 def bind_modules(

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from taproute.native import plan_records
 from taproute.service.capture.context import CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
+from taproute.service.capture.traced import NotATensor
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,13 @@ def pick(output: Any, select: Select, *, hook: str) -> torch.Tensor:
     """
     import torch
 
+    if isinstance(output, NotATensor):  # what a hook traced by torch.compile picked
+        what = "the module's output" if select is None else f"select={select!r}"
+        raise CaptureError(
+            f"hook {hook!r}: under torch.compile, {what} gave no tensor to capture (the "
+            "output is not a tensor, nor a tuple/list whose first item is one, or select "
+            "does not pick one)"
+        )
     if select is None:
         if isinstance(output, torch.Tensor):
             return output
@@ -83,6 +91,26 @@ def pick(output: Any, select: Select, *, hook: str) -> torch.Tensor:
             f"{_describe(output)}, not a tensor"
         )
     return value
+
+
+def pick_traced(output: Any, select: Select) -> torch.Tensor | None:
+    """:func:`pick` as torch.compile traces it: the tensor, or None where
+    :func:`pick` would refuse (nothing raised into the graph being traced;
+    the capture's kernel refuses None as an output it cannot capture)."""
+    import torch
+
+    value: Any
+    if select is None:
+        value = output[0] if isinstance(output, tuple | list) and len(output) > 0 else output
+    elif callable(select):
+        value = select(output)
+    elif isinstance(select, str):
+        value = output.get(select) if isinstance(output, Mapping) else getattr(output, select, None)
+    elif isinstance(output, tuple | list):
+        value = output[select] if -len(output) <= select < len(output) else None
+    else:
+        value = output[select]  # a ModelOutput: an item of its tuple
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _describe(value: Any) -> str:
