@@ -312,3 +312,71 @@ def test_capture_decode_on_a_compiled_model_sees_the_passes_of_its_generate():
         runtime.flush()
         assert runtime.counters().ingress.skipped == {}
     assert state.steps == 2
+
+
+def test_decode_steps_through_a_fullgraph_compiled_step_warmed_up_before_any_block():
+    """A server compiles its step function with fullgraph=True and warms it
+    up, then runs one capture_decode block per request, calling the model
+    directly. The block's hooks were disabled for Dynamo (graph breaks that
+    fullgraph refuses: every pass raised); traced, hooks added per block
+    were never called by code compiled before them (Dynamo does not watch a
+    module's hooks), so every pass counted no_context. The model's decode
+    hooks now stay registered from its first block, which makes compiled
+    code trace again once; each block's passes get their keys and steps."""
+    torch.compiler.reset()  # a fresh recompile budget (see test_capture_compile.py)
+    model = gpt2()
+    prompt = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cap = CaptureSink()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(ids, attention_mask, past=None):
+        out = model(ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
+        return out.logits, out.past_key_values
+
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, HOOK, layout="acts")
+        with torch.inference_mode():
+            step(prompt, mask)  # the warm-up, outside any block
+        states = []
+        for keys in ([5, 6], [7, 8], [9, 10]):
+            with torch.inference_mode(), capture_decode(model, keys) as state:
+                logits, past = step(prompt, mask)
+                longer = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+                step(logits[:, -1:].argmax(-1), longer, past)
+            states.append(state.steps)
+        runtime.flush()
+        assert runtime.counters().ingress.skipped == {HOOK: {"no_context": 1}}  # the warm-up
+        assert runtime.counters().ingress.dropped == {}
+        records = records_by_hook(cap.record_batches, runtime.hooks)[HOOK]
+    assert states == [2, 2, 2]
+    assert [(key, step) for key, step, _ in records] == [
+        (key, step) for keys in ([5, 6], [7, 8], [9, 10]) for step in (0, 1) for key in keys
+    ]
+    # the prefill's real positions (row 0 is left-padded), then one token each
+    sizes = [as_float32(payload).size // 32 for _, _, payload in records]
+    assert sizes == [4, 5, 1, 1] * 3
+
+
+def test_an_encoder_decoder_compiled_with_fullgraph_captures_its_encoder_and_decoder():
+    """Called directly, a compiled T5 runs its encoder inside the graph: the
+    encoder's decode hooks, disabled for Dynamo, raised under fullgraph."""
+    torch.compiler.reset()
+    model = t5()
+    source = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    cap = CaptureSink()
+    with create_record_runtime(record_sink=cap, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, ENCODER, layout="acts", on_error="raise")
+        bind_modules(runtime, model, DECODER, layout="acts", on_error="raise")
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with torch.inference_mode(), capture_decode(compiled, [40, 41]) as state:
+            compiled(input_ids=source, attention_mask=mask, decoder_input_ids=source[:, :2])
+        runtime.flush()
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(cap.record_batches, runtime.hooks)
+    assert state.steps == 1
+    encoded = [(key, step, as_float32(p).size // 32) for key, step, p in records[ENCODER]]
+    assert encoded == [(40, 0, 6), (41, 0, 4)]
+    decoded = [(key, step, as_float32(p).size // 32) for key, step, p in records[DECODER]]
+    assert decoded == [(40, 0, 2), (41, 0, 2)]

@@ -12,13 +12,16 @@ which tokens are real).
 from __future__ import annotations
 
 import contextvars
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from taproute.service.capture.compiled import uncompiled
+from taproute.service.capture.compiled import retrace_compiled, uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext, _integers, build_context
 from taproute.service.capture.errors import CaptureError
+from taproute.service.capture.traced import Runner, as_tensor, capture_operator, register
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +39,107 @@ class DecodeSteps:
     def __init__(self) -> None:
         self.steps = 0
         self.current: CaptureContext | None = None
+        #: The model's hooks this block acts through, and what each does in
+        #: this block: a pass begins, ends; the encoder begins, ends.
+        self._hooks: _ModelHooks | None = None
+        self._handlers: tuple[Callable[..., None], ...] = ()
+
+
+class _ModelHooks:
+    """A model's capture_decode hooks: registered at its first block, kept.
+
+    Each acts for the block in effect where the pass runs (this thread's, or
+    carried), when that block is on this model, and does nothing otherwise.
+    Kept rather than registered per block because code torch.compile traced
+    without them never calls hooks added later (Dynamo does not watch a
+    module's hooks), so every block after a warm-up would see no pass.  The
+    first block invalidates the code compiled so far (as bind_module does),
+    once per model.  Under tracing each hook passes the pass's tokens and
+    mask to the capture operator, whose kernel runs the block's handler
+    (see traced.py): no graph break, so fullgraph compiles too.  Eagerly,
+    outside any block, a hook costs a context variable read per pass.
+    """
+
+    def __init__(self, model: torch.nn.Module, encoder: torch.nn.Module | None) -> None:
+        import torch
+
+        decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        is_compiling = torch.compiler.is_compiling
+        operator = capture_operator()
+
+        def act(role: int, *values: Any) -> None:
+            state = _DECODING.get()
+            if state is not None and state._hooks is self:
+                state._handlers[role](*values)
+
+        def runner(role: int) -> Runner:
+            return lambda tensors: act(role, *tensors)
+
+        self._runners = tuple(runner(role) for role in range(4))  # registered weakly
+        numbers = tuple(register(run) for run in self._runners)
+
+        def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if is_compiling():
+                tokens = as_tensor(_tokens(args, kwargs, decoder=decoder))
+                operator([tokens, as_tensor(_mask(kwargs, decoder))], numbers[0])
+                return
+            state = _DECODING.get()
+            if state is not None and state._hooks is self:
+                state._handlers[0](_tokens(args, kwargs, decoder=decoder), _mask(kwargs, decoder))
+
+        def after(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+            if is_compiling():
+                operator([], numbers[1])
+                return
+            state = _DECODING.get()
+            if state is not None and state._hooks is self:
+                state._handlers[1]()
+
+        def before_encoder(
+            _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> None:
+            if is_compiling():
+                tokens = as_tensor(_tokens(args, kwargs, decoder=False))
+                operator([tokens, as_tensor(_mask(kwargs, False))], numbers[2])
+                return
+            state = _DECODING.get()
+            if state is not None and state._hooks is self:
+                state._handlers[2](_tokens(args, kwargs, decoder=False), _mask(kwargs, False))
+
+        def after_encoder(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+            if is_compiling():
+                operator([], numbers[3])
+                return
+            state = _DECODING.get()
+            if state is not None and state._hooks is self:
+                state._handlers[3]()
+
+        # A torch that cannot define the operator runs them eagerly (a graph break).
+        traceable: Callable[[Callable[..., None]], Callable[..., None]] = (
+            torch.compiler.disable if operator is None else _same
+        )
+        model.register_forward_pre_hook(traceable(before), with_kwargs=True)
+        model.register_forward_hook(traceable(after), with_kwargs=True, always_call=True)
+        if encoder is not None:
+            encoder.register_forward_pre_hook(traceable(before_encoder), with_kwargs=True)
+            encoder.register_forward_hook(
+                traceable(after_encoder), with_kwargs=True, always_call=True
+            )
+
+
+#: Per model, its capture_decode hooks (they hold no reference to the model).
+_MODEL_HOOKS: weakref.WeakKeyDictionary[Any, _ModelHooks] = weakref.WeakKeyDictionary()
+_MODEL_HOOKS_LOCK = threading.Lock()
+
+
+def _model_hooks(model: torch.nn.Module, encoder: torch.nn.Module | None) -> _ModelHooks:
+    """The model's capture_decode hooks, registered at its first block."""
+    with _MODEL_HOOKS_LOCK:
+        hooks = _MODEL_HOOKS.get(model)
+        if hooks is None:
+            hooks = _MODEL_HOOKS[model] = _ModelHooks(model, encoder)
+            retrace_compiled()  # code compiled without them would never call them
+        return hooks
 
 
 @contextmanager
@@ -62,6 +166,10 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     do not fit the keys, or that has neither ``input_ids`` nor
     ``inputs_embeds``, gets a context of the keys alone, and its hooks drop
     what does not fit, counted (reason ``invalid_context``).
+
+    The first block on a model registers the hooks that see its passes and
+    keeps them (they do nothing outside a block), so code torch.compile
+    traced before or between blocks calls them too (see :class:`_ModelHooks`).
     """
     import torch
 
@@ -78,73 +186,57 @@ def capture_decode(model: torch.nn.Module, keys: Sequence[int]) -> Iterator[Deco
     encoder: torch.nn.Module | None = get_encoder() if callable(get_encoder) else None
     passes: list[CaptureContext | None] = []  # the model's passes running now, innermost last
 
-    def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # The hook is the model's, so it fires for every thread's passes: only
-        # those run under this block (its thread, or carried) are its steps.
-        if _DECODING.get() is not state:
-            return
-        # A forward pre-hook: whatever goes wrong here must not reach the model.
+    # What the model's hooks do for this block (in its thread, or carried).
+    # They run in forward hooks: whatever goes wrong must not reach the model.
+    def on_pass(tokens: Any, mask: Any) -> None:
         step = state.steps
         state.steps += 1
-        context = _safe_context(key_list, args, kwargs, step, decoder=encoder_decoder)
+        context = _safe_context(key_list, tokens, mask, step)
         state.current = context
         passes.append(context)
         _CONTEXT.set(context)
 
-    def after(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
-        if _DECODING.get() is state and passes:
+    def on_pass_end() -> None:
+        if passes:
             passes.pop()
 
-    def before_encoder(
-        _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    def on_encoder(tokens: Any, mask: Any) -> None:
         # generate runs an encoder-decoder's encoder once, on its own, before
         # the first pass: its records are the prefill's (the step to come);
         # inside a pass (the model called directly) they are that pass's.
-        if _DECODING.get() is not state:
-            return
         step = state.steps - 1 if passes else state.steps
-        context = _safe_context(key_list, args, kwargs, step, decoder=False)
+        context = _safe_context(key_list, tokens, mask, step)
         passes.append(_CONTEXT.get())
         _CONTEXT.set(context)
 
-    def after_encoder(_module: torch.nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
-        if _DECODING.get() is state and passes:
+    def on_encoder_end() -> None:
+        if passes:
             _CONTEXT.set(passes.pop())  # the decoder's context again, in a pass
 
+    state._handlers = (on_pass, on_pass_end, on_encoder, on_encoder_end)
+    state._hooks = _model_hooks(model, encoder)
     outer = _CONTEXT.set(None)
     decoding = _DECODING.set(state)
-    # Under torch.compile the hooks run eagerly, as capture hooks do.
-    eager: Callable[[Callable[..., None]], Callable[..., None]] = torch.compiler.disable
-    handles = [
-        model.register_forward_pre_hook(eager(before), with_kwargs=True),
-        model.register_forward_hook(eager(after), with_kwargs=True, always_call=True),
-    ]
-    if encoder is not None:
-        handles.append(encoder.register_forward_pre_hook(eager(before_encoder), with_kwargs=True))
-        handles.append(
-            encoder.register_forward_hook(eager(after_encoder), with_kwargs=True, always_call=True)
-        )
     try:
         yield state
     finally:
-        for handle in handles:
-            handle.remove()
         _DECODING.reset(decoding)
         _CONTEXT.reset(outer)
 
 
-def _safe_context(
-    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int, *, decoder: bool
-) -> CaptureContext:
+def _same(hook: Callable[..., None]) -> Callable[..., None]:
+    return hook
+
+
+def _safe_context(keys: list[int], tokens: Any, mask: Any, step: int) -> CaptureContext:
     """:func:`_pass_context`, or a context of the keys (and the pass's width)
     alone when it can't be made: its hooks then drop what does not fit them,
     counted, token-major ones included (their rows are keys x width)."""
     try:
-        return _pass_context(keys, args, kwargs, step, decoder=decoder)
+        return _pass_context(keys, tokens, mask, step)
     except Exception:
         try:
-            width = int(_tokens(args, kwargs, decoder=decoder).shape[1])
+            width = int(tokens.shape[1])
         except Exception:
             width = None
         return build_context(keys, step=step, positions=width)
@@ -159,14 +251,16 @@ def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any], *, decoder: bool) -> 
     return tokens if tokens is not None else kwargs.get("inputs_embeds")
 
 
-def _pass_context(
-    keys: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], step: int, *, decoder: bool
-) -> CaptureContext:
+def _mask(kwargs: dict[str, Any], decoder: bool) -> Any:
+    """The pass's attention mask (``decoder``: an encoder-decoder's pass, whose
+    hooks outside the encoder see the decoder's tokens), or None."""
+    return kwargs.get("decoder_attention_mask" if decoder else "attention_mask")
+
+
+def _pass_context(keys: list[int], tokens: Any, mask: Any, step: int) -> CaptureContext:
     """The context of one forward pass: its rows' keys, its real positions
-    (``decoder``: an encoder-decoder's pass, whose hooks outside the encoder
-    see the decoder's tokens)."""
-    tokens = _tokens(args, kwargs, decoder=decoder)
-    mask = kwargs.get("decoder_attention_mask" if decoder else "attention_mask")
+    (from ``tokens``, ``(rows, width, ...)``, and ``mask``: see :func:`_tokens`
+    and :func:`_mask`)."""
     if tokens is None:
         raise CaptureError("capture_decode: a pass without input_ids or inputs_embeds")
     rows = tokens.shape[0]
