@@ -17,7 +17,13 @@ import torch
 
 from taproute.routing import RecordSchema
 from taproute.service import CaptureSink, create_record_runtime
-from taproute.service.capture import CaptureError, CaptureWarning, bind_modules, capture_context
+from taproute.service.capture import (
+    CaptureError,
+    CaptureWarning,
+    bind_modules,
+    capture_context,
+    capture_decode,
+)
 from tests.capture_models import ACTS, VOCAB, Reference, as_float32, gpt2, records_by_hook
 
 HEADS, HIDDEN = 4, 32
@@ -181,3 +187,36 @@ def test_a_token_axis_past_the_outputs_dimensions_detaches_the_binding():
         assert binding.detached
         assert runtime.counters().ingress.dropped == {"transformer.h.0.mlp": {"bad_output": 2}}
     assert sink.records == 0
+
+
+def test_attention_weights_under_capture_decode_keep_each_steps_real_queries():
+    """generate's passes: the prefill's real queries (left padding left out)
+    over its keys, then one query per step over the grown cache."""
+    model = gpt2(attention="eager")
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    reference = Reference(model, [ATTN[0]], attention_weights)
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        bind_modules(runtime, model, ATTN[0], layout="acts", select=1, token_axis=2)
+        with torch.inference_mode(), capture_decode(model, [7, 8]):
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=3,
+                do_sample=False,
+                output_attentions=True,
+                return_dict_in_generate=True,
+            )
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        records = records_by_hook(sink.record_batches, runtime.hooks)[ATTN[0]]
+    assert [(key, step) for key, step, _ in records] == [
+        (key, step) for step in range(3) for key in (7, 8)
+    ]
+    for i, (_, step, payload) in enumerate(records):
+        row = i % 2
+        weights = reference.calls[ATTN[0]][step][row]  # (heads, queries, keys)
+        real = mask[row].bool() if step == 0 else torch.ones(1, dtype=torch.bool)
+        want = weights[:, real].permute(1, 0, 2).numpy()
+        np.testing.assert_array_equal(as_float32(payload).reshape(want.shape), want)
