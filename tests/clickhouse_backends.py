@@ -80,8 +80,8 @@ class FlakyTransport:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def insert(self, table, data, *, dedup_token):
-        self.inner.insert(table, data, dedup_token=dedup_token)
+    def insert(self, table, data, *, dedup_token, settings=None):
+        self.inner.insert(table, data, dedup_token=dedup_token, settings=settings)
         with self._lock:
             self.tokens.append(dedup_token)
             if self.failures > 0:

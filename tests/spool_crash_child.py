@@ -58,10 +58,10 @@ def arm(kill_at: str) -> None:
     real_insert = ChdbTransport.insert
     inserts = {"n": 0}
 
-    def insert(self, table, data, *, dedup_token):  # type: ignore[no-untyped-def]
+    def insert(self, table, data, *, dedup_token, settings=None):  # type: ignore[no-untyped-def]
         if kill_at == "unreachable":
             raise ConnectionRefusedError("ClickHouse unreachable (injected)")
-        real_insert(self, table, data, dedup_token=dedup_token)
+        real_insert(self, table, data, dedup_token=dedup_token, settings=settings)
         inserts["n"] += 1
         if (kill_at == "insert" and inserts["n"] == 3) or (
             kill_at == "drain" and inserts["n"] == 1

@@ -41,10 +41,15 @@ from taproute.service import (
     SchemaMismatch,
     create_record_runtime,
 )
-from taproute.service.sinks.clickhouse import ServerTransport, ServerUnreachable
+from taproute.service.sinks.clickhouse import (
+    ServerTransport,
+    ServerUnreachable,
+    TooManyPartitions,
+)
 from taproute.service.sinks.clickhouse.batching import seal_due
 from taproute.service.sinks.clickhouse.columns import HookDictionary, raw_table
 from tests.clickhouse_backends import SERVER_URL, Backend, FaultyProxy, FlakyTransport
+from tests.thread_aware_clock import thread_aware_clock
 
 #: Cases that need a server in front of which a proxy can inject faults:
 #: they exist when TAPROUTE_CLICKHOUSE_URL is set and skip otherwise.
@@ -342,9 +347,9 @@ class GatedTransport:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         assert self.gate.wait(60), "the test never opened the gate"
-        self.inner.insert(table, data, dedup_token=dedup_token)
+        self.inner.insert(table, data, dedup_token=dedup_token, settings=settings)
 
 
 async def test_seals_at_early_bytes_while_no_insert_of_the_table_runs(clickhouse):
@@ -686,3 +691,149 @@ async def test_at_least_once_is_an_explicit_opt_in(clickhouse, autojump_clock):
     # Two lost replies, three stored copies: at least once, as opted into.
     counts = table_rows(clickhouse, "SELECT count() AS n, uniqExact(seq) AS u FROM {p}_raw_vec")
     assert counts == [{"n": 120, "u": 40}]
+
+
+# -- exactly once into partitioned tables and past ClickHouse's block size ----------
+#
+# ClickHouse drops a repeated insert by its deduplication token only while the
+# table's window (its last <window> blocks) still holds every block of the first
+# try: one per partition the insert touched, per piece it was cut into (about a
+# million rows).  Between a first try and its repeat, up to 2 x inserts_in_flight
+# - 1 inserts of the sink land (the default 2: 3), so the window must hold that
+# many inserts' blocks.
+
+PARTITIONED = (
+    "MergeTree PARTITION BY seq % 4 ORDER BY tuple() "
+    "SETTINGS non_replicated_deduplication_window = {window}"
+)
+
+
+def _counts(backend) -> list[dict]:
+    return table_rows(backend, "SELECT count() AS n, uniqExact(seq) AS u FROM {p}_raw_vec")
+
+
+@pytest.mark.parametrize("window", [12, 3])
+async def test_a_retried_insert_into_a_partitioned_table_writes_each_row_once(
+    clickhouse, autojump_clock, window
+):
+    """40 rows over 4 partitions are 4 blocks to ClickHouse.  The sink checked
+    the window against one block, so a window of 3 passed, and two lost replies
+    left every row twice (the repeat's first block had left the window, was
+    written again and pushed the next one out).  Now each of the 3 inserts the
+    window must hold (inserts_in_flight = 2) may touch window // 3 partitions:
+    12 holds 4, and the repeats leave each row once; 3 holds 1, and the insert
+    is refused with nothing written, not retried, naming table, window and the
+    least window that would do."""
+    table = clickhouse.create_raw_vec(PARTITIONED.format(window=window))
+    flaky = FlakyTransport(clickhouse.transport, failures=2)
+    ch, raised = await _insert_through(
+        Backend(clickhouse.name, flaky, clickhouse.prefix), Retry(attempts=4)
+    )
+    if window == 12:
+        assert raised is None and len(flaky.tokens) == 3 and len(set(flaky.tokens)) == 1
+        assert _counts(clickhouse) == [{"n": 40, "u": 40}]
+        return
+    assert raised is not None and isinstance(raised.cause, TooManyPartitions)
+    message = str(raised.cause)
+    assert f"more than 1 partition(s) of table {table!r}" in message
+    assert "non_replicated_deduplication_window = 3 holds 1 per insert for the 3 insert(s)" in (
+        message
+    )
+    assert "at least 6" in message and "Nothing of it was written" in message
+    assert f"ALTER TABLE `{table}` MODIFY SETTING non_replicated_deduplication_window" in message
+    assert ch.table_counters()[table].retries == 0  # refused, not retried
+    assert _counts(clickhouse) == [{"n": 0, "u": 0}]
+
+
+@pytest.fixture
+def thread_clock():
+    """Autojump that never jumps while an insert runs in its thread: a retry's
+    backoff then passes only once the other inserts are done, as on a server
+    that answers faster than the backoff."""
+    with thread_aware_clock() as clock:
+        yield clock
+
+
+async def test_a_repeat_finds_its_blocks_while_other_inserts_wait_their_turn(
+    clickhouse, thread_clock
+):
+    """Five blocks of 40 rows, each over 4 partitions, into a window of 12 (3
+    inserts x 4), the first reply lost.  The other slot went on inserting while
+    the lost one waited for its retry, 4 blocks of 4 parts pushed its parts out
+    of the window, and the retry wrote its 40 rows again (240 rows for 200).
+    Now a block starts only once every block inserts_in_flight before it is
+    done: the retry lands behind at most 2 other inserts, and each row is
+    there once."""
+    clickhouse.create_raw_vec(PARTITIONED.format(window=12))
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    flaky = FlakyTransport(clickhouse.transport, failures=1)
+    ch = clickhouse.sink(
+        SCHEMA,
+        flaky,
+        raw=["vec"],
+        hooks=hooks,
+        batching=Batching(max_rows=40, linger=60.0),
+        retry=Retry(attempts=3, initial_backoff=1.0),
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ch.run)
+        for i in range(5):
+            await ch.submit(vec_batch(q, 40, start=40 * i))
+        await ch.flush()
+        await ch.close()
+    assert len(flaky.tokens) == 6 and len(set(flaky.tokens)) == 5  # one block repeated
+    assert _counts(clickhouse) == [{"n": 200, "u": 200}]
+
+
+def test_a_window_shorter_than_the_inserts_a_repeat_may_follow_is_refused(clickhouse):
+    """A table whose window cannot hold the inserts that may land between a
+    first try and its repeat (3 with inserts_in_flight = 2) is refused when the
+    sink is built, saying what it needs; one insert at a time needs 1."""
+    table = clickhouse.create_raw_vec(
+        "MergeTree ORDER BY tuple() SETTINGS non_replicated_deduplication_window = 2"
+    )
+    with pytest.raises(NoDeduplication) as caught:
+        clickhouse.sink(SCHEMA, raw=["vec"])
+    message = str(caught.value)
+    assert f"table {table!r} (MergeTree) remembers only its last 2 block(s)" in message
+    assert "fewer than the 3 a retry may insert again" in message
+    assert "inserts_in_flight = 2" in message and "one per partition it touches" in message
+    assert f"ALTER TABLE `{table}` MODIFY SETTING non_replicated_deduplication_window" in message
+    clickhouse.sink(SCHEMA, raw=["vec"], batching=Batching(inserts_in_flight=1))
+
+
+def test_a_retried_block_of_more_rows_than_clickhouse_cuts_at_is_written_once(chdb_transport):
+    """ClickHouse cut an insert of more than min_insert_block_size_rows
+    (1,048,449) into blocks remembered one by one: 1.1M rows were 2 blocks,
+    and with one insert in flight (a window of 1 passes) a lost reply's retry
+    wrote the first block again, pushing out the second: every row twice.
+    The sink's inserts are written as one block: the retry leaves each row
+    once.  (chDB only: 1.1M rows, the same settings on either transport.)"""
+    backend = Backend("chdb", chdb_transport)
+    backend.create_raw_vec(
+        "MergeTree ORDER BY tuple() SETTINGS non_replicated_deduplication_window = 1"
+    )
+    flaky = FlakyTransport(chdb_transport, failures=1)
+    hooks = HookRegistry()
+    q = hooks.bind("q", layout="vec")
+    ch = backend.sink(
+        SCHEMA,
+        flaky,
+        raw=["vec"],
+        hooks=hooks,
+        batching=Batching(max_rows=2_000_000, max_bytes=2**30, inserts_in_flight=1),
+        retry=Retry(attempts=2, initial_backoff=0.001),
+    )
+    n = 1_100_000
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(ch.run)
+            await ch.submit(vec_batch(q, n))
+            await ch.flush()
+            await ch.close()
+
+    trio.run(main)
+    assert len(flaky.tokens) == 2 and len(set(flaky.tokens)) == 1
+    assert _counts(backend) == [{"n": n, "u": n}]

@@ -71,9 +71,9 @@ class HeldTransport:
                     self.running -= 1
         raise ConnectionRefusedError("destination unreachable (injected)")
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         self._unreachable()
-        self.inner.insert(table, data, dedup_token=dedup_token)
+        self.inner.insert(table, data, dedup_token=dedup_token, settings=settings)
 
     def describe(self, table):
         self._unreachable()

@@ -69,13 +69,13 @@ def faulty_chdb(monkeypatch, *, refuse_seq=None, down=False):
     real = ChdbTransport.insert
     state = {"down": down}
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         if "_raw_" in table:
             if state["down"]:
                 raise ConnectionRefusedError("ClickHouse unreachable (injected)")
             if refuse_seq is not None and refuse_seq in data.column("seq").to_pylist():
                 raise Refused("Code: 53. DB::Exception: TYPE_MISMATCH (injected)")
-        real(self, table, data, dedup_token=dedup_token)
+        real(self, table, data, dedup_token=dedup_token, settings=settings)
 
     monkeypatch.setattr(ChdbTransport, "insert", insert)
     return state

@@ -54,14 +54,14 @@ class FaultyTransport:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         with self._lock:
             if self.down:
                 self.unreachable += 1
                 raise ConnectionRefusedError("destination unreachable (injected)")
             if self.refuse & set(data.column("seq").to_pylist()):
                 raise Refused("Code: 53. DB::Exception: TYPE_MISMATCH (injected)")
-        self.inner.insert(table, data, dedup_token=dedup_token)
+        self.inner.insert(table, data, dedup_token=dedup_token, settings=settings)
         with self._lock:
             self.inserts += 1
             if self.lose_every and self.inserts % self.lose_every == 0:

@@ -17,6 +17,7 @@ from taproute.routing import HookRegistry, RowBatch
 from taproute.service.sinks.clickhouse import Batching
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
+from tests.clickhouse_backends import FlakyTransport
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
 from tests.test_spool_outage import FaultyTransport, Refused, stored
@@ -35,12 +36,12 @@ class HeldTransport(FaultyTransport):
         self.waiting = 0
         self.held_too_long = False
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         with self._lock:
             self.waiting += 1
         if not self.release.wait(timeout=60):
             self.held_too_long = True
-        super().insert(table, data, dedup_token=dedup_token)
+        super().insert(table, data, dedup_token=dedup_token, settings=settings)
 
 
 class SizedTransport(FaultyTransport):
@@ -50,8 +51,8 @@ class SizedTransport(FaultyTransport):
         super().__init__(inner, **kwargs)
         self.sizes: list[int] = []
 
-    def insert(self, table, data, *, dedup_token):
-        super().insert(table, data, dedup_token=dedup_token)
+    def insert(self, table, data, *, dedup_token, settings=None):
+        super().insert(table, data, dedup_token=dedup_token, settings=settings)
         self.sizes.append(data.num_rows)
 
 
@@ -179,7 +180,7 @@ class TableFaults(FaultyTransport):
         self.rows_down = False
         self.refuse_rows = set(refuse_rows)
 
-    def insert(self, table, data, *, dedup_token):
+    def insert(self, table, data, *, dedup_token, settings=None):
         if table.endswith("_norm"):
             if self.rows_down:
                 with self._lock:
@@ -187,7 +188,7 @@ class TableFaults(FaultyTransport):
                 raise ConnectionRefusedError("rows table unreachable (injected)")
             if self.refuse_rows & set(data.column("seq").to_pylist()):
                 raise Refused("Code: 53. DB::Exception: TYPE_MISMATCH (injected)")
-        super().insert(table, data, dedup_token=dedup_token)
+        super().insert(table, data, dedup_token=dedup_token, settings=settings)
 
 
 def norm_rows(seq_start: int, n: int) -> RowBatch:
@@ -310,3 +311,82 @@ async def test_a_refused_group_splits_the_same_way_every_time(tmp_path):
     tokens = [token for token, _ in first.tries]
     assert tokens[0] == "spool-x-1-2" and len(set(tokens)) == len(tokens)
     assert all(t.startswith("spool-x-1-2.") for t in tokens[1:])
+
+
+# -- exactly once into a partitioned table (see tests/test_clickhouse.py) ----------
+
+PARTITIONED = (
+    "MergeTree PARTITION BY seq % 4 ORDER BY tuple() "
+    "SETTINGS non_replicated_deduplication_window = {window}"
+)
+
+
+async def test_a_handed_over_block_is_repeated_before_the_tables_later_blocks(
+    backend, tmp_path, clock
+):
+    """Five blocks of 40 rows, each 4 blocks to ClickHouse (4 partitions), into
+    a window of 12; the first reply lost, so its block goes to the spool under
+    its token.  The sink went on inserting the later blocks itself while the
+    spool waited out its backoff, their 16 parts pushed the lost one's out of
+    the window, and the spool's repeat wrote its rows again (220 or 240 rows for
+    200).  Now the table's blocks not started yet follow it into the spool,
+    in order, untried: the repeat lands behind at most 2 other inserts, and
+    each row is there once."""
+    backend.create_raw_vec(PARTITIONED.format(window=12))
+    flaky = FlakyTransport(backend.transport, failures=1)
+    sink = spooling(backend, tmp_path, flaky, batching=Batching(max_rows=40, linger=60.0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(5):
+            await sink.submit(vec_batch(0, 40, seq_start=40 * i))
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (200, 200)
+    c = sink.snapshot()
+    assert c.spool.appended_batches >= 3 and c.spool.frames == 0  # it and 2+ held back
+    assert c.accepted_records == c.delivered_records == 200 and sink.failure is None
+
+
+class LosesFirstReplies(FaultyTransport):
+    """The first try of every token is stored and its reply lost."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.tried: set[str] = set()
+
+    def insert(self, table, data, *, dedup_token, settings=None):
+        super().insert(table, data, dedup_token=dedup_token, settings=settings)
+        if dedup_token not in self.tried:
+            self.tried.add(dedup_token)
+            self.lost += 1
+            raise TimeoutError("reply lost after the insert was stored (injected)")
+
+
+async def test_a_spool_replays_into_a_short_window_in_pieces_each_row_once(
+    backend, tmp_path, clock
+):
+    """A spooled group of 16 rows over 4 partitions is 4 blocks to ClickHouse;
+    a window of 3 passed the check, and the repeat of its lost reply wrote
+    rows twice.  Now such a group touches more partitions than the window
+    holds per insert (3 holds 1 for each of the 3 inserts a repeat may
+    follow): ClickHouse refuses it with nothing written and the drain splits
+    it until each piece fits.  Every piece's first reply is lost too, and
+    every row lands once, none dead-lettered (the refusal is not the
+    records')."""
+    backend.create_raw_vec(PARTITIONED.format(window=3))
+    faults = LosesFirstReplies(backend.transport)
+    faults.down = True
+    dead: list = []
+    sink = spooling(backend, tmp_path, faults, batching=Batching(max_rows=16), dead=dead)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        for i in range(4):
+            await sink.submit(vec_batch(0, 4, seq_start=4 * i))
+        await sink.flush()  # durable in the spool: the destination is down
+        faults.down = False
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (16, 16)
+    assert faults.lost >= 16 and dead == [] and sink.failure is None  # single rows, each lost once
+    c = sink.snapshot()
+    assert c.accepted_records == c.delivered_records == 16 and c.refused_records == 0

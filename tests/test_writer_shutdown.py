@@ -42,12 +42,12 @@ class HeldInsert(ChdbTransport):
         self.inserted = 0
         self.closed_while_inserting: int | None = None
 
-    def insert(self, table, data, *, dedup_token) -> None:
+    def insert(self, table, data, *, dedup_token, settings=None) -> None:
         self.inserting += 1
         self.entered.set()
         try:
             assert self.release.wait(60), "the test never released the insert"
-            super().insert(table, data, dedup_token=dedup_token)
+            super().insert(table, data, dedup_token=dedup_token, settings=settings)
             self.inserted += 1
         finally:
             self.inserting -= 1

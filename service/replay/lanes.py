@@ -32,34 +32,19 @@ import pyarrow.parquet as pq
 from taproute.routing.layout import Layout
 from taproute.service.replay.errors import NotExactlyOnce, ReplayConfigError, plain_table
 from taproute.service.sinks.clickhouse.deduplication import (
+    ONE_BLOCK,
     DeduplicationWindow,
     NoDeduplication,
     check_deduplication,
+    partition_allowance,
+    too_many_partitions,
 )
 from taproute.service.sinks.clickhouse.tables import (
     MissingTable,
     check_table,
     rows_table_spec,
 )
-from taproute.service.sinks.clickhouse.transient import error_code
 from taproute.service.sinks.clickhouse.transport import Transport
-
-#: Settings of every replay insert into ClickHouse, so that it is written as
-#: one block per partition it touches, never cut further: squashed whole
-#: (not cut at ``min_insert_block_size_rows`` / ``_bytes``, about a million
-#: rows or 256 MB), on one insert thread, not merged into other clients'
-#: asynchronous inserts; and refused, not written, when it touches more
-#: partitions than ``max_partitions_per_insert_block`` (set per lane).
-ONE_BLOCK: dict[str, int] = {
-    "min_insert_block_size_rows": 2**62,
-    "min_insert_block_size_bytes": 2**62,
-    "max_insert_threads": 1,
-    "async_insert": 0,
-    "throw_on_max_partitions_per_insert_block": 1,
-}
-
-#: ClickHouse's code for an insert touching more partitions than allowed.
-_TOO_MANY_PARTS = 252
 
 
 @attrs.frozen
@@ -185,22 +170,9 @@ class ClickHouseLane:
                 "each insert is at least one block, one per partition it touches), so a "
                 f"resumed replay could insert a unit twice ({exc})"
             ) from None
-        self.partitions = self.window.size // inserts
-        current = {
-            str(row["name"]): str(row["value"])
-            for row in self.transport.query(
-                "SELECT name, value FROM system.settings WHERE name IN "
-                "('max_partitions_per_insert_block', 'throw_on_max_partitions_per_insert_block')"
-            ).to_pylist()
-        }
-        limit = int(current.get("max_partitions_per_insert_block", "0"))  # 0: no limit
-        self.capped = 0 < limit < self.partitions
-        if self.capped:
-            self.partitions = limit
-        self.insert_settings = {**ONE_BLOCK, "max_partitions_per_insert_block": self.partitions}
-        if "throw_on_max_partitions_per_insert_block" not in current:
-            # A server older than the setting always throws past the limit.
-            del self.insert_settings["throw_on_max_partitions_per_insert_block"]
+        allowance = partition_allowance(self.transport, self.window.size, inserts)
+        self.partitions, self.capped = allowance.partitions, allowance.capped
+        self.insert_settings = dict(allowance.settings)
 
     def write(self, data: pa.Table, *, run_id: str, part: str) -> None:
         token = f"{run_id}-{part}-{self.name}"
@@ -212,7 +184,7 @@ class ClickHouseLane:
                 settings=self.insert_settings,
             )
         except Exception as exc:
-            if self.capped or error_code(exc) != _TOO_MANY_PARTS or "partitions" not in str(exc):
+            if self.capped or not too_many_partitions(exc):
                 raise
             raise self._too_many_partitions(part, run_id) from None
 

@@ -2,7 +2,7 @@
 
 from taproute.service.sinks.clickhouse.batching import Batching, Retry
 from taproute.service.sinks.clickhouse.blocks import InsertAbandoned, TableCounters
-from taproute.service.sinks.clickhouse.deduplication import NoDeduplication
+from taproute.service.sinks.clickhouse.deduplication import NoDeduplication, TooManyPartitions
 from taproute.service.sinks.clickhouse.sink import ClickHouseSink
 from taproute.service.sinks.clickhouse.tables import (
     DESCRIPTOR_COLUMNS,
@@ -33,5 +33,6 @@ __all__ = [
     "TableColumn",
     "TableCounters",
     "TableSpec",
+    "TooManyPartitions",
     "Transport",
 ]

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 
 import attrs
+import trio
 
 from taproute.routing.batch import Batch, Retained
 
@@ -81,6 +82,54 @@ class HeldAttempt:
             hold.release()
 
 
+class TableOrder:
+    """The order a table's sealed blocks may start in: block ``i`` (counted
+    from 0 as sealed) starts only once every block before ``i - ahead + 1``
+    is done (written, given up, or handed to the owner).
+
+    So while a block is not done (its first try running, or its retries:
+    written or not, unknown), at most ``ahead - 1`` blocks sealed after it
+    start, and at most ``ahead - 1`` sealed before it still run: no more
+    than ``2 * ahead - 1`` inserts land between its first try and its last
+    repeat, itself included, which is what the table's deduplication window
+    must hold (:func:`inserts_between_repeats`)."""
+
+    __slots__ = ("_done", "_lot", "ahead", "done_below", "sealed")
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.sealed = 0
+        #: Every block below this index is done.
+        self.done_below = 0
+        self._done: set[int] = set()
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def seal(self) -> int:
+        """The next block's index."""
+        self.sealed += 1
+        return self.sealed - 1
+
+    async def wait_turn(self, index: int, *, behind_all: bool = False) -> None:
+        """Return once block ``index`` may start (``behind_all``: once every
+        block before it is done)."""
+        below = index if behind_all else index - self.ahead + 1
+        while self.done_below < below:
+            await self._lot.park()
+
+    def done(self, index: int) -> None:
+        self._done.add(index)
+        while self.done_below in self._done:
+            self._done.remove(self.done_below)
+            self.done_below += 1
+        self._lot.unpark_all()
+
+
+def inserts_between_repeats(inserts_in_flight: int) -> int:
+    """The inserts into one table that may land between a block's first try
+    and its last repeat, that one included (see :class:`TableOrder`)."""
+    return 2 * max(1, inserts_in_flight) - 1
+
+
 class TableBuffer:
     """What one table has accumulated since its last insert."""
 
@@ -94,4 +143,11 @@ class TableBuffer:
         self.first_at = math.inf
 
 
-__all__ = ["HeldAttempt", "InsertAbandoned", "TableBuffer", "TableCounters"]
+__all__ = [
+    "HeldAttempt",
+    "InsertAbandoned",
+    "TableBuffer",
+    "TableCounters",
+    "TableOrder",
+    "inserts_between_repeats",
+]

@@ -17,12 +17,15 @@ refused with a message saying so.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import attrs
 import pyarrow as pa
 
 from taproute.routing.errors import ConfigError
+from taproute.service.sinks.clickhouse.transient import error_code
 
 #: What ``create_tables=True`` gives a table, and what the messages suggest.
 WINDOW = 10_000
@@ -109,7 +112,12 @@ def _fix(table: str, setting: str, waiver: str | None, at_least: int = 1) -> str
 
 
 def check_deduplication(
-    transport: _Queries, table: str, *, waiver: str | None = SINK_WAIVER, blocks: int = 1
+    transport: _Queries,
+    table: str,
+    *,
+    waiver: str | None = SINK_WAIVER,
+    blocks: int = 1,
+    why: str | None = None,
 ) -> DeduplicationWindow:
     """Raise :class:`NoDeduplication` unless ``table`` deduplicates retried inserts;
     return its window (how many of its latest blocks it remembers).
@@ -160,7 +168,79 @@ def check_deduplication(
     if window < blocks:
         raise NoDeduplication(
             f"table {label} ({engine}) remembers only its last {window} block(s) ({setting} "
-            f"= {window}), fewer than the {blocks} a retry may insert again: the older ones "
+            f"= {window}), fewer than the {blocks} a retry may insert again"
+            + (f" ({why})" if why else "")
+            + ": the older ones "
             "would be written twice. Run " + _fix(fix_table, setting, waiver, blocks)
         )
     return DeduplicationWindow(setting, window)
+
+
+#: Settings of an insert whose retry must be recognised whole: written as one
+#: block per partition it touches, never cut further (squashed whole, not cut
+#: at ``min_insert_block_size_rows`` / ``_bytes``, about a million rows or
+#: 256 MB), on one insert thread, not merged into other clients' asynchronous
+#: inserts (chDB turns ``async_insert`` on by default); and refused, not
+#: written, when it touches more partitions than
+#: ``max_partitions_per_insert_block`` (set per table by
+#: :func:`partition_allowance`).
+ONE_BLOCK: Mapping[str, int] = MappingProxyType(
+    {
+        "min_insert_block_size_rows": 2**62,
+        "min_insert_block_size_bytes": 2**62,
+        "max_insert_threads": 1,
+        "async_insert": 0,
+        "throw_on_max_partitions_per_insert_block": 1,
+    }
+)
+
+#: ClickHouse's code for an insert touching more partitions than allowed
+#: (TOO_MANY_PARTS, which otherwise means "merges are behind": retried).
+_TOO_MANY_PARTS = 252
+
+
+@attrs.frozen
+class PartitionAllowance:
+    """How many partitions one insert may touch so that a table's window holds
+    every block of ``inserts`` inserts: ``partitions`` (``window // inserts``,
+    or the server's own lower ``max_partitions_per_insert_block``, then
+    ``capped``), and the insert ``settings`` that enforce it."""
+
+    partitions: int
+    capped: bool
+    settings: Mapping[str, int]
+
+
+def partition_allowance(transport: _Queries, window: int, inserts: int) -> PartitionAllowance:
+    """The partitions one insert may touch when the table's ``window`` must hold
+    ``inserts`` inserts' blocks (see :class:`PartitionAllowance`)."""
+    partitions = window // max(1, inserts)
+    current = {
+        str(row["name"]): str(row["value"])
+        for row in transport.query(
+            "SELECT name, value FROM system.settings WHERE name IN "
+            "('max_partitions_per_insert_block', 'throw_on_max_partitions_per_insert_block')"
+        ).to_pylist()
+    }
+    limit = int(current.get("max_partitions_per_insert_block", "0"))  # 0: no limit
+    capped = 0 < limit < partitions
+    if capped:
+        partitions = limit
+    settings = {**ONE_BLOCK, "max_partitions_per_insert_block": partitions}
+    if "throw_on_max_partitions_per_insert_block" not in current:
+        # A server older than the setting always throws past the limit.
+        del settings["throw_on_max_partitions_per_insert_block"]
+    return PartitionAllowance(partitions, capped, MappingProxyType(settings))
+
+
+def too_many_partitions(error: BaseException) -> bool:
+    """Whether ``error`` is ClickHouse refusing an insert that touches more
+    partitions than ``max_partitions_per_insert_block`` (nothing of it written)."""
+    return error_code(error) == _TOO_MANY_PARTS and "partitions" in str(error)
+
+
+class TooManyPartitions(Exception):
+    """An insert touched more partitions of a table than its deduplication
+    window holds for a retry (:func:`partition_allowance`): refused by
+    ClickHouse with nothing written.  Not transient: the same insert is
+    refused again (a spool splits it into smaller ones)."""

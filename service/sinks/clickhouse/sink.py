@@ -5,9 +5,19 @@ Delivery guarantee: every record a sink accepts is inserted at least once,
 and retries of one insert carry the same ``insert_deduplication_token``, so
 ClickHouse writes each buffered block once (within the table's
 deduplication window; a table without one is refused at construction unless
-``require_deduplication=False`` accepts duplicates).  A block that still fails after the
-retry budget is not written: the failure is latched and raised by the next
-``submit``/``flush``/``close``, never swallowed.  An owner with its own
+``require_deduplication=False`` accepts duplicates).  That window must
+still remember every block of the first try when a repeat comes, one per
+partition the insert touched.  A table's blocks start in order, block ``i``
+only once every block before ``i - inserts_in_flight + 1`` is done, so
+while one is not (its outcome unknown) at most ``2 x inserts_in_flight - 1``
+inserts land between its first try and its last repeat; a table whose
+window is shorter is refused at construction, every insert is written as
+one block per partition (never cut at ClickHouse's million-row block
+size), and one may touch at most ``window // those inserts`` partitions:
+an insert touching more is refused with nothing written
+(:class:`TooManyPartitions`, not retried; a spool splits it).  A block that
+still fails after the retry budget is not written: the failure is latched
+and raised by the next ``submit``/``flush``/``close``, never swallowed.  An owner with its own
 durable queue (a spooling destination) may take failed blocks over instead
 (``hand_over_failures``) and insert batches itself (``insert_now``).
 
@@ -44,8 +54,15 @@ from taproute.service.sinks.clickhouse.blocks import (
     InsertAbandoned,
     TableBuffer,
     TableCounters,
+    TableOrder,
+    inserts_between_repeats,
 )
 from taproute.service.sinks.clickhouse.columns import HookDictionary, block_table
+from taproute.service.sinks.clickhouse.deduplication import (
+    PartitionAllowance,
+    TooManyPartitions,
+    too_many_partitions,
+)
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
 from taproute.service.sinks.clickhouse.owner_inserts import OwnerInserts
 from taproute.service.sinks.clickhouse.table_checks import TableChecks
@@ -63,6 +80,18 @@ from taproute.service.sinks.clickhouse.transport import (
 
 #: What a sink does when its server can't be reached at construction.
 WhenUnreachable = Literal["refuse", "check_later"]
+
+
+class HeldBack(Exception):
+    """A block handed to the owner untried: an earlier block of its table is
+    in the owner's hands, and its repeat must come first (and find the
+    table's deduplication window holding what it tried)."""
+
+    def __init__(self, table: str, token: str) -> None:
+        super().__init__(
+            f"held back (an earlier insert into table {table!r} is being repeated by the "
+            f"owner): block {token}"
+        )
 
 
 class ClickHouseSink(OwnerInserts):
@@ -165,6 +194,7 @@ class ClickHouseSink(OwnerInserts):
                 self.tables.values(),
                 create=create_tables,
                 require_deduplication=require_deduplication,
+                inserts=inserts_between_repeats(self.batching.inserts_in_flight),
             )
             self._checks.at_construction(later=when_unreachable == "check_later")
         except BaseException:
@@ -191,6 +221,12 @@ class ClickHouseSink(OwnerInserts):
         self._closing = False
         self._stopped = trio.Event()
         self._waiting: set[trio.CancelScope] = set()  # inserts flush(within=) may abandon
+        #: Per table, the order its blocks may start in (see TableOrder).
+        self._order = {n: TableOrder(self.batching.inserts_in_flight) for n in self.tables}
+        #: Tables with a block handed to the owner (its repeat comes from the
+        #: spool): their later blocks are handed over untried, until nothing of
+        #: the table is left here (the owner's new batches follow the spool).
+        self._handing_over: set[str] = set()
         self._waited = 0.0
 
     # -- construction helpers ---------------------------------------------
@@ -349,22 +385,23 @@ class ClickHouseSink(OwnerInserts):
         token = f"{self._token_prefix}-{self._block_seq}"
         self._in_flight += 1
         assert self._nursery is not None
-        self._nursery.start_soon(self._insert, table, buffer, token)
+        self._nursery.start_soon(self._insert, table, buffer, token, self._order[table].seal())
 
-    async def _insert(self, table: str, buffer: TableBuffer, token: str) -> None:
+    async def _insert(self, table: str, buffer: TableBuffer, token: str, index: int) -> None:
         counters = self.counters[table]
         attempt = HeldAttempt(buffer.holds)
         scope = trio.CancelScope()  # cancelled when flush(within=) stops waiting
         self._waiting.add(scope)
         try:
             with scope:
-                failed = await self._attempts(table, buffer, token, attempt)
+                failed = await self._attempts(table, buffer, token, attempt, index)
             if scope.cancelled_caught:
                 failed = (self._abandoned_error(table, buffer), 0)
             if failed is None:
                 return
             exc, failures = failed
             if self._failed_blocks is not None:
+                self._handing_over.add(table)
                 await self._hand_over(table, buffer, token, exc)
             elif isinstance(exc, InsertAbandoned):
                 counters.abandoned_rows += buffer.rows
@@ -384,6 +421,9 @@ class ClickHouseSink(OwnerInserts):
         finally:
             self._waiting.discard(scope)
             counters.in_flight_rows -= buffer.rows
+            if counters.in_flight_rows == 0 and counters.buffered_rows == 0:
+                self._handing_over.discard(table)
+            self._order[table].done(index)
             self._pending_bytes -= buffer.bytes
             attempt.finish()  # the buffers go back now, or when an abandoned attempt returns
             self._in_flight -= 1
@@ -392,45 +432,60 @@ class ClickHouseSink(OwnerInserts):
                 self._idle.unpark_all()
 
     async def _attempts(
+        self, table: str, buffer: TableBuffer, token: str, attempt: HeldAttempt, index: int
+    ) -> tuple[Exception, int] | None:
+        """Insert the block (the table's ``index``-th), in its turn, retrying
+        transient failures within ``retry`` (an owner takes the first failure
+        instead, and the table's later blocks untried, in order, until
+        nothing of it is left here); None once it is written, else the last
+        error and the attempts made."""
+        order = self._order[table]
+        await order.wait_turn(index)
+        if table in self._handing_over:
+            await order.wait_turn(index, behind_all=True)  # spooled after every earlier one
+            return HeldBack(table, token), 0
+        async with self._limiters[table]:
+            return await self._attempt_until_done(table, buffer, token, attempt)
+
+    async def _attempt_until_done(
         self, table: str, buffer: TableBuffer, token: str, attempt: HeldAttempt
     ) -> tuple[Exception, int] | None:
-        """Insert the block, retrying transient failures within ``retry`` (an
-        owner takes the first failure instead); None once it is written, else
-        the last error and the attempts made."""
+        """:meth:`_attempts` once the block may start: the tries themselves."""
         counters = self.counters[table]
-        async with self._limiters[table]:
-            failures = 0
-            while True:
-                try:
-                    # Abandoned only when flush(within=) stops waiting: the
-                    # attempt then gives the producers' buffers back itself.
-                    await trio.to_thread.run_sync(
-                        self._calls.call,
-                        attempt.run,
-                        self._insert_blocking,
-                        table,
-                        buffer,
-                        token,
-                        abandon_on_cancel=True,
-                    )
-                except Exception as exc:
-                    failures += 1
-                    counters.errors += 1
-                    if (
-                        self._failed_blocks is None
-                        and failures < self.retry.attempts
-                        and self.transport.is_transient(exc)
-                    ):
-                        counters.retries += 1
-                        await trio.sleep(self.retry.backoff(failures))
-                        continue
-                    return exc, failures
-                counters.inserts += 1
-                counters.records += buffer.rows
-                counters.bytes += buffer.bytes
-                if self._inserted is not None:
-                    self._inserted(buffer.rows, len(buffer.items))
-                return None
+        failures = 0
+        while True:
+            try:
+                # Abandoned only when flush(within=) stops waiting: the
+                # attempt then gives the producers' buffers back itself.
+                await trio.to_thread.run_sync(
+                    self._calls.call,
+                    attempt.run,
+                    self._insert_blocking,
+                    table,
+                    buffer,
+                    token,
+                    abandon_on_cancel=True,
+                )
+            except Exception as exc:
+                failures += 1
+                counters.errors += 1
+                if (
+                    self._failed_blocks is None
+                    and failures < self.retry.attempts
+                    and self.transport.is_transient(exc)
+                ):
+                    counters.retries += 1
+                    await trio.sleep(self.retry.backoff(failures))
+                    continue
+                if self._failed_blocks is not None:
+                    self._handing_over.add(table)  # before anyone waiting wakes
+                return exc, failures
+            counters.inserts += 1
+            counters.records += buffer.rows
+            counters.bytes += buffer.bytes
+            if self._inserted is not None:
+                self._inserted(buffer.rows, len(buffer.items))
+            return None
 
     def _abandoned_error(self, table: str, buffer: TableBuffer) -> InsertAbandoned:
         kept = (
@@ -453,7 +508,54 @@ class ClickHouseSink(OwnerInserts):
         data = block_table(
             buffer.items, self.tables[table], self.schema, self.hooks, self._hook_dictionary
         )
-        self.transport.insert(table, data, dedup_token=f"{token}-{table}")
+        allowance = self._checks.allowance.get(table)
+        try:
+            self.transport.insert(
+                table,
+                data,
+                dedup_token=f"{token}-{table}",
+                settings=None if allowance is None else allowance.settings,
+            )
+        except Exception as exc:
+            if allowance is None or not too_many_partitions(exc):
+                raise
+            raise self._too_many_partitions(table, data.num_rows, allowance) from exc
+
+    def _too_many_partitions(
+        self, table: str, rows: int, allowance: PartitionAllowance
+    ) -> TooManyPartitions:
+        window, inserts, allowed = (
+            self._checks.windows[table],
+            self._checks.inserts,
+            allowance.partitions,
+        )
+        limit = (
+            f"this server's max_partitions_per_insert_block = {allowed} (lower than "
+            f"{window.setting} = {window.size} over {inserts} insert(s) allows)"
+            if allowance.capped
+            else (
+                f"whose {window.setting} = {window.size} holds {allowed} per insert for the "
+                f"{inserts} insert(s) that may land between a first try and its repeat "
+                f"(2 x inserts_in_flight - 1, inserts_in_flight = "
+                f"{self.batching.inserts_in_flight})"
+            )
+        )
+        need = (
+            "raise the server's max_partitions_per_insert_block"
+            if allowance.capped
+            else (
+                f"the window needs {inserts} x the partitions one insert touches, at least "
+                f"{inserts * (allowed + 1)}: ALTER TABLE `{table}` MODIFY SETTING "
+                f"{window.setting} = N"
+            )
+        )
+        return TooManyPartitions(
+            f"an insert of {rows} rows touches more than {allowed} partition(s) of table "
+            f"{table!r} at {self.transport.description}, {limit}: ClickHouse remembers a block "
+            "per partition an insert touches, and a repeated block that left the window is "
+            f"written twice. Nothing of it was written. To insert it, {need}; or insert fewer "
+            "rows at once (Batching max_rows / max_bytes, fewer inserts_in_flight)"
+        )
 
     async def flush(self, *, within: float | None = None) -> None:
         """Insert everything buffered; return once every insert is done, or raise.

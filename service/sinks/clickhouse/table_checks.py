@@ -10,6 +10,16 @@ and checks them when the server is first reached: by its owner
 block is written into a table that was not checked.  A table that doesn't
 fit then (missing, a column of another type, no deduplication window) is a
 failure kept for good: every later check and insert raises it again.
+
+Exactly once: the sink repeats an insert whose outcome is unknown under the
+same token, and ClickHouse drops the repeat only while the table's window
+still remembers every block of the first try: one per partition the insert
+touched.  Between a first try and its last repeat at most ``inserts`` of the
+sink's inserts into the table land, the one repeated included (see
+:class:`~.blocks.TableOrder`), so a table whose window is shorter than
+``inserts`` is refused, and each insert is written as one block
+per partition and may touch at most ``window // inserts`` partitions
+(:func:`~.deduplication.partition_allowance`, :attr:`TableChecks.allowance`).
 """
 
 from __future__ import annotations
@@ -17,7 +27,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from taproute.service.sinks.clickhouse.deduplication import check_deduplication
+from taproute.service.sinks.clickhouse.deduplication import (
+    DeduplicationWindow,
+    PartitionAllowance,
+    check_deduplication,
+    partition_allowance,
+)
 from taproute.service.sinks.clickhouse.tables import MissingTable, TableSpec, check_table
 from taproute.service.sinks.clickhouse.transport import (
     ServerUnreachable,
@@ -37,10 +52,18 @@ class TableChecks:
         *,
         create: bool,
         require_deduplication: bool,
+        inserts: int = 1,
     ) -> None:
         self.transport = transport
         self.create = create
         self.require_deduplication = require_deduplication
+        #: The sink's inserts into one table that may land between a first try
+        #: and its last repeat, that one included (``2 x inserts_in_flight - 1``).
+        self.inserts = max(1, inserts)
+        #: Per table checked (with ``require_deduplication``): its window, and
+        #: the partitions one insert may touch with the settings enforcing it.
+        self.windows: dict[str, DeduplicationWindow] = {}
+        self.allowance: dict[str, PartitionAllowance] = {}
         self._pending = list(tables)
         self._lock = threading.Lock()
         #: Why the tables were left unchecked at construction (None: they were not).
@@ -115,7 +138,21 @@ class TableChecks:
             assert found is not None
         check_table(spec, found)
         if self.require_deduplication:
-            check_deduplication(self.transport, spec.name)
+            inserts = self.inserts
+            window = check_deduplication(
+                self.transport,
+                spec.name,
+                blocks=inserts,
+                why=(
+                    f"a retried insert and the {inserts - 1} other(s) that may land between its "
+                    f"first try and its repeat with inserts_in_flight = {(inserts + 1) // 2}; "
+                    "each at least one block, one per partition it touches"
+                    if inserts > 1
+                    else "each insert is at least one block, one per partition it touches"
+                ),
+            )
+            self.allowance[spec.name] = partition_allowance(self.transport, window.size, inserts)
+            self.windows[spec.name] = window
 
 
 __all__ = ["TableChecks"]

@@ -31,6 +31,7 @@ import trio
 from taproute.native import DESCRIPTOR_DTYPE, BufferLease
 from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.hooks import HookRegistry
+from taproute.service.sinks.clickhouse.batching import Batching
 from taproute.service.sinks.clickhouse.sink import ClickHouseSink
 from taproute.service.sinks.writer.errors import DirectoryInUse
 from taproute.service.sinks.writer.protocol import (
@@ -87,6 +88,9 @@ def build_sink(config: WriterConfig) -> ClickHouseSink:
         "raw_table": config.raw_table,
         "rows_table": config.rows_table,
         "require_deduplication": config.require_deduplication,
+        # The inserts that may run at once: what a table's deduplication window
+        # must hold for one of them to be repeated exactly.
+        "batching": Batching(inserts_in_flight=config.inserts_in_flight),
     }
     if config.kind == "chdb":
         check_directory_free(Path(config.where))
