@@ -31,6 +31,7 @@ from taproute.service.replay import (
 )
 from taproute.service.replay.corpus import timestamp_within_ties
 from taproute.service.sinks.clickhouse.tables import raw_table_spec
+from tests.clickhouse_backends import SERVER_URL
 from tests.processors import SCHEMA
 
 HOOKS = ("layers.0.attn.q", "layers.1.attn.q")
@@ -761,14 +762,16 @@ def test_resume_of_an_unknown_run(corpus, tmp_path):
 
 
 def cli(ch, tmp_path, *extra: str) -> list[str]:
+    """The replay command on ``ch``'s ClickHouse: its chDB directory, or the
+    server's URL (a server has no path: ``ch.transport.path`` failed there)."""
+    where = ["--chdb", str(ch.transport.path)] if ch.name == "chdb" else ["--url", SERVER_URL]
     return [
         "replay",
         "--schema",
         "tests.processors:SCHEMA",
         "--import",
         "tests.replay_processors",
-        "--chdb",
-        str(ch.transport.path),
+        *where,
         "--layout",
         "vec",
         "--table",
