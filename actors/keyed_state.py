@@ -9,6 +9,7 @@ owners decide *when*, in their order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -172,14 +173,30 @@ class KeyedRoute(RouteActor):
     async def _finalize(self, key: int) -> None:
         """Emit the key's final rows (if the processor has ``finalize`` and the key
         holds state), then clear its slot.  A failing finalize is counted and
-        logged; the slot is cleared anyway (the key is over)."""
+        logged; the slot is cleared anyway (the key is over).
+
+        ``finalize`` runs in a worker thread under the route's deadline, as the
+        processor does: one that does not return within it is abandoned (its
+        thread runs on, its result dropped) and counted as failed, so a hung
+        finalize neither holds the owner's other keys nor a flush, and a
+        shutdown whose grace runs out can cut it off."""
         spec = self.planned.processor
         layout = self.planned.output_layout
         if self.state.valid[key] and spec is not None and spec.finalize is not None:
             assert layout is not None
+            deadline = self.policy.deadline or math.inf
             try:
                 async with self.limiter:
-                    result = await trio.to_thread.run_sync(spec.finalize, self.state, key)
+                    with trio.move_on_after(deadline) as scope:
+                        result = await trio.to_thread.run_sync(
+                            spec.finalize,
+                            self.state,
+                            key,
+                            limiter=self._threads,
+                            abandon_on_cancel=True,
+                        )
+                if scope.cancelled_caught:
+                    raise TimeoutError(f"no result within the route's {deadline:g} s deadline")
                 rows = None
                 if result is not None:
                     rows = check_rows(result, layout, route=self.name, processor=spec.name)
