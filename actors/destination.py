@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -33,7 +33,7 @@ from taproute.actors.counters import DestinationCounters
 from taproute.actors.cuttable import CuttableCalls
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
-from taproute.routing.batch import Batch, RecordBatch, RowBatch
+from taproute.routing.batch import Batch, RecordBatch
 from taproute.routing.errors import ConfigError, RoutingFailure, SinkClosed, at
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
@@ -76,11 +76,28 @@ async def release_unclosed(sink: object) -> None:
 #: (a hop costs more than the work); it still yields this often.
 _YIELD_EVERY = 64
 
-#: Called with (route, batch, error) for raw records a closed destination refused.
-Undeliverable = Callable[[str, RecordBatch, BaseException], Awaitable[None]]
 
-#: Called with (route, batch) for raw records of a route the sink took.
-Taken = Callable[[str, RecordBatch], None]
+class RawSender(Protocol):
+    """A route that hands its records to a destination as they are (a forward
+    route): told what the sink took of them, or refused because it is closed.
+
+    The route itself travels with its batches, not its name: after a reload
+    another route may have that name (with counters of its own, another mode,
+    another processor), and the records belong to the route that took them."""
+
+    @property
+    def name(self) -> str: ...
+
+    def taken(self, records: int) -> None:
+        """The sink took ``records`` of this route's records."""
+
+    async def undeliverable(self, batch: RecordBatch, error: BaseException) -> None:
+        """The sink refused ``batch`` because it is closed: give it up."""
+
+
+#: Who delivered a batch: a route's name (its rows), the route itself (its raw
+#: records), or None (unmatched records for the default destination).
+Sender = str | RawSender | None
 
 
 @attrs.frozen(eq=False)
@@ -92,8 +109,8 @@ class Settle:
     forget: Callable[[], Awaitable[None]]
 
 
-#: (route name or None for unmatched records, batch or settle marker)
-DestinationMessage = tuple[str | None, Batch | Settle]
+#: (who delivered it, batch or settle marker)
+DestinationMessage = tuple[Sender, Batch | Settle]
 
 #: Markers wait for one flush of the sink together: at most this many, this
 #: long (seconds) while batches keep coming; at once when the mailbox is empty.
@@ -118,8 +135,6 @@ class DestinationActor:
         in_flight: InFlight,
         capacity_records: int,
         capacity_bytes: int,
-        undeliverable: Undeliverable | None = None,
-        taken: Taken | None = None,
     ) -> None:
         if not (is_sink(spec) or callable(spec)):
             raise ConfigError(
@@ -142,8 +157,6 @@ class DestinationActor:
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
-        self._undeliverable = undeliverable
-        self._taken = taken
         self.mailbox: Mailbox[DestinationMessage] = Mailbox(
             f"destination {name}", capacity_records=capacity_records, capacity_bytes=capacity_bytes
         )
@@ -268,8 +281,9 @@ class DestinationActor:
                 ConfigError(f"destination {self.name!r}: {problem}"), f"destinations.{self.name}"
             )
 
-    async def deliver(self, route: str | None, batch: Batch) -> None:
+    async def deliver(self, route: Sender, batch: Batch) -> None:
         """Queue ``batch`` for the sink, taking a lease on raw batches.
+        ``route``: who delivers it (see :data:`Sender`).
 
         Waits while the mailbox is full.  When the actor is idle and the
         sink's submits have been quick, submits it here instead (the same
@@ -371,7 +385,7 @@ class DestinationActor:
         while self._submitting:
             await self._submitted.park()
 
-    async def _submit(self, route: str | None, batch: Batch) -> None:
+    async def _submit(self, route: Sender, batch: Batch) -> None:
         """Hand ``batch`` to the sink, counted; a failure is latched, or (the sink
         closed, raw records of a route) given up by that route."""
         sink = self.sink
@@ -379,6 +393,11 @@ class DestinationActor:
         if self.is_cut:
             self._count_abandoned(batch)
             return
+        sender: RawSender | None
+        if route is None or isinstance(route, str):
+            sender, name = None, route
+        else:
+            sender, name = route, route.name
         started = time.perf_counter()
         elapsed = math.inf  # until the submit returned
         try:
@@ -394,16 +413,16 @@ class DestinationActor:
             # The destination is gone: a per-record failure of the route
             # (binding_invalid, dead-lettered), not a failure of the router.
             self.counters.errors += 1
-            if self._undeliverable is None or route is None or isinstance(batch, RowBatch):
+            if sender is None or not isinstance(batch, RecordBatch):
                 self.counters.failed_records += len(batch)
-                self._latch.latch(exc, route=route, destination=self.name, where="submit")
+                self._latch.latch(exc, route=name, destination=self.name, where="submit")
             else:
-                await self._undeliverable(route, batch, exc)
+                await sender.undeliverable(batch, exc)
         except Exception as exc:
             # Latched; the sink did not take the batch: never delivered, counted.
             self.counters.errors += 1
             self.counters.failed_records += len(batch)
-            self._latch.latch(exc, route=route, destination=self.name, where="submit")
+            self._latch.latch(exc, route=name, destination=self.name, where="submit")
         else:
             if not returned:  # cut while the sink had it: never delivered
                 self._count_abandoned(batch)
@@ -411,8 +430,8 @@ class DestinationActor:
             self.counters.records += len(batch)
             self.counters.bytes += batch.nbytes
             self.counters.batches += 1
-            if self._taken is not None and route is not None and isinstance(batch, RecordBatch):
-                self._taken(route, batch)
+            if sender is not None and isinstance(batch, RecordBatch):
+                sender.taken(len(batch))
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
         """Await ``fn(*args)``, a call of the sink, where :meth:`cut` can cancel

@@ -24,7 +24,9 @@ class ForwardRoute(RouteActor):
         self.counters.accepted += len(batch)
         narrowing = self.planned.narrowing
         for part in [batch] if narrowing is None else narrowing.apply(batch):
-            await self.destination.deliver(self.name, part)
+            # The route itself, not its name: told what the sink took of these
+            # even once a reload gave the name to another route.
+            await self.destination.deliver(self, part)
             if self.chain is not None:
                 self.counters.derived += await self.chain.records(part)
 

@@ -57,11 +57,8 @@ class Reloading(Producer[RouterSnapshot]):
     _destinations_nursery: trio.Nursery | None
     _nursery: trio.Nursery | None
     _blocking_budget: float | None
-    #: Routes of earlier generations still draining, and the last route of
-    #: each (name, destination) (a retired route's records may still be at a
-    #: destination when it reports them taken or refused).
+    #: Routes of earlier generations still draining.
     _retiring: list[RouteActor]
-    _last: dict[tuple[str, str], RouteActor]
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -169,7 +166,6 @@ class Reloading(Producer[RouterSnapshot]):
             self._rerouter.routes = generation.by_name
             old.detach()
             for actor in old.routes:
-                self._last[actor.name, actor.destination.name] = actor
                 if not actor.tasks_done:  # a forward route has no tasks: nothing to drain
                     self._in_flight.add()  # until it drained and handed over (run_route)
                     self._retiring.append(actor)

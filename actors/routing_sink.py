@@ -45,7 +45,6 @@ import trio
 from taproute.actors.chain import CausalGate, link_chains
 from taproute.actors.counters import ReportsStore, RouterSnapshot, StoreCounters
 from taproute.actors.destination import DestinationActor, DestinationSpec
-from taproute.actors.forward import ForwardRoute
 from taproute.actors.generation import Generation
 from taproute.actors.inflight import InFlight
 from taproute.actors.parking import Parker
@@ -180,8 +179,6 @@ class RoutingSink(SinkFlushing):
             latch=self._latch,
             in_flight=self._in_flight,
             give_up_log=self.give_up_log,
-            undeliverable=self._undeliverable,
-            taken=self._taken,
             copy_of=self._rerouter.copy_of,
             parker=self._parker,
         )
@@ -205,10 +202,8 @@ class RoutingSink(SinkFlushing):
         link_chains(self.plan, self._gen.routes, self.hooks, self.schema, self.causal)
         #: Recent records no route took, per hook, with each route's refusal.
         self.refusals = RefusalLog()
-        #: Routes of earlier generations still draining, and the last route of
-        #: each name (a retired route's records may still be at a destination).
+        #: Routes of earlier generations still draining.
         self._retiring: list[RouteActor] = []
-        self._last: dict[tuple[str, str], RouteActor] = {}
         self._unmatched_forwarded = 0
         self._unmatched_dropped = 0
         self._token: trio.lowlevel.TrioToken | None = None
@@ -291,28 +286,6 @@ class RoutingSink(SinkFlushing):
     def running(self) -> bool:
         """True between the start of :meth:`run` and the end of the shutdown cascade."""
         return self._started and not self._stopped.is_set()
-
-    def _route_named(self, name: str, destination: str) -> RouteActor | None:
-        """The route called ``name`` sending to ``destination``: the running one,
-        else the last such route of an earlier generation."""
-        actor = self._gen.by_name.get(name)
-        if actor is not None and actor.destination.name == destination:
-            return actor
-        return self._last.get((name, destination))
-
-    async def _undeliverable(
-        self, destination: str, route: str, batch: RecordBatch, error: BaseException
-    ) -> None:
-        actor = self._route_named(route, destination)
-        if actor is not None:
-            await actor.undeliverable(batch, error)
-            return
-        self._latch.latch(error, route=route, where="destination refused records")
-
-    def _taken(self, destination: str, route: str, batch: RecordBatch) -> None:
-        actor = self._route_named(route, destination)
-        if isinstance(actor, ForwardRoute):
-            actor.taken(len(batch))
 
     def _closed_reason(self) -> str | None:
         return "routing sink is closed" if self._closing else None

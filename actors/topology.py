@@ -9,8 +9,7 @@ what it returns.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from functools import partial
+from collections.abc import Callable, Mapping
 
 import attrs
 
@@ -68,16 +67,11 @@ def build_topology(
     latch: FailureLatch,
     in_flight: InFlight,
     give_up_log: GiveUpLog,
-    undeliverable: Callable[[str, str, RecordBatch, BaseException], Awaitable[None]],
-    taken: Callable[[str, str, RecordBatch], None],
     copy_of: Callable[[RecordBatch], int | None],
     parker: Parker | None = None,
 ) -> Topology:
     """Check everything and build every actor, inert; raise every problem at once
-    (:class:`~taproute.routing.errors.PlanErrors` when there are several).
-
-    ``undeliverable`` and ``taken`` are told the destination's name first (a
-    route of each generation may send to another destination under one name)."""
+    (:class:`~taproute.routing.errors.PlanErrors` when there are several)."""
     errors: list[ConfigError] = []
     actors: dict[str, DestinationActor] = {}
     for name, spec in destinations.items():
@@ -89,8 +83,6 @@ def build_topology(
                 in_flight=in_flight,
                 capacity_records=destination_capacity,
                 capacity_bytes=destination_capacity_bytes,
-                undeliverable=partial(undeliverable, name),
-                taken=partial(taken, name),
             )
         except ConfigError as exc:
             errors.append(at(exc, f"destinations.{name}"))
