@@ -11,7 +11,9 @@ to the new actors.
 What a retired route still holds when its actors exit (records parked for a
 retry, records waiting behind a failing key) is handed to the route of the
 same name in the next generation and tried again at once, if that route runs
-the same processor; otherwise those records fail with ``handler_missing``.
+the same processor; otherwise those records fail with ``handler_missing``,
+and a stateful route's key controls that waited behind them take effect
+then, on its own state (as at a close).
 A route keeps its counters across generations while its mode and
 destination stay the same, and a stateful route its state (slots, key
 lifecycle) while its processor stays the same: the new owners start only
@@ -272,10 +274,16 @@ async def _hand_over_keys(
     for held in old.held:
         held.clear()
     if not _takes_over(target, old):
-        for _, queue in queues:
+        # In queue order, as at a close: the records fail handler_missing, and
+        # a complete, cancel or reopen that waited behind them takes effect
+        # then, on this route's state (a complete finalizes what the key
+        # processed here; the target's state is not this one).
+        for key, queue in queues:
             for item in queue:
                 if isinstance(item, Attempt):
                     await _missing(old, item, target, current)
+                else:
+                    await old._apply({}, item, key, 0, queued=True)
         return
     assert isinstance(target, StatefulRoute)
     # The target has not started (it waits for this route to exit): it takes
