@@ -104,16 +104,33 @@ class KeyedRoute(RouteActor):
                 KeyControl(action, keys[selection], discarding[selection]), records=0, nbytes=0
             )
 
-    def mapped_keys(self, request_keys: Keys) -> Keys:
+    def mapped_keys(self, request_keys: Keys) -> tuple[Keys, dict[int, Exception]]:
         """This route's key of each request key (its key function applied to a
-        descriptor whose other fields are 0), in range or not."""
+        descriptor whose other fields are 0), in range or not; and, by
+        position, the error of the key function for each request key it
+        raised on (an id it does not know): those map to -1, no key of this
+        route.  One call for all of them; one per key only if that raised."""
+        try:
+            return self._key_function_of(request_keys), {}
+        except Exception:
+            pass
+        keys = np.full(len(request_keys), -1, dtype=np.int64)
+        errors: dict[int, Exception] = {}
+        for index in range(len(request_keys)):
+            try:
+                keys[index] = self._key_function_of(request_keys[index : index + 1])[0]
+            except Exception as exc:
+                errors[index] = exc
+        return keys, errors
+
+    def _key_function_of(self, request_keys: Keys) -> Keys:
         assert self.key_function is not None
         descriptors = np.zeros(len(request_keys), dtype=DESCRIPTOR_DTYPE)
         descriptors["key"] = request_keys
         return np.asarray(self.key_function(descriptors), dtype=np.int64).reshape(-1)
 
     def _route_keys(self, request_keys: Keys) -> Keys:
-        keys = self.mapped_keys(request_keys)
+        keys, _ = self.mapped_keys(request_keys)
         return np.unique(keys[(keys >= 0) & (keys < self.key_range)])
 
     # -- key lifecycle (see keys.py) ---------------------------------------------

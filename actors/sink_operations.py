@@ -149,14 +149,15 @@ _DONE = {
 
 def _refuse_unheld(action: KeyAction, request: Any, routes: list[StatefulRoute]) -> None:
     """Raise :class:`KeyNotHeld` if stateful routes exist and some request key
-    maps outside every one's range (each route ignores keys outside its own:
-    another route may hold them; a key none holds is the caller's mistake).
+    maps outside every one's range, or to nothing (its key function raised for
+    it: an id it does not know); each route ignores keys outside its own:
+    another route may hold them; a key none holds is the caller's mistake.
     Without stateful routes a key control does nothing, as before."""
     if not routes or not len(request):
         return
-    mapped = [(route, route.mapped_keys(request)) for route in routes]
+    mapped = [(route, *route.mapped_keys(request)) for route in routes]
     held = np.zeros(len(request), dtype=bool)
-    for route, keys in mapped:
+    for route, keys, _ in mapped:
         if len(keys) != len(request):  # not one key per request key: cannot tell
             return
         held |= (keys >= 0) & (keys < route.key_range)
@@ -169,9 +170,11 @@ def _refuse_unheld(action: KeyAction, request: Any, routes: list[StatefulRoute])
     )
     first = int(bad[0])
     detail = "; ".join(
-        f"route {route.name!r} maps {int(request[first])} to {int(keys[first])}, "
+        f"route {route.name!r}'s key function raised {errors[first]!r} for {int(request[first])}"
+        if first in errors
+        else f"route {route.name!r} maps {int(request[first])} to {int(keys[first])}, "
         f"outside [0, {route.key_range})"
-        for route, keys in mapped
+        for route, keys, errors in mapped
     )
     raise KeyNotHeld(
         f"{action}: key(s) {shown} held by no stateful route: {detail}; nothing was {_DONE[action]}"
