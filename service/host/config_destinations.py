@@ -75,7 +75,9 @@ class DestinationConfig:
     spool_block_timeout: float | None = None
     writer: Literal["thread", "process"] = "thread"
     #: Seconds close() waits for the inserts in flight (``ClickHouseSink``'s
-    #: ``close_timeout``; the default writer only).
+    #: ``close_timeout``); with a writer process, its ``flush_timeout``: how
+    #: long a spool's flush waits for the writer's inserts before it takes
+    #: them over.
     close_timeout: float = 10.0
 
     def spool_directory(self, base: Path, name: str) -> Path:
@@ -326,13 +328,17 @@ def open_destination(
                     [f"{where}.path: cannot open chDB at {path}: in use by process {holder}"],
                 )
             if dest.writer == "process":
-                return WriterProcessSink.embedded(schema, path, **options)
+                return WriterProcessSink.embedded(
+                    schema, path, flush_timeout=dest.close_timeout, **options
+                )
             return ClickHouseSink.embedded(
                 schema, path, close_timeout=dest.close_timeout, **options
             )
         if dest.writer == "process":
             assert dest.url is not None
-            return WriterProcessSink.server(schema, dest.url, **options)
+            return WriterProcessSink.server(
+                schema, dest.url, flush_timeout=dest.close_timeout, **options
+            )
         options["close_timeout"] = dest.close_timeout
         if check_later:
             options["when_unreachable"] = "check_later"

@@ -308,6 +308,12 @@ class ClickHouseSink(OwnerInserts):
         """True between the start of :meth:`run` and :meth:`close`."""
         return self._nursery is not None and not self._stopped.is_set()
 
+    @property
+    def flush_timeout(self) -> float:
+        """How long an owner's flush waits for inserts in flight before it
+        takes their blocks over (``FlushesWithin``): :attr:`close_timeout`."""
+        return self.close_timeout
+
     async def _linger_timer(self) -> None:
         while True:
             due = min((b.first_at for b in self._buffers.values()), default=math.inf)

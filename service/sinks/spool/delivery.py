@@ -103,9 +103,11 @@ class HandsOverFailures(Protocol):
 @runtime_checkable
 class FlushesWithin(Protocol):
     """An inner sink whose flush can stop waiting for its inserts in flight
-    after ``within`` seconds, handing their blocks over (the ClickHouse sink)."""
+    after ``within`` seconds, handing their blocks over (the ClickHouse sink:
+    its ``close_timeout``; the writer process sink)."""
 
-    close_timeout: float
+    @property
+    def flush_timeout(self) -> float: ...
 
     async def flush(self, *, within: float | None = None) -> None: ...
 

@@ -264,9 +264,9 @@ class SpoolingSink:
         passed = self._in_inner if self._batched is None else 0
         if self._batched is not None and isinstance(self.inner, FlushesWithin):
             # Inserts in flight are handed to the spool (same token) rather
-            # than waited for past close_timeout; at once while unreachable.
+            # than waited for past flush_timeout (close_timeout); at once while unreachable.
             healthy = self._tracker.health.healthy
-            await self.inner.flush(within=self.inner.close_timeout if healthy else 0.0)
+            await self.inner.flush(within=self.inner.flush_timeout if healthy else 0.0)
         else:
             await self.inner.flush()
         if self._batched is None:  # another sink: its flush is its delivery

@@ -77,6 +77,10 @@ class WriterConversation(HandsOverToOwner):
     _buffer: Block
     _buffer_started_at: float
     _pending_bytes: int
+    #: Buffers of blocks handed to the owner while the writer still had them
+    #: (a flush stopped waiting): kept until the writer answers for the
+    #: block or dies, since it may still read them from shared memory.
+    _abandoned: dict[int, list[object]]
 
     def _queue(self, item: Block | PendingQuery) -> None:
         if isinstance(item, Block):
@@ -111,6 +115,7 @@ class WriterConversation(HandsOverToOwner):
         self.counters.crashes += 1
         self._crashes_in_a_row += 1
         self._health = WriterHealth(False, time.time(), reason)
+        self._release_abandoned()
         for query in list(self._queries.values()):
             self._answer(query, Answer(query.id, None, WriterCrashed(reason)))
         for block in list(self._blocks.values()):  # insert_now's are the spool's to retry
@@ -215,6 +220,7 @@ class WriterConversation(HandsOverToOwner):
             return
         if not isinstance(message, (Done, Failed)):
             return
+        self._release_abandoned(message.block)
         block = self._blocks.get(message.block)
         if block is None or block.state != SENT:
             return
@@ -254,6 +260,39 @@ class WriterConversation(HandsOverToOwner):
             )
             self.counters.abandoned_rows += block.rows
             self._finish(block, error)
+
+    def _own_blocks(self) -> bool:
+        """True while a block of this sink's batched path is unfinished
+        (``insert_now``'s are their callers' to wait for)."""
+        return any(block.waiter is None for block in self._blocks.values())
+
+    def _stop_waiting(self, waited: float) -> None:
+        """A flush waited ``waited`` seconds for a writer that did not answer
+        (hung in an insert, stopped): hand every unfinished block of the
+        batched path to the owner under the token it was tried with, as
+        after a death.  A block the writer was sent keeps its buffers until
+        the writer answers for it or dies: it may still read them."""
+        for block in list(self._blocks.values()):
+            if block.waiter is not None or block.state not in (QUEUED, SENT, WAITING):
+                continue
+            if block.state == SENT:
+                self._abandoned[block.id] = block.holds
+                block.holds = []
+            error = WriterInsertFailed(
+                f"no answer within {waited:g} s (flush_timeout): stopped waiting for the "
+                f"insert of {block.rows} rows into {self.config.where} by the writer process; "
+                "handed to the spool, to be repeated under the same deduplication token",
+                transient=True,
+            )
+            self._hand_over_later(block, error)
+
+    def _release_abandoned(self, block_id: int | None = None) -> None:
+        """Give back the buffers of abandoned block ``block_id`` (None: all):
+        the writer answered for it, or is gone."""
+        ids = list(self._abandoned) if block_id is None else [block_id]
+        for abandoned in ids:
+            for hold in self._abandoned.pop(abandoned, ()):
+                hold.release()  # type: ignore[attr-defined]
 
     def _hand_over_later(self, block: Block, error: BaseException) -> None:
         block.state = HANDING
@@ -299,6 +338,7 @@ class WriterConversation(HandsOverToOwner):
         """The writer is gone for good: every unfinished block is done.  The
         sink's own blocks are given up (counted); ``insert_now``'s get
         ``error`` (their caller, a spool, still holds their batches)."""
+        self._release_abandoned()
         for block in list(self._blocks.values()):
             if block.waiter is None:
                 self.counters.abandoned_rows += block.rows

@@ -99,6 +99,7 @@ class WriterProcessSink(WriterConversation):
         restarts: int = 3,
         pool: SharedBufferPool | None = None,
         start_timeout: float = 120.0,
+        flush_timeout: float = 10.0,
     ) -> None:
         if restarts < 0:
             raise ConfigError(f"WriterProcessSink restarts must be >= 0, got {restarts}")
@@ -109,6 +110,16 @@ class WriterProcessSink(WriterConversation):
         self.retry = retry or Retry()
         self.restarts = restarts
         self.start_timeout = start_timeout
+        if not (
+            isinstance(flush_timeout, (int, float))
+            and not isinstance(flush_timeout, bool)
+            and 0 <= flush_timeout < math.inf
+        ):
+            raise ConfigError(f"flush_timeout must be seconds >= 0, got {flush_timeout!r}")
+        #: Seconds an owner's flush (a spool's) waits for the writer's inserts
+        #: before it takes their blocks over (``flush(within=)``).  Not a bound
+        #: on :meth:`close` (a hung writer is killed at the shutdown's grace).
+        self.flush_timeout = float(flush_timeout)
         self._raw_ids = self._raw_layouts(config)
         #: The tables written (checked, or created, by the writer).
         self.tables: tuple[str, ...] = tuple(
@@ -143,6 +154,7 @@ class WriterProcessSink(WriterConversation):
         self._unsent: deque[Block | PendingQuery] = deque()
         self._queries: dict[int, PendingQuery] = {}
         self._pending_bytes = 0
+        self._abandoned: dict[int, list[object]] = {}
         self._crashes_in_a_row = 0
         self._wake_sender = trio.lowlevel.ParkingLot()
         self._space = trio.lowlevel.ParkingLot()
@@ -324,12 +336,27 @@ class WriterProcessSink(WriterConversation):
         self._blocks[block_id] = buffer
         self._queue(buffer)
 
-    async def flush(self) -> None:
-        """Send everything buffered; return once the writer has persisted it all, or raise."""
+    async def flush(self, *, within: float | None = None) -> None:
+        """Send everything buffered; return once the writer has persisted it all, or raise.
+
+        ``within`` (seconds; only where an owner takes failed blocks over, see
+        :meth:`hand_over_failures`) bounds the wait for the writer: blocks of
+        the batched path it has not persisted then (a writer hung in an
+        insert, or stopped) are handed to the owner under their tokens, as
+        after a death, and the flush returns once the owner has them."""
         self._check_open()
         self._seal()
-        while self._blocks:
-            await self._idle.park()
+        if within is not None and self._failed_blocks is not None:
+            with trio.move_on_after(within):
+                while self._own_blocks():
+                    await self._idle.park()
+            if self._own_blocks():
+                self._stop_waiting(within)
+            while self._own_blocks():
+                await self._idle.park()
+        else:
+            while self._blocks:
+                await self._idle.park()
         self._latch.raise_if_failed()
 
     async def close(self) -> None:
