@@ -133,9 +133,7 @@ def test_a_hung_writer_costs_the_model_nothing_and_a_runtime_flush_returns(tmp_p
         os.kill(pid, signal.SIGCONT)
         pid = None
         forward()
-        runtime.flush()
-        # The spool drains on the runtime's loop: wait there until it has.
-        trio.from_thread.run(sink.wait_delivered, trio_token=writer._trio_token)
+        runtime.flush(timeout=GUARD_S, wait=True)  # and the spool has drained
         assert runtime.counters().destinations["ch"].healthy is True
     finally:
         if pid is not None:
