@@ -413,6 +413,7 @@ class ClickHouseSink(OwnerInserts):
                 counters.abandoned_rows += buffer.rows
                 self._latch.latch(exc, destination=f"clickhouse table {table!r}", where="close")
             else:
+                counters.abandoned_rows += buffer.rows  # taken, and lost: given up
                 self._latch.latch(
                     exc,
                     destination=f"clickhouse table {table!r}",
@@ -602,7 +603,9 @@ class ClickHouseSink(OwnerInserts):
         finally:
             self._closing = True
             self._stopped.set()
-            self._drop_buffers(given_up=False)  # rows are only left after a failure
+            # Rows are only left after a failure (the flush raised it before
+            # sealing them): taken and never inserted, so given up, counted.
+            self._drop_buffers(given_up=True)
             # Closed now, or by the last call abandoned (an insert close
             # stopped waiting for, an owner's insert_now or check_tables)
             # once it returns.  Also when close was cancelled (it never
