@@ -48,7 +48,17 @@ class WriterHealth:
     reason: str | None
 
 
-QUEUED, SENT, WAITING, HANDING, DONE = "queued", "sent", "waiting", "handing", "done"
+#: A block is HELD from its seal until its turn in the sink's start order
+#: (:class:`~taproute.service.sinks.clickhouse.blocks.TableOrder`), then
+#: QUEUED for the sender, SENT, WAITING for a retry, HANDING to an owner, DONE.
+HELD, QUEUED, SENT, WAITING, HANDING, DONE = (
+    "held",
+    "queued",
+    "sent",
+    "waiting",
+    "handing",
+    "done",
+)
 
 
 class Block:
@@ -59,6 +69,7 @@ class Block:
         "failures",
         "holds",
         "id",
+        "index",
         "items",
         "nbytes",
         "rows",
@@ -79,6 +90,9 @@ class Block:
         self.nbytes = 0
         self.failures = 0
         self.state = QUEUED
+        #: The sink's own blocks: their place in its start order, counted from
+        #: 0 as sealed (None: insert_now's, which the owner orders).
+        self.index: int | None = None
         #: insert_now's: where the outcome goes (no retry here), else None.
         self.waiter: list[BaseException | None] | None = None
 

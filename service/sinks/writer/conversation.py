@@ -21,10 +21,12 @@ import trio
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.service.sinks.clickhouse.batching import Retry
+from taproute.service.sinks.clickhouse.blocks import TableOrder
 from taproute.service.sinks.clickhouse.handover import HandsOverToOwner
 from taproute.service.sinks.writer.blocks import (
     DONE,
     HANDING,
+    HELD,
     QUEUED,
     SENT,
     WAITING,
@@ -66,6 +68,7 @@ class WriterConversation(HandsOverToOwner):
     _health: WriterHealth
     _latch: FailureLatch
     _blocks: dict[int, Block]
+    _order: TableOrder
     _unsent: deque[Block | PendingQuery]
     _queries: dict[int, PendingQuery]
     _crashes_in_a_row: int
@@ -87,6 +90,14 @@ class WriterConversation(HandsOverToOwner):
             item.state = QUEUED
         self._unsent.append(item)
         self._wake_sender.unpark_all()
+
+    async def _send_in_turn(self, block: Block) -> None:
+        """Queue sealed ``block`` for the writer in its turn (see ``_order``);
+        nothing if it was settled meanwhile (given up, handed over)."""
+        assert block.index is not None
+        await self._order.wait_turn(block.index)
+        if block.state == HELD:
+            self._queue(block)
 
     async def _supervise(self) -> None:
         """Serve the writer process; when it dies, restart it or latch."""
@@ -325,6 +336,8 @@ class WriterConversation(HandsOverToOwner):
             return
         block.state = DONE
         del self._blocks[block.id]
+        if block.index is not None:
+            self._order.done(block.index)
         self.counters.in_flight_rows -= block.rows
         self._pending_bytes -= block.nbytes
         for hold in block.holds:

@@ -13,6 +13,12 @@ pool=sink.buffer_pool)``); a batch whose payload lies elsewhere is copied
 once into the pool (counted as ``copied_bytes``).  A block's buffers go back
 to the producer when the writer says it is persisted.
 
+Sealed blocks go to the writer in order (``TableOrder``, as in-process:
+block ``i`` once every block before ``i - inserts_in_flight + 1`` is done),
+so a block's repeat (a retry, a re-send after the writer died) lands behind
+at most ``2 x inserts_in_flight - 1`` inserts, what the writer checked each
+table's deduplication window holds.
+
 Failure: an insert error the writer reports as transient is retried with the
 same token (``Retry``); another, or the retry budget spent, latches the
 failure (raised by the next ``submit``/``flush``/``close``), like the
@@ -48,7 +54,9 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.schema import RecordSchema
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
+from taproute.service.sinks.clickhouse.blocks import TableOrder
 from taproute.service.sinks.writer.blocks import (
+    HELD,
     Block,
     PendingQuery,
     WriterCounters,
@@ -151,6 +159,13 @@ class WriterProcessSink(WriterConversation):
         self._buffer = Block(0, "")
         self._buffer_started_at = math.inf
         self._blocks: dict[int, Block] = {}
+        #: The order sealed blocks go to the writer in (each inserts at most
+        #: once into each table, so one order for them all bounds every
+        #: table's): block i once every block before i - inserts_in_flight + 1
+        #: is done, so at most 2 x inserts_in_flight - 1 inserts land between
+        #: a block's first try and its repeat (a retry, or a re-send after
+        #: the writer died), what the writer checked each window holds.
+        self._order = TableOrder(config.inserts_in_flight)
         self._unsent: deque[Block | PendingQuery] = deque()
         self._queries: dict[int, PendingQuery] = {}
         self._pending_bytes = 0
@@ -334,7 +349,9 @@ class WriterProcessSink(WriterConversation):
         self.counters.buffered_rows -= buffer.rows
         self.counters.in_flight_rows += buffer.rows
         self._blocks[block_id] = buffer
-        self._queue(buffer)
+        buffer.index, buffer.state = self._order.seal(), HELD
+        assert self._nursery is not None
+        self._nursery.start_soon(self._send_in_turn, buffer)
 
     async def flush(self, *, within: float | None = None) -> None:
         """Send everything buffered; return once the writer has persisted it all, or raise.
