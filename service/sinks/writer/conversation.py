@@ -284,7 +284,9 @@ class WriterConversation(HandsOverToOwner):
         after a death.  A block the writer was sent keeps its buffers until
         the writer answers for it or dies: it may still read them."""
         for block in list(self._blocks.values()):
-            if block.waiter is not None or block.state not in (QUEUED, SENT, WAITING):
+            # HELD too: a block waiting for its turn behind a block the
+            # writer does not answer for would wait with it.
+            if block.waiter is not None or block.state not in (HELD, QUEUED, SENT, WAITING):
                 continue
             if block.state == SENT:
                 self._abandoned[block.id] = block.holds
