@@ -34,7 +34,11 @@ def test_every_counters_class_declares_counts_apart_from_live_state():
         "spool_segments",
         "spool_oldest_age_seconds",
     }
-    assert {d.field for d in declared(IngressCounters, "live")} == {"queued", "blocked_producers"}
+    assert {d.field for d in declared(IngressCounters, "live")} == {
+        "queued",
+        "queued_key_controls",
+        "blocked_producers",
+    }
     names = [
         d.metric
         for cls in (RouteCounters, DestinationCounters, IngressCounters)

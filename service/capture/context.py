@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from taproute.routing.errors import KeyNotHeld
+from taproute.routing.errors import IngressFull, KeyNotHeld
 from taproute.service.capture.errors import CaptureError, ContextMismatch
 
 if TYPE_CHECKING:
@@ -252,7 +252,10 @@ def capture_context(
     the runtime refuses (:class:`KeyNotHeld`: no stateful route holds it) is
     counted by the runtime (``ingress.refused_key_controls``), a control it
     cannot take any more (closed, failed, its loop gone, not started) too
-    (``ingress.failed_key_controls``), and the first of each per runtime,
+    (``ingress.failed_key_controls``), and so is one that found ingress full
+    past the runtime's ``max_block`` (``ingress.shed_key_controls``: the
+    keys stay open) or full under ``when_full="reject"``
+    (``ingress.rejected_key_controls``); the first of each per runtime,
     action and kind is logged (logger ``taproute.capture``).  A block that
     exited by an exception re-raises that exception, whatever its cancel met.
     """
@@ -297,7 +300,10 @@ def _end_keys(end_keys: EndsKeys, action: str, keys: tuple[int, ...]) -> None:
     counted by the runtime) is logged, and so is an error the call raises at
     once (a runtime not started, another ``end_keys`` failing)."""
     try:
-        outcome = getattr(end_keys, action)(*keys)
+        # A runtime bounds the wait for ingress room by its max_block (and
+        # counts a control shed past it); another end_keys is called plainly.
+        bounded = getattr(end_keys, "end_capture_keys", None)
+        outcome = bounded(action, keys) if callable(bounded) else getattr(end_keys, action)(*keys)
     except Exception as exc:  # the request's forward pass is done: not its error
         _report(end_keys, action, keys, exc)
         return
@@ -321,7 +327,8 @@ def _report(end_keys: object, action: str, keys: tuple[int, ...], error: BaseExc
     action and kind (a key no route holds, or a control the runtime could not
     take); later ones are the runtime's counters'.  Never raises."""
     refused = isinstance(error, KeyNotHeld)
-    kind = f"{action}:{'refused' if refused else 'failed'}"
+    full = isinstance(error, IngressFull)
+    kind = f"{action}:{'refused' if refused else 'full' if full else 'failed'}"
     with _LOGGED_LOCK:
         try:
             logged = _LOGGED.setdefault(end_keys, set())
@@ -335,6 +342,17 @@ def _report(end_keys: object, action: str, keys: tuple[int, ...], error: BaseExc
             "capture_context: %s of keys %s at the end of the block was refused: %s "
             "(counted in ingress.refused_key_controls; later refusals of %s by this runtime "
             "are counted, not logged)",
+            action,
+            keys,
+            error,
+            action,
+        )
+    elif isinstance(error, IngressFull):
+        _log.warning(
+            "capture_context: %s of keys %s at the end of the block was not queued: %s "
+            "(the keys stay open; counted in ingress.shed_key_controls past max_block, "
+            "ingress.rejected_key_controls under when_full='reject'; later ones of %s by "
+            "this runtime are counted, not logged)",
             action,
             keys,
             error,

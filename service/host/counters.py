@@ -27,8 +27,12 @@ class IngressCounters:
     caller's future raised :class:`KeyNotHeld`, or nobody looked, as
     ``capture_context(end_keys=...)`` does not); key controls the runtime
     could not take any more (``failed_key_controls``: closed, failed, its
-    loop gone, or not started); what capture hooks
-    dropped or skipped, by hook and reason.  Live: records queued now and producers blocked now."""
+    loop gone, or not started); key controls refused because ingress was
+    full (``rejected_key_controls``, ``when_full="reject"``) or shed at the
+    end of a capture block past ``max_block`` (``shed_key_controls``): their
+    keys stay open; what capture hooks
+    dropped or skipped, by hook and reason.  Live: records and key controls
+    queued now, producers blocked now."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
     batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
@@ -67,6 +71,20 @@ class IngressCounters:
         "taproute_ingress_failed_key_controls",
         "Key controls (complete, cancel, reopen) refused because the runtime was closed, "
         "failed, its loop gone, or not started.",
+    )
+    rejected_key_controls: int = count(
+        "taproute_ingress_rejected_key_controls",
+        "Key controls (complete, cancel, reopen) refused because ingress was full "
+        "(when_full='reject'): their keys stay open.",
+    )
+    shed_key_controls: int = count(
+        "taproute_ingress_shed_key_controls",
+        "Key controls ending a capture_context block shed when ingress stayed full past "
+        "max_block: their keys stay open.",
+    )
+    queued_key_controls: int = live(
+        "taproute_ingress_queued_key_controls",
+        "Key controls accepted and not yet run (each takes one record's ingress room).",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

@@ -19,6 +19,10 @@ Ingress half full, a producer about to block, a plain ``submit_batch``, a
 flush or a close wake it at once.  Capacity is counted in records and bytes
 until the record worker has handed a batch on, so a blocked record worker
 fills ingress, and full ingress blocks (or refuses) the producer.
+A key control (complete, cancel, reopen) takes one record's room until the
+record worker ran it, and waits for room (or is refused, or shed past a
+capture block's ``max_block``) as a record does: a producer ending keys in a
+loop against a stalled router cannot grow ingress without bound.
 """
 
 from __future__ import annotations
@@ -127,6 +131,9 @@ class Ingress:
         self._in_bytes = 0
         self._out_records = 0
         self._out_bytes = 0
+        # Key controls accepted (producers) and run (the record worker).
+        self._in_controls = 0
+        self._out_controls = 0
         self._pending_rows: list[tuple[int, ...]] = []
         self._pending_payloads: list[bytes] = []
         self._wake: Callable[[], None] | None = None
@@ -188,12 +195,18 @@ class Ingress:
         """True while anything is queued (what the record worker's poll takes)."""
         return bool(self._queue) or bool(self._pending_rows)
 
-    def _fits(self, records: int, nbytes: int) -> bool:
-        queued = self._in_records - self._out_records
+    @property
+    def queued_key_controls(self) -> int:
+        """Key controls accepted and not yet run by the record worker."""
+        return self._in_controls - self._out_controls
+
+    def _fits(self, records: int, nbytes: int, controls: int = 0) -> bool:
+        # A queued key control takes one record's room (and no bytes).
+        queued = self._in_records - self._out_records + self._in_controls - self._out_controls
         if queued <= 0:
             return True  # an oversize batch still goes, alone
         return (
-            queued + records <= self.capacity_records
+            queued + records + controls <= self.capacity_records
             and self._in_bytes - self._out_bytes + nbytes <= self.capacity_bytes
         )
 
@@ -203,13 +216,15 @@ class Ingress:
         nbytes: int,
         timeout: float | None = None,
         offer: PendingOffer | None = None,
+        controls: int = 0,
     ) -> bool:
         """With the lock held: block (or refuse) until the item fits.
 
         With ``timeout`` (seconds), gives up after that long and returns False;
-        with ``offer``, returns False once it is withdrawn.
+        with ``offer``, returns False once it is withdrawn.  ``controls``: key
+        controls (one record's room each, never refused here) besides records.
         """
-        if self._fits(records, nbytes):
+        if self._fits(records, nbytes, controls):
             return True
         if self.when_full == "reject":
             self.counters.rejected += records
@@ -228,7 +243,7 @@ class Ingress:
         # after giving room back, to know whether to wake anyone (see done()).
         self.counters.blocked_producers += 1
         try:
-            while not self._fits(records, nbytes):
+            while not self._fits(records, nbytes, controls):
                 self._check_open()
                 if offer is not None and offer.withdrawn:
                     return False
@@ -318,7 +333,7 @@ class Ingress:
         with self._lock:
             if self._failed is not None or self._closed:
                 self._check_open()
-            queued = self._in_records - self._out_records
+            queued = self._in_records - self._out_records + self._in_controls - self._out_controls
             if queued > 0 and (
                 queued + records > self.capacity_records
                 or self._in_bytes - self._out_bytes + nbytes > self.capacity_bytes
@@ -378,12 +393,27 @@ class Ingress:
             self._schedule_wake()
 
     def put_control(
-        self, kind: ControlKind, keys: tuple[int, ...] = (), payload: object = None
+        self,
+        kind: ControlKind,
+        keys: tuple[int, ...] = (),
+        payload: object = None,
+        *,
+        bounded: bool = False,
+        max_block: float | None = None,
     ) -> Future[Any]:
         """Queue a flush, close or key-lifecycle control after everything queued so far.
 
         A flush (or key control) after a failure or close fails at once; a
         second close is a no-op; a close after a failure still stops the loop.
+
+        A key control takes one record's room until the record worker ran it:
+        while ingress is full it waits for room (``when_full="block"``), or its
+        future fails with :class:`IngressFull` at once, counted
+        (``rejected_key_controls``, ``"reject"``).  ``bounded`` (a capture
+        block's end): it waits at most ``max_block`` seconds (None: no bound),
+        and not at all while a bounded wait already ran out and nothing moved
+        since; past it the control is shed, counted (``shed_key_controls``),
+        and its future fails with :class:`IngressFull`: the keys stay open.
         """
         control = Control(kind, keys, payload)
         with self._lock:
@@ -404,10 +434,56 @@ class Ingress:
                 # Close goes through even after a failure: the loop must still stop.
                 self._closed = True
                 self._space.notify_all()
+            if isinstance(kind, KeyAction) and not self._room_for_control(
+                control, bounded, max_block
+            ):
+                return control.future
             self._seal_pending()
             self._queue.append(control)
             self._schedule_wake()
         return control.future
+
+    def _room_for_control(self, control: Control, bounded: bool, max_block: float | None) -> bool:
+        """With the lock held: wait for one record's room for key ``control``
+        as the policy says; True once it fits (counted queued), False (its
+        future failed, counted) when refused, shed, or the runtime closed or
+        failed while it waited."""
+        if not self._fits(0, 0, 1):
+            if self.when_full == "reject":
+                self.counters.rejected_key_controls += 1
+                control.future.set_exception(
+                    IngressFull(
+                        f"ingress full ({self.queued_records}/{self.capacity_records} records "
+                        f"and {self.queued_key_controls} key control(s) queued); "
+                        f"{control.kind} of key(s) {_keys(control.keys)} refused: they stay open"
+                    )
+                )
+                return False
+            timeout = max_block if bounded else None
+            if timeout is None:
+                self.refuse_on_loop(f"{control.kind}() that must wait for ingress room")
+            shed = timeout is not None and self._stalled
+            if not shed:
+                try:
+                    shed = not self._wait_for_space(0, 0, timeout, controls=1)
+                    if not shed:
+                        self._check_open()
+                except Exception as exc:  # closed or failed while it waited
+                    self.counters.failed_key_controls += 1
+                    control.future.set_exception(exc)
+                    return False
+            if shed:
+                self._stalled = True
+                self.counters.shed_key_controls += 1
+                control.future.set_exception(
+                    IngressFull(
+                        f"{control.kind}: ingress full for longer than max_block ({timeout} s); "
+                        f"key(s) {_keys(control.keys)} not ended (shed): they stay open"
+                    )
+                )
+                return False
+        self._in_controls += 1
+        return True
 
     def _seal_pending(self) -> None:
         """With the lock held: turn coalesced single records into one batch."""
@@ -450,10 +526,12 @@ class Ingress:
             return False
         return True
 
-    def done(self, records: int, nbytes: int) -> None:
-        """The record worker handed batches on: free their ingress capacity."""
+    def done(self, records: int, nbytes: int, controls: int = 0) -> None:
+        """The record worker handed batches on (and ran ``controls`` key
+        controls): free their ingress capacity."""
         self._out_records += records
         self._out_bytes += nbytes
+        self._out_controls += controls
         self._stalled = False  # ingress moves again: a bounded offer may wait
         # A producer counts itself blocked before its last look at the room,
         # so one that missed this room is seen here.
@@ -513,6 +591,13 @@ class Ingress:
             return attrs.evolve(
                 counters,
                 queued=self._in_records - self._out_records,
+                queued_key_controls=self._in_controls - self._out_controls,
                 dropped={hook: dict(r) for hook, r in counters.dropped.items()},
                 skipped={hook: dict(r) for hook, r in counters.skipped.items()},
             )
+
+
+def _keys(keys: tuple[int, ...]) -> str:
+    """Keys for a message (the first few of many)."""
+    shown = ", ".join(map(str, keys[:8]))
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")

@@ -41,6 +41,8 @@ class SinkControls:
     _thread: threading.Thread | None
     _keys: dict[KeyAction, Callable[..., Awaitable[None]]] | None
     _reloads: Reloads | None
+    #: How long a capture hook (or a capture block's key control) waits for room.
+    max_block: float | None
     #: The record sink call the record worker is in (for a shutdown's report).
     _sink_call: str | None
     #: A close reached the record sink (its close lets go of its transport).
@@ -142,8 +144,15 @@ class SinkControls:
 
     def complete(self, *keys: int) -> Future[None]:
         """Complete ``keys`` after every record of theirs submitted before (see
-        :meth:`RoutingSink.complete`).  Never waits: returns a future done once
-        the completion is queued in order; :meth:`flush` waits for its rows."""
+        :meth:`RoutingSink.complete`).  Returns a future done once the
+        completion ran in order; :meth:`flush` waits for its rows.
+
+        A key control takes one record's ingress room until it ran, so memory
+        stays bounded: while ingress is full it waits for room, as ``submit``
+        does (``when_full="block"``, from any thread but the loop's), or its
+        future fails at once with :class:`IngressFull`, counted
+        (``ingress.rejected_key_controls``; ``"reject"``), and the keys stay
+        open.  The same for :meth:`cancel` and :meth:`reopen`."""
         return self._key_control(KeyAction.COMPLETE, keys)
 
     def cancel(self, *keys: int) -> Future[None]:
@@ -160,7 +169,19 @@ class SinkControls:
         (its record sink keeps keys: a routing sink does)."""
         return self._keys is not None
 
-    def _key_control(self, kind: KeyAction, keys: tuple[int, ...]) -> Future[None]:
+    def end_capture_keys(self, action: str, keys: tuple[int, ...]) -> Future[None]:
+        """``complete`` or ``cancel`` of ``keys`` at the end of a
+        ``capture_context(end_keys=...)`` block: waits for ingress room no
+        longer than ``max_block``, as a capture hook does (and not at all while
+        an earlier bounded wait ran out and nothing moved since).  Past it the
+        control is shed: counted (``ingress.shed_key_controls``), its future
+        fails with :class:`IngressFull`, and the keys stay open."""
+        kind = {"complete": KeyAction.COMPLETE, "cancel": KeyAction.CANCEL}[action]
+        return self._key_control(kind, keys, bounded=True)
+
+    def _key_control(
+        self, kind: KeyAction, keys: tuple[int, ...], *, bounded: bool = False
+    ) -> Future[None]:
         if self._keys is None:
             raise TypeError(
                 f"{kind}: the record sink {type(self.record_sink).__name__} keeps no keys "
@@ -170,7 +191,7 @@ class SinkControls:
         if self._thread is None:
             self._ingress.count_failed_key_control()  # seen even if the raise is not
             raise SinkClosed("runtime not started")
-        return self._ingress.put_control(kind, checked)
+        return self._ingress.put_control(kind, checked, bounded=bounded, max_block=self.max_block)
 
     # -- configuration generations -------------------------------------------
 
