@@ -13,6 +13,7 @@ crash repeats the same tries and the deduplication window drops the repeats.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -197,6 +198,26 @@ class Delivery:
         self.tracker.failed(error, reason)
         self.counters.retries += 1
 
+    def spool_failed(self, error: OSError, what: str) -> None:
+        """The spool's disk refused ``what`` with an error other than no room
+        (``EROFS``, ``EIO``, ``EACCES``): the destination is reported unhealthy,
+        naming the error and the spool's directory, until a spool write
+        succeeds; the caller sheds (counted) or waits, never raises."""
+        assert self.spool is not None
+        code = errno.errorcode.get(error.errno or 0, str(error.errno))
+        reason = (
+            f"spool {self.spool.config.directory} failed ({code}: {error.strerror or error}) {what}"
+        )
+        if self.tracker.spool_failed(reason):
+            _log.error("destination %r: %s: %s", self.name, reason, error)
+
+    def spool_recovered(self) -> None:
+        if self.tracker.spool_recovered():
+            assert self.spool is not None
+            _log.warning(
+                "destination %r: spool %s writes again", self.name, self.spool.config.directory
+            )
+
     async def settle(
         self, batches: Sequence[Batch], token: str, error: BaseException | None = None
     ) -> int:
@@ -296,10 +317,14 @@ class Delivery:
         meanwhile replays the group under its token)."""
         while True:
             try:
-                return await action()
+                done = await action()
             except OSError as exc:
                 if exc.errno not in NO_ROOM:
-                    raise
+                    # The disk failed: the frames stay held (not acknowledged),
+                    # tried again until it recovers; the router goes on.
+                    self.spool_failed(exc, "recording the drain's progress")
+                    await trio.sleep(NO_ROOM_WAIT)
+                    continue
                 _log.warning(
                     "destination %r: spool cannot record its progress (%s); again in %g s",
                     self.name,
@@ -307,6 +332,9 @@ class Delivery:
                     NO_ROOM_WAIT,
                 )
                 await trio.sleep(NO_ROOM_WAIT)
+            else:
+                self.spool_recovered()
+                return done
 
 
 __all__ = [

@@ -68,6 +68,9 @@ class HealthTracker:
         self._clock = clock
         self.backoff = backoff
         self.health = Health(True, clock(), None, 0)
+        #: Since when and why the spool's disk fails (an error other than no
+        #: room: read-only, I/O error, permission), until a spool write succeeds.
+        self.spool_failure: tuple[float, str] | None = None
 
     def failed(self, error: BaseException, reason: str | None = None) -> None:
         """A try failed transiently: unhealthy since the first such failure
@@ -77,6 +80,29 @@ class HealthTracker:
         if reason is None:
             reason = f"{type(error).__name__}: {error}"
         self.health = Health(False, since, reason, health.consecutive_failures + 1)
+
+    def spool_failed(self, reason: str) -> bool:
+        """The spool's disk refused a write (not for room): True when it is news."""
+        failure = self.spool_failure
+        self.spool_failure = (self._clock() if failure is None else failure[0], reason)
+        return failure is None
+
+    def spool_recovered(self) -> bool:
+        """A spool write succeeded: True when its disk had failed."""
+        failed, self.spool_failure = self.spool_failure is not None, None
+        return failed
+
+    @property
+    def reported(self) -> Health:
+        """:attr:`health` as reported: also unhealthy while the spool's disk fails
+        (the destination may still be reached: batches that need the spool are shed)."""
+        if self.spool_failure is None:
+            return self.health
+        since, reason = self.spool_failure
+        if not self.health.healthy:
+            since = min(since, self.health.since)
+            reason = f"{reason}; {self.health.reason}"
+        return Health(False, since, reason, self.health.consecutive_failures)
 
     def succeeded(self) -> None:
         if not self.health.healthy:

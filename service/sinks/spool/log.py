@@ -365,7 +365,11 @@ class SegmentLog:
     def _roll(self, seq: int) -> None:
         if self._active_fd is not None:
             os.fsync(self._active_fd)
-            os.close(self._active_fd)
+            # Forgotten before the next open, which may fail (EROFS, ENOSPC):
+            # a stale number was fsynced and closed again (EBADF, or another
+            # file's descriptor once reused).
+            fd, self._active_fd = self._active_fd, None
+            os.close(fd)
         self._active = self.directory / f"{seq:020d}{SUFFIX}"
         self._active_fd = os.open(self._active, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._active_size = 0

@@ -58,6 +58,7 @@ from taproute.routing.sink import (
     SpoolStatus,
 )
 from taproute.service.sinks.spool.delivery import (
+    NO_ROOM_WAIT,
     ChecksTablesLater,
     Delivery,
     FlushesWithin,
@@ -186,7 +187,8 @@ class SpoolingSink:
 
     @property
     def health(self) -> Health:
-        return self._tracker.health
+        """Reachability, and the spool's disk: unhealthy while either fails."""
+        return self._tracker.reported
 
     def use_blocking_budget(self, seconds: float) -> None:
         """Bound a ``block`` at the spool's quota by ``seconds`` (the runtime's
@@ -242,6 +244,16 @@ class SpoolingSink:
             await self.spool.append(batches, token)
         except SpoolFull:  # ``block`` ran out of time: shed, counted
             self.counters.shed_records += sum(len(b) for b in batches)
+        except OSError as exc:
+            # The disk refused the frame for another reason than room (a
+            # full disk is the quota policy's, in the spool): EROFS, EIO,
+            # EACCES.  This destination sheds (counted) and is unhealthy
+            # with the reason; raising latched the router's failure and
+            # stopped every destination.
+            self.counters.shed_records += sum(len(b) for b in batches)
+            self._delivery.spool_failed(exc, "appending: records shed")
+        else:
+            self._delivery.spool_recovered()
 
     async def _failed_block(self, batches: list[Batch], token: str, error: BaseException) -> None:
         """The inner sink's block failed: spool it under the token it was tried
@@ -349,10 +361,13 @@ class SpoolingSink:
 
     async def _drain_while_healthy(self) -> None:
         assert self.spool is not None
-        while self._tracker.health.healthy and len(self.spool):
+        # Not while its disk fails: no acknowledgement could be recorded (the
+        # drain's failure changes nothing in the spool: looked at every second).
+        while self._tracker.reported.healthy and len(self.spool):
             if self._latch.failure is not None:
                 return
-            await self.spool.wait_changed()
+            with trio.move_on_after(NO_ROOM_WAIT):
+                await self.spool.wait_changed()
 
     # -- observation -----------------------------------------------------------
     def insert_errors(self) -> int:
@@ -376,7 +391,7 @@ class SpoolingSink:
     def spool_status(self) -> SpoolStatus:
         """Health and holdings, for the destination's counters (``/status``, ``/metrics``)."""
         spool = self.spool.snapshot() if self.spool is not None else SpoolCounters()
-        health = self._tracker.health
+        health = self._tracker.reported
         return SpoolStatus(
             healthy=health.healthy,
             unhealthy_since=None if health.healthy else health.since,
