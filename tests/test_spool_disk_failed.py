@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,10 +34,24 @@ from taproute.service.sinks.spool.spooling import SpoolingSink
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0,
-    reason="needs root to remount the spool's directory read-only (CI runs as root)",
-)
+
+def _bind_mount_refused() -> str | None:
+    """Why this machine cannot make a read-only bind mount (None: it can):
+    not root, or root in a container without the right to mount."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root to remount the spool's directory read-only (CI runs as root)"
+    with tempfile.TemporaryDirectory() as probe:
+        tried = subprocess.run(
+            ["mount", "--bind", probe, probe], capture_output=True, text=True, check=False
+        )
+        if tried.returncode != 0:
+            return f"this machine refuses bind mounts: {tried.stderr.strip() or tried.returncode}"
+        subprocess.run(["umount", "-l", probe], check=True)
+    return None
+
+
+_REFUSED = _bind_mount_refused()
+pytestmark = pytest.mark.skipif(_REFUSED is not None, reason=_REFUSED or "")
 
 
 @contextlib.contextmanager
