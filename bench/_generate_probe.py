@@ -45,27 +45,12 @@ import torch
 
 import bench.inference_server as server
 import bench.server_capture as server_capture
+from bench.harness import NullSink
 from bench.inference_server import Capture, GenerateRequest, Models, ServerConfig
 
 PATTERNS = ("transformer.h.?", "transformer.h.?.attn.c_attn")
 BATCH = 16
 NEW_TOKENS = 16
-
-
-class NullSink:
-    """Counts records, reads nothing."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    async def submit(self, batch: Any) -> None:
-        self.records += len(batch)
-
-    async def flush(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 def waits(tid: int) -> int:

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 from harness import (
+    NullSink,
     arguments,
     comparison,
     fix_malloc,
@@ -76,22 +77,6 @@ ACTS = Layout("acts", [("values", "Array(Float32)")])
 SCHEMA = RecordSchema([ACTS])
 #: ``--pin apart``: the model thread's CPU; everything else gets the others.
 MODEL_CPU = 0
-
-
-class NullSink:
-    """Counts records, reads nothing (the capture path's floor)."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    async def submit(self, batch: Any) -> None:
-        self.records += len(batch)
-
-    async def flush(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 def gpt2(layers: int, hidden: int) -> tuple[torch.nn.Module, list[str], Callable[..., Any]]:
