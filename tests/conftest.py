@@ -11,6 +11,7 @@ from hypothesis import settings
 from taproute.actors import RoutingSink, open_routing_sink
 from taproute.native import make_descriptors
 from taproute.routing import HookRegistry, RecordBatch, Route, RoutingConfig
+from tests import chfacade
 from tests.clickhouse_backends import BACKENDS
 from tests.processors import SCHEMA
 
@@ -117,3 +118,15 @@ async def one_route_sink(
         on_failure=on_failure,
     ) as sink:
         yield sink
+
+
+@pytest.fixture
+def facade(tmp_path):
+    """A chfacade server (ClickHouse's HTTP interface over chDB) on 127.0.0.1
+    with its own data directory, SIGKILLed after the test (a stopped one
+    too); the test skips, saying why, where chfacade is not found."""
+    chfacade.require()
+    server = chfacade.Facade(tmp_path / "facade-data")
+    server.start()
+    yield server
+    server.kill()

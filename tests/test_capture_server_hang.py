@@ -18,7 +18,6 @@ import os
 import signal
 import urllib.request
 
-import pytest
 import torch
 
 from taproute.routing import RecordSchema, Route, RoutingConfig
@@ -34,23 +33,11 @@ from taproute.service import (
 from taproute.service.capture import bind_modules, capture_context
 from taproute.service.sinks.clickhouse import ServerTransport
 from taproute.service.sinks.spool.spooling import Backoff
-from tests import chfacade
 from tests.capture_models import ACTS, VOCAB, gpt2
 
 #: A hang guard, never a bound a slow machine could miss.
 GUARD_S = 120
 SCHEMA = RecordSchema([ACTS])
-
-
-@pytest.fixture
-def facade(tmp_path):
-    chfacade.require()
-    server = chfacade.Facade(tmp_path / "facade-data")
-    server.start()
-    yield server
-    if server.process is not None and server.process.poll() is None:
-        os.kill(server.process.pid, signal.SIGCONT)  # a kill reaches a stopped one too
-    server.kill()
 
 
 def get(url: str) -> str:

@@ -21,7 +21,6 @@ from taproute.routing import RoutingFailure
 from taproute.service import ClickHouseSink, Spool, SpoolConfig, SpoolingSink
 from taproute.service.sinks.clickhouse import InsertAbandoned
 from taproute.service.sinks.spool.spooling import Backoff
-from tests import chfacade
 from tests.clickhouse_backends import FaultyProxy
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
@@ -30,15 +29,6 @@ from tests.test_spool_close import spooled_records
 
 #: Far below the 300 s read timeout a silent server held close for.
 BOUND_S = 30.0
-
-
-@pytest.fixture
-def facade(tmp_path):
-    chfacade.require()
-    server = chfacade.Facade(tmp_path / "facade-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

@@ -18,17 +18,7 @@ import pytest
 from taproute.routing import Route, RoutingConfig, RoutingFailure
 from taproute.service import ClickHouseSink, RoutingSink, create_record_runtime
 from taproute.service.sinks.clickhouse import Batching, Retry, ServerTransport
-from tests import chfacade
 from tests.test_latched_accounting import RECORDS, SCHEMA, _submit
-
-
-@pytest.fixture
-def facade(tmp_path):
-    chfacade.require()
-    server = chfacade.Facade(tmp_path / "facade-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.mark.parametrize("block_batches", [1, 2])

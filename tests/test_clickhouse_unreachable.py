@@ -30,7 +30,6 @@ from taproute.service import (
 )
 from taproute.service.sinks.clickhouse import ServerTransport
 from taproute.service.sinks.spool.spooling import Backoff
-from tests import chfacade
 from tests.conftest import vec_batch
 from tests.processors import SCHEMA
 
@@ -83,15 +82,6 @@ def test_a_runtime_names_the_destination_whose_server_is_unreachable(refusing_po
     expected = f"destination 'ch': cannot reach ClickHouse server at {url} (to connect): "
     assert str(caught.value).startswith(expected)
     assert caught.value.where == "destinations.ch"
-
-
-@pytest.fixture
-def facade(tmp_path):
-    chfacade.require()
-    server = chfacade.Facade(tmp_path / "facade-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 def count(url: str) -> tuple[int, int]:
