@@ -6,6 +6,7 @@ persisted, a process's exit is awaited on its pidfd."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import select
@@ -23,7 +24,7 @@ import trio
 import trio.testing
 
 from taproute.native import make_descriptors
-from taproute.routing import Layout, RecordSchema
+from taproute.routing import Layout, RecordBatch, RecordSchema
 from taproute.routing.errors import ConfigError, RoutingFailure
 from taproute.service import create_record_runtime
 from taproute.service.capture import CaptureWarning, bind_modules, capture_context
@@ -553,28 +554,30 @@ def test_a_done_handled_before_the_send_returned_counts(tmp_path, monkeypatch):
         runtime.close()
 
 
+def step_batch(hook: int, step: int) -> RecordBatch:
+    """Four records of ``acts`` from ``hook``, keys 0-3, every value ``step``."""
+    descriptors = make_descriptors(
+        hook,
+        np.full(4, WIDTH * 4),
+        offsets=np.arange(4) * WIDTH * 4,
+        layout_ids=SCHEMA.layout_id("acts"),
+        keys=np.arange(4),
+        steps=step,
+    )
+    return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
+
+
 def _sink_of_step_batches(tmp_path, batching):
     """A writer sink with ``batching`` and hook ``h.0`` bound, and a maker of
     that hook's batches: 4 records of ``acts`` per step, every value the step."""
-    from taproute.routing import HookRegistry, RecordBatch
+    from taproute.routing import HookRegistry
 
     sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
     hooks = HookRegistry()
     hook = hooks.bind("h.0", layout="acts")
     sink.use_hooks(hooks)
 
-    def batch(step: int) -> RecordBatch:
-        descriptors = make_descriptors(
-            hook,
-            np.full(4, WIDTH * 4),
-            offsets=np.arange(4) * WIDTH * 4,
-            layout_ids=SCHEMA.layout_id("acts"),
-            keys=np.arange(4),
-            steps=step,
-        )
-        return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
-
-    return sink, batch
+    return sink, functools.partial(step_batch, hook)
 
 
 async def test_a_producer_waiting_for_room_gets_a_block_sent_not_the_linger(tmp_path):

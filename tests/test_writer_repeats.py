@@ -11,33 +11,16 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import trio
 import trio.testing
 
-from taproute.native import make_descriptors
-from taproute.routing import HookRegistry, Layout, RecordBatch, RecordSchema
+from taproute.routing import HookRegistry
 from taproute.service.sinks.clickhouse import Batching
 from taproute.service.sinks.writer import WriterProcessSink
 from taproute.service.sinks.writer.protocol import Done, Insert
+from tests.test_writer_process import SCHEMA, step_batch
 
-ACTS = Layout("acts", [("values", "Array(Float32)")])
-SCHEMA = RecordSchema([ACTS])
-WIDTH = 16
 BLOCKS = 6
-
-
-def _batch(hook: int, step: int) -> RecordBatch:
-    """Four records of ``acts``, every value ``step``."""
-    descriptors = make_descriptors(
-        hook,
-        np.full(4, WIDTH * 4),
-        offsets=np.arange(4) * WIDTH * 4,
-        layout_ids=SCHEMA.layout_id("acts"),
-        keys=np.arange(4),
-        steps=step,
-    )
-    return RecordBatch.from_buffer(descriptors, np.full(4 * WIDTH, step, dtype=np.float32))
 
 
 async def test_a_block_resent_after_its_lost_reply_and_a_writer_death_is_written_once(
@@ -92,7 +75,7 @@ async def test_a_block_resent_after_its_lost_reply_and_a_writer_death_is_written
         await nursery.start(sink.run)
         with trio.fail_after(120):
             for step in range(1, BLOCKS + 1):
-                await sink.submit(_batch(hook, step))  # a block each (max_rows)
+                await sink.submit(step_batch(hook, step))  # a block each (max_rows)
             while True:
                 await trio.testing.wait_all_tasks_blocked()
                 # Quiet, and every insert sent is answered but the lost one's:
