@@ -27,6 +27,29 @@ from libc.stdlib cimport malloc, free
 
 cnp.import_array()
 
+cdef extern from *:
+    """
+    /* max/min of two doubles as one instruction where SSE2 is there: GCC
+       compiles the plain ternary to a branch in some loops, and on random
+       logits a branch mispredicts on most tokens.  Same results as
+       (a > b ? a : b) and (a < b ? a : b), NaN and signed zeros included. */
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    static inline double taproute_larger(double a, double b) {
+        return _mm_cvtsd_f64(_mm_max_sd(_mm_set_sd(a), _mm_set_sd(b)));
+    }
+    static inline double taproute_smaller(double a, double b) {
+        return _mm_cvtsd_f64(_mm_min_sd(_mm_set_sd(a), _mm_set_sd(b)));
+    }
+    #else
+    static inline double taproute_larger(double a, double b) { return a > b ? a : b; }
+    static inline double taproute_smaller(double a, double b) { return a < b ? a : b; }
+    #endif
+    """
+    double _larger "taproute_larger"(double a, double b) noexcept nogil
+    double _smaller "taproute_smaller"(double a, double b) noexcept nogil
+
+
 #: router_stats takes tokens in blocks of about this many logits (128 KiB of float64).
 cdef Py_ssize_t _BLOCK_VALUES = 16384
 
@@ -36,14 +59,6 @@ cdef inline bint _before(double a, double b) noexcept nogil:
     if isnan(a):
         return False
     return isnan(b) or a > b
-
-
-cdef inline double _larger(double a, double b) noexcept nogil:
-    return a if a > b else b
-
-
-cdef inline double _smaller(double a, double b) noexcept nogil:
-    return a if a < b else b
 
 
 def router_stats(const floating[:, ::1] logits, const int64_t[::1] tokens, int top_k,
@@ -86,11 +101,17 @@ def router_stats(const floating[:, ::1] logits, const int64_t[::1] tokens, int t
     cdef double[:, ::1] shifted = shifted_a
     cdef double[:, ::1] ex = ex_a
     cdef uint8_t* taken = <uint8_t*>malloc(experts)
-    cdef double m, z, v, s, first, second, capacity, top
-    cdef bint nan, better
+    cdef double* top_val = <double*>malloc(top_k * sizeof(double))
+    cdef Py_ssize_t* top_idx = <Py_ssize_t*>malloc(top_k * sizeof(Py_ssize_t))
+    cdef Py_ssize_t held, p, i1, i2, gt1, gt2
+    cdef double m, z, inv, v, s, first, second, capacity, v1, v2
+    cdef bint nan
     cdef int64_t over
     cdef Py_ssize_t left = tokens[0] if n else 0
-    if taken == NULL:
+    if taken == NULL or top_val == NULL or top_idx == NULL:
+        free(taken)
+        free(top_val)
+        free(top_idx)
         raise MemoryError()
     r = 0
     for start in range(0, total, block):
@@ -118,39 +139,88 @@ def router_stats(const floating[:, ::1] logits, const int64_t[::1] tokens, int t
                 z = 0.0
                 for e in range(experts):
                     z += ex[j, e]
+                inv = 1.0 / z
                 s = 0.0
                 first = -INFINITY
                 second = -INFINITY
                 nan = 0
                 for e in range(experts):
-                    v = ex[j, e] / z
-                    prob[r, e] += v
+                    v = ex[j, e]
+                    prob[r, e] += v * inv
                     s += v * shifted[j, e]
                     nan |= v != v
-                    # Branch-free top two (duplicates count twice): random
+                    # Branch-free top two of the exponentials (duplicates
+                    # count twice; p = e / z keeps their order): random
                     # logits make an if-chain mispredict on most tokens.
                     second = _larger(second, _smaller(first, v))
                     first = _larger(first, v)
-                entropy[r] += log(z) - s
-                margin[r] += NAN if nan else first - second
-                for e in range(experts):
-                    taken[e] = 0
-                for rank in range(top_k):
-                    best = -1
-                    if nan:
+                entropy[r] += log(z) - s * inv
+                margin[r] += NAN if nan else (first - second) * inv
+                if nan:
+                    for e in range(experts):
+                        taken[e] = 0
+                    for rank in range(top_k):
+                        best = -1
                         for e in range(experts):
                             if not taken[e] and (best < 0 or _before(logits[i, e], logits[i, best])):
                                 best = e
-                    else:
-                        top = -INFINITY
-                        for e in range(experts):
-                            v = logits[i, e]
-                            better = (not taken[e]) & ((v > top) | (best < 0))
-                            top = v if better else top
-                            best = e if better else best
-                    taken[best] = 1
-                    counts[r, best] += 1
+                        taken[best] = 1
+                        counts[r, best] += 1
+                elif top_k == 1:
+                    # Branch-free argmax (the first largest wins).
+                    v1 = logits[i, 0]
+                    i1 = 0
+                    for e in range(1, experts):
+                        v = logits[i, e]
+                        gt1 = v > v1
+                        i1 = i1 + gt1 * (e - i1)
+                        v1 = _larger(v, v1)
+                    counts[r, i1] += 1
+                elif top_k == 2:
+                    # The top one or two in one branch-free pass (random
+                    # logits make a branch mispredict on most tokens); a
+                    # tie stays with the lower expert.
+                    v1 = logits[i, 0]
+                    i1 = 0
+                    v2 = -INFINITY
+                    i2 = -1
+                    for e in range(1, experts):
+                        v = logits[i, e]
+                        gt1 = v > v1
+                        gt2 = (v > v2) | (i2 < 0)
+                        # Index selects as arithmetic, values by max/min:
+                        # no branch for GCC to keep.
+                        t = i2 + gt2 * (e - i2)
+                        i2 = t + gt1 * (i1 - t)
+                        i1 = i1 + gt1 * (e - i1)
+                        v2 = _larger(v2, _smaller(v1, v))
+                        v1 = _larger(v, v1)
+                    counts[r, i1] += 1
+                    counts[r, i2] += 1
+                else:
+                    # One pass keeps the top_k logits in order (largest
+                    # first; a tie stays behind the lower expert).
+                    held = 0
+                    for e in range(experts):
+                        v = logits[i, e]
+                        if held == top_k:
+                            if not v > top_val[top_k - 1]:
+                                continue
+                            p = top_k - 1
+                        else:
+                            p = held
+                            held += 1
+                        while p > 0 and top_val[p - 1] < v:
+                            top_val[p] = top_val[p - 1]
+                            top_idx[p] = top_idx[p - 1]
+                            p -= 1
+                        top_val[p] = v
+                        top_idx[p] = e
+                    for rank in range(top_k):
+                        counts[r, top_idx[rank]] += 1
     free(taken)
+    free(top_val)
+    free(top_idx)
     with nogil:
         for r in range(n):
             capacity = floor(capacity_factor * tokens[r] * top_k / experts)

@@ -32,6 +32,9 @@ EXPERT_CONFIGS = {
     "top_k = experts": experts.ExpertConfig(
         experts=3, top_k=3, window=4, capacity_factor=1.0, name="batched.experts_all"
     ),
+    # top_k past 2 and below the expert count: the one-pass insertion, whose
+    # full list drops a logit no larger than its last.
+    "top 4 of 16": experts.ExpertConfig(experts=16, top_k=4, window=4, name="batched.experts_k4"),
 }
 for _config in EXPERT_CONFIGS.values():
     experts.register(_config)
