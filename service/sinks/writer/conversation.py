@@ -5,9 +5,11 @@ restart that re-sends every unfinished block, or latched).
 
 When an owner keeps its own durable queue (a spool: :meth:`hand_over_failures`),
 a block whose insert fails, or that was unfinished when the writer died, is
-handed to it under its token instead of being retried or re-sent here, and a
-dying writer is restarted for as long as it keeps dying (the spool holds the
-data meanwhile; only a writer that cannot be started at all latches)."""
+handed to it under its token instead of being retried or re-sent here (in
+the order the blocks were sealed; the blocks not sent yet follow it there,
+untried, until none is left here), and a dying writer is restarted for as
+long as it keeps dying (the spool holds the data meanwhile; only a writer
+that cannot be started at all latches)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import trio
 
@@ -84,6 +87,9 @@ class WriterConversation(HandsOverToOwner):
     #: (a flush stopped waiting): kept until the writer answers for the
     #: block or dies, since it may still read them from shared memory.
     _abandoned: dict[int, list[object]]
+    #: A block of the batched path went to the owner: the blocks not sent
+    #: yet follow it there, untried, in order, until none is left here.
+    _handing_over: bool
 
     def _queue(self, item: Block | PendingQuery) -> None:
         if isinstance(item, Block):
@@ -96,8 +102,21 @@ class WriterConversation(HandsOverToOwner):
         nothing if it was settled meanwhile (given up, handed over)."""
         assert block.index is not None
         await self._order.wait_turn(block.index)
-        if block.state == HELD:
-            self._queue(block)
+        if block.state != HELD:
+            return
+        if self._handing_over:
+            # An earlier block is the owner's to repeat: sent now, this one
+            # could land between that block's first try and its repeat.
+            self._hand_over_later(
+                block,
+                WriterInsertFailed(
+                    "held back (an earlier block is being repeated by the spool): "
+                    f"block {block.token}",
+                    transient=False,
+                ),
+            )
+            return
+        self._queue(block)
 
     async def _supervise(self) -> None:
         """Serve the writer process; when it dies, restart it or latch."""
@@ -281,9 +300,22 @@ class WriterConversation(HandsOverToOwner):
         """A flush waited ``waited`` seconds for a writer that did not answer
         (hung in an insert, stopped): hand every unfinished block of the
         batched path to the owner under the token it was tried with, as
-        after a death.  A block the writer was sent keeps its buffers until
-        the writer answers for it or dies: it may still read them."""
-        for block in list(self._blocks.values()):
+        after a death."""
+        self._take_over_unfinished(
+            lambda block: WriterInsertFailed(
+                f"no answer within {waited:g} s (flush_timeout): stopped waiting for the "
+                f"insert of {block.rows} rows into {self.config.where} by the writer process; "
+                "handed to the spool, to be repeated under the same deduplication token",
+                transient=True,
+            )
+        )
+
+    def _take_over_unfinished(self, error: Callable[[Block], BaseException]) -> None:
+        """Hand every unfinished block of the batched path to the owner, in
+        order, each with ``error(block)``.  A block the writer was sent keeps
+        its buffers until the writer answers for it or dies: it may still
+        read them (and an owner's ``insert_now`` waits for that answer)."""
+        for block in sorted(self._blocks.values(), key=lambda b: b.id):
             # HELD too: a block waiting for its turn behind a block the
             # writer does not answer for would wait with it.
             if block.waiter is not None or block.state not in (HELD, QUEUED, SENT, WAITING):
@@ -291,32 +323,35 @@ class WriterConversation(HandsOverToOwner):
             if block.state == SENT:
                 self._abandoned[block.id] = block.holds
                 block.holds = []
-            error = WriterInsertFailed(
-                f"no answer within {waited:g} s (flush_timeout): stopped waiting for the "
-                f"insert of {block.rows} rows into {self.config.where} by the writer process; "
-                "handed to the spool, to be repeated under the same deduplication token",
-                transient=True,
-            )
-            self._hand_over_later(block, error)
+            self._hand_over_later(block, error(block))
 
     def _release_abandoned(self, block_id: int | None = None) -> None:
         """Give back the buffers of abandoned block ``block_id`` (None: all):
         the writer answered for it, or is gone."""
         ids = list(self._abandoned) if block_id is None else [block_id]
         for abandoned in ids:
-            for hold in self._abandoned.pop(abandoned, ()):
+            holds = self._abandoned.pop(abandoned, None)
+            if holds is None:
+                continue
+            for hold in holds:
                 hold.release()  # type: ignore[attr-defined]
+            self._idle.unpark_all()  # an owner's insert_now may wait for it
 
     def _hand_over_later(self, block: Block, error: BaseException) -> None:
         block.state = HANDING
+        self._handing_over = True
         assert self._nursery is not None
         self._nursery.start_soon(self._hand_over, block, error)
 
     async def _hand_over(self, block: Block, error: BaseException) -> None:
-        """Give failed ``block`` to the owner's handler; it is done once handed
-        (a flush waits for that: the spool has it durably then)."""
+        """Give failed ``block`` to the owner's handler, once every block
+        sealed before it is done (the owner spools, and repeats, them in the
+        order they were sealed); it is done once handed (a flush waits for
+        that: the spool has it durably then)."""
         assert self._failed_blocks is not None
         try:
+            if block.index is not None:
+                await self._order.wait_turn(block.index, behind_all=True)
             await self._failed_blocks(list(block.batches), block.token, error)
         except Exception as handler_error:
             self._latch.latch(
@@ -340,6 +375,8 @@ class WriterConversation(HandsOverToOwner):
         del self._blocks[block.id]
         if block.index is not None:
             self._order.done(block.index)
+            if self._handing_over and not self._buffer.items and not self._own_blocks():
+                self._handing_over = False
         self.counters.in_flight_rows -= block.rows
         self._pending_bytes -= block.nbytes
         for hold in block.holds:

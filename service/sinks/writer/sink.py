@@ -170,6 +170,7 @@ class WriterProcessSink(WriterConversation):
         self._queries: dict[int, PendingQuery] = {}
         self._pending_bytes = 0
         self._abandoned: dict[int, list[object]] = {}
+        self._handing_over = False
         self._crashes_in_a_row = 0
         self._wake_sender = trio.lowlevel.ParkingLot()
         self._space = trio.lowlevel.ParkingLot()
