@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -165,7 +166,10 @@ async def test_a_destination_behind_spills_to_the_spool_and_drains_back_in_order
     assert stored(backend) == (160, 160)
     c = sink.snapshot()
     assert c.accepted_records == c.delivered_records == 160
-    assert c.spool.frames == 0 and c.spool.acked_records == c.spilled_records
+    # What the sink held when the spill began went to the spool first (its
+    # blocks handed over, the held insert's too), then what spilled.
+    assert c.spool.frames == 0 and c.spool.acked_records == c.spool.appended_records
+    assert c.spool.appended_records > c.spilled_records
     # The spilled frames drained as grouped inserts, not one insert per batch.
     assert slow.inserts < 40
     assert not slow.held_too_long
@@ -390,3 +394,150 @@ async def test_a_spool_replays_into_a_short_window_in_pieces_each_row_once(
     assert faults.lost >= 16 and dead == [] and sink.failure is None  # single rows, each lost once
     c = sink.snapshot()
     assert c.accepted_records == c.delivered_records == 16 and c.refused_records == 0
+
+
+class HeldFirstInsert(FaultyTransport):
+    """The first insert is held until ``lose`` is set, then its answer is lost
+    (``TimeoutError``): a block whose outcome stays unknown for as long as
+    the test wants.  ``stored_first``: it is stored before it is held (else
+    when let go: a try that lands late).  ``running``: inserts in their
+    threads now; ``after_first``: other inserts stored."""
+
+    def __init__(self, inner, *, stored_first=True, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.stored_first = stored_first
+        self.lose = threading.Event()
+        self.first: str | None = None
+        self.holding = False  # the first insert is in its thread, held
+        self.held = threading.Event()  # the same, for another thread
+        self.running = 0
+        self.after_first = 0
+
+    def insert(self, table, data, *, dedup_token, settings=None):
+        with self._lock:
+            self.running += 1
+            held = self.first is None
+            if held:
+                self.first = dedup_token
+        try:
+            if held:
+                if self.stored_first:
+                    super().insert(table, data, dedup_token=dedup_token, settings=settings)
+                self.holding = True
+                self.held.set()
+                self.lose.wait(timeout=60)  # the test sets it; 60 s only guards a hang
+                if not self.stored_first:
+                    super().insert(table, data, dedup_token=dedup_token, settings=settings)
+                raise TimeoutError("reply lost after the insert was stored (injected)")
+            super().insert(table, data, dedup_token=dedup_token, settings=settings)
+            with self._lock:
+                self.after_first += 1
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+UNPARTITIONED = "MergeTree ORDER BY tuple() SETTINGS non_replicated_deduplication_window = {window}"
+
+
+@pytest.mark.parametrize(
+    "stored_first", [True, False], ids=["stored-then-held", "held-then-stored"]
+)
+async def test_a_block_whose_outcome_is_unknown_when_batches_spill_is_repeated_before_them(
+    backend, tmp_path, clock, stored_first
+):
+    """A window of 3 (what inserts_in_flight = 2 needs).  The first block's
+    insert is held in its thread (stored first, or stored when let go), and
+    the destination is behind, so the next six batches spill to the spool.
+    The drain inserted them while the first block's outcome was unknown, and
+    when its answer came (lost) the block went to the spool behind them: its
+    repeat came 6 inserts after its first try, out of the window, and wrote
+    its 4 rows again (32 rows for 28; stored-then-held).  Now a spill first
+    hands the sink's unfinished blocks to the spool, in the table's order,
+    an insert running left to finish in its thread; the drain repeats such a
+    block before anything spilled after it, and only once that try has
+    returned: a try that lands late (held-then-stored) is not left to land
+    behind the spilled batches' inserts, out of the window."""
+    backend.create_raw_vec(UNPARTITIONED.format(window=3))
+    faults = HeldFirstInsert(backend.transport, stored_first=stored_first)
+    batching = Batching(max_rows=4, max_buffered_bytes=128, inserts_in_flight=2, linger=60.0)
+    sink = spooling(backend, tmp_path, faults, batching=batching, spill_at=0.5, group_bytes=1)
+    assert sink.spool is not None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await sink.submit(vec_batch(0, 4))  # a block (max_rows): its insert starts
+        while not faults.holding:  # stored, in its worker thread
+            await trio.testing.wait_all_tasks_blocked()
+        for i in range(1, 7):
+            await sink.submit(vec_batch(0, 4, seq_start=4 * i))
+        assert sink.snapshot().spilled_records == 24
+        # Quiet: no task runs, no insert but the held one, and either the
+        # drain has inserted the six spilled batches, or no worker thread is
+        # awaited (the held insert given up waiting for, the drain waiting).
+        # Then the held insert goes on and its answer is lost.
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            idle = clock.autojump_threshold == 0  # thread_aware_clock: no thread awaited
+            if faults.running == 1 and (faults.after_first >= 6 or idle):
+                break
+        faults.lose.set()
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (28, 28)
+    c = sink.snapshot()
+    assert c.accepted_records == c.delivered_records == 28 and sink.failure is None
+
+
+class RefusedWhileHeld(HeldFirstInsert):
+    """The first insert fails as unreachable (nothing stored) once the next
+    one is held (see :class:`HeldFirstInsert`, which that one is)."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.calls = 0
+
+    def insert(self, table, data, *, dedup_token, settings=None):
+        with self._lock:
+            self.calls += 1
+            refuse = self.calls == 1
+        if refuse:
+            self.held.wait(timeout=60)  # 60 s only guards a hang
+            raise ConnectionRefusedError("destination unreachable (injected)")
+        super().insert(table, data, dedup_token=dedup_token, settings=settings)
+
+
+async def test_a_block_whose_outcome_is_unknown_when_the_destination_goes_down_is_repeated_first(
+    backend, tmp_path, clock
+):
+    """The same with the destination down: of the sink's two inserts, the
+    second is stored and its answer held, the first fails as unreachable,
+    and the next six batches go to the spool while the second's outcome is
+    unknown.  They went in ahead of it, the drain inserted them, and its
+    repeat, behind them, wrote its rows again (36 rows for 32).  Now they go
+    in behind it."""
+    backend.create_raw_vec(UNPARTITIONED.format(window=3))
+    faults = RefusedWhileHeld(backend.transport)
+    batching = Batching(max_rows=4, inserts_in_flight=2, linger=60.0)
+    sink = spooling(backend, tmp_path, faults, batching=batching, group_bytes=1)
+    assert sink.spool is not None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        await sink.submit(vec_batch(0, 4))  # a block (max_rows): its insert starts
+        while not faults.calls:
+            await trio.testing.wait_all_tasks_blocked()
+        await sink.submit(vec_batch(0, 4, seq_start=4))  # the second, held
+        while sink.health.healthy:  # the first failed, handed to the spool
+            await trio.testing.wait_all_tasks_blocked()
+        for i in range(2, 8):
+            await sink.submit(vec_batch(0, 4, seq_start=4 * i))
+        while True:  # quiet, as above (the first's repeat and the six, or waiting)
+            await trio.testing.wait_all_tasks_blocked()
+            idle = clock.autojump_threshold == 0
+            if faults.running == 1 and (faults.after_first >= 7 or idle):
+                break
+        faults.lose.set()
+        await sink.wait_delivered()
+        await sink.close()
+    assert stored(backend) == (32, 32)
+    c = sink.snapshot()
+    assert c.accepted_records == c.delivered_records == 32 and sink.failure is None

@@ -44,13 +44,18 @@ class HeldAttempt:
     (it reads those buffers).  An attempt that had not started when the sink
     stopped waiting does nothing."""
 
-    __slots__ = ("_abandoned", "_holds", "_lock", "_running")
+    __slots__ = ("_abandoned", "_holds", "_lock", "_returned", "_running", "tried")
 
-    def __init__(self, holds: list[Retained]) -> None:
+    def __init__(self, holds: list[Retained], returned: Callable[[], None] | None = None) -> None:
         self._holds = holds
         self._lock = threading.Lock()
         self._running = False
         self._abandoned = False
+        #: Called (in the attempt's thread) when an attempt the sink stopped
+        #: waiting for returns.
+        self._returned = returned
+        #: An attempt started (the block may have been written).
+        self.tried = False
 
     def run(self, fn: Callable[..., None], *args: object) -> None:
         """``fn(*args)`` in the attempt's thread, unless the sink stopped waiting."""
@@ -66,15 +71,19 @@ class HeldAttempt:
                 release = self._abandoned
             if release:
                 self._release()
+                if self._returned is not None:
+                    self._returned()
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """The sink's task is done with the block: give the buffers back now,
-        or leave that to an attempt still running."""
+        or leave that to an attempt still running (True: one runs, and will
+        call ``returned`` when it does)."""
         with self._lock:
             self._abandoned = True
             if self._running:
-                return
+                return True
         self._release()
+        return False
 
     def _release(self) -> None:
         holds, self._holds = self._holds, []

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import trio
+
 from taproute.routing.batch import Batch
 from taproute.routing.latch import FailureLatch
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
@@ -28,6 +30,8 @@ class OwnerInserts(HandsOverToOwner):
     _calls: AbandonableCalls
     counters: dict[str, TableCounters]
     _latch: FailureLatch
+    _abandoned_running: dict[str, int]
+    _attempts_returned: trio.lowlevel.ParkingLot
 
     def _by_table(self, batch: Batch) -> list[tuple[str, Batch]]:
         raise NotImplementedError
@@ -60,12 +64,20 @@ class OwnerInserts(HandsOverToOwner):
         insert in progress (its thread runs on within the transport's
         timeouts, its outcome dropped): the owner keeps the batches and
         repeats them under ``token`` later (a spool's drain at close).
+
+        A table's part waits while an insert of the table that this sink
+        stopped waiting for still runs in its thread (a flush's ``within``,
+        :meth:`hand_over_unfinished`): that try may still land, and a repeat
+        of it, or anything after it, must not land first, or the try could
+        land with its block gone from the deduplication window.
         """
         parts: dict[str, TableBuffer] = {}
         for batch in batches:
             for table, part in self._by_table(batch):
                 parts.setdefault(table, TableBuffer()).items.append(part)
         for done, (table, buffer) in enumerate(parts.items()):
+            while self._abandoned_running.get(table):
+                await self._attempts_returned.park()
             try:
                 await self._calls.run(self._insert_blocking, table, buffer, token)
             except Exception as exc:

@@ -19,7 +19,11 @@ an insert touching more is refused with nothing written
 still fails after the retry budget is not written: the failure is latched
 and raised by the next ``submit``/``flush``/``close``, never swallowed.  An owner with its own
 durable queue (a spooling destination) may take failed blocks over instead
-(``hand_over_failures``) and insert batches itself (``insert_now``).
+(``hand_over_failures``; each table's in its order, the blocks not started
+after a handed-over one following it untried), take every unfinished block
+over before it spools batches behind them (``hand_over_unfinished``), and
+insert batches itself (``insert_now``, which waits for a try of the table
+this sink stopped waiting for to return first).
 
 Settings live in ``batching.py``, Arrow conversion in ``columns.py``, the
 split by table in ``tables.py``, a table's buffer and counters in
@@ -30,6 +34,7 @@ lifecycle: buffers, the linger timer, insert tasks and their counters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from collections.abc import Callable, Iterable
@@ -91,6 +96,24 @@ class HeldBack(Exception):
         super().__init__(
             f"held back (an earlier insert into table {table!r} is being repeated by the "
             f"owner): block {token}"
+        )
+
+
+class Yielded(Exception):
+    """A block handed to the owner before its outcome was known, so that what
+    the owner spools next lands behind it: the owner had batches to spool
+    (its destination behind, or down) while this block was still being
+    inserted, or waiting for its turn.  An insert of it that had started runs
+    on in its thread; the owner's repeat (``insert_now``, same token) waits
+    for that try to return, so it finds the try in the deduplication window.
+    Not a failure of the destination's."""
+
+    def __init__(self, table: str, token: str, *, tried: bool) -> None:
+        started = "its insert runs on in its thread" if tried else "not tried yet"
+        super().__init__(
+            f"handed to the spool before its outcome was known ({started}): the destination's "
+            f"batches are being spooled, and table {table!r} repeats this block first: "
+            f"block {token}"
         )
 
 
@@ -228,6 +251,13 @@ class ClickHouseSink(OwnerInserts):
         #: the table is left here (the owner's new batches follow the spool).
         self._handing_over: set[str] = set()
         self._waited = 0.0
+        #: Set while :meth:`hand_over_unfinished` takes the blocks over.
+        self._yielding = False
+        #: Per table, attempts this sink stopped waiting for that still run in
+        #: their threads: an owner's repeat (``insert_now``) waits for them.
+        self._abandoned_running: dict[str, int] = {n: 0 for n in self.tables}
+        self._attempts_returned = trio.lowlevel.ParkingLot()
+        self._trio_token: trio.lowlevel.TrioToken | None = None
 
     # -- construction helpers ---------------------------------------------
 
@@ -279,6 +309,7 @@ class ClickHouseSink(OwnerInserts):
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self._trio_token = trio.lowlevel.current_trio_token()
                 nursery.start_soon(self._linger_timer)
                 task_status.started()
                 await self._stopped.wait()
@@ -395,19 +426,23 @@ class ClickHouseSink(OwnerInserts):
 
     async def _insert(self, table: str, buffer: TableBuffer, token: str, index: int) -> None:
         counters = self.counters[table]
-        attempt = HeldAttempt(buffer.holds)
+        attempt = HeldAttempt(buffer.holds, lambda: self._attempt_returned(table))
         scope = trio.CancelScope()  # cancelled when flush(within=) stops waiting
         self._waiting.add(scope)
         try:
             with scope:
                 failed = await self._attempts(table, buffer, token, attempt, index)
             if scope.cancelled_caught:
-                failed = (self._abandoned_error(table, buffer), 0)
+                failed = (self._stopped_waiting_error(table, buffer, token, attempt), 0)
             if failed is None:
                 return
             exc, failures = failed
             if self._failed_blocks is not None:
                 self._handing_over.add(table)
+                # In the table's order: the owner spools (and repeats) the
+                # table's blocks as they were sealed, so no block handed over
+                # later, untried, is inserted before an earlier one's repeat.
+                await self._order[table].wait_turn(index, behind_all=True)
                 await self._hand_over(table, buffer, token, exc)
             elif isinstance(exc, InsertAbandoned):
                 counters.abandoned_rows += buffer.rows
@@ -432,7 +467,9 @@ class ClickHouseSink(OwnerInserts):
                 self._handing_over.discard(table)
             self._order[table].done(index)
             self._pending_bytes -= buffer.bytes
-            attempt.finish()  # the buffers go back now, or when an abandoned attempt returns
+            # The buffers go back now, or when an abandoned attempt returns.
+            if attempt.finish():
+                self._abandoned_running[table] += 1
             self._in_flight -= 1
             self._space.unpark_all()
             if self._in_flight == 0:
@@ -446,12 +483,11 @@ class ClickHouseSink(OwnerInserts):
         instead, and the table's later blocks untried, in order, until
         nothing of it is left here); None once it is written, else the last
         error and the attempts made."""
-        order = self._order[table]
-        await order.wait_turn(index)
+        await self._order[table].wait_turn(index)
         if table in self._handing_over:
-            await order.wait_turn(index, behind_all=True)  # spooled after every earlier one
-            return HeldBack(table, token), 0
+            return HeldBack(table, token), 0  # spooled after every earlier one (_insert)
         async with self._limiters[table]:
+            attempt.tried = True
             return await self._attempt_until_done(table, buffer, token, attempt)
 
     async def _attempt_until_done(
@@ -493,6 +529,54 @@ class ClickHouseSink(OwnerInserts):
             if self._inserted is not None:
                 self._inserted(buffer.rows, len(buffer.items))
             return None
+
+    def _stopped_waiting_error(
+        self, table: str, buffer: TableBuffer, token: str, attempt: HeldAttempt
+    ) -> Exception:
+        """Why a block this sink stopped waiting for is handed over (or given up)."""
+        if self._failed_blocks is not None:
+            if self._yielding:
+                return Yielded(table, token, tried=attempt.tried)
+            if not attempt.tried:
+                return HeldBack(table, token)
+        return self._abandoned_error(table, buffer)
+
+    def _attempt_returned(self, table: str) -> None:
+        """In an abandoned attempt's thread, when it returns: tell the loop."""
+        token = self._trio_token
+        if token is None:
+            return
+        with contextlib.suppress(trio.RunFinishedError):  # the loop is gone: nobody waits
+            token.run_sync_soon(self._abandoned_returned, table)
+
+    def _abandoned_returned(self, table: str) -> None:
+        self._abandoned_running[table] -= 1
+        self._attempts_returned.unpark_all()
+
+    async def hand_over_unfinished(self) -> None:
+        """Hand every block not written yet to the owner now, each table's in
+        its order, under its token: for an owner about to spool batches
+        behind them (see ``SpoolingSink``), so that a block whose outcome is
+        unknown is repeated before anything spooled after it.  Buffered rows
+        are sealed and handed over untried; an insert running is not
+        waited for (:class:`Yielded`): it runs on in its thread, and the
+        owner's repeat waits for it (:meth:`insert_now`).  Returns once
+        nothing is left here; nothing to do returns at once."""
+        if self._failed_blocks is None:
+            raise RuntimeError("hand_over_unfinished() needs hand_over_failures() first")
+        if not self._in_flight and not any(b.items for b in self._buffers.values()):
+            return
+        for table in list(self._buffers):
+            self._seal(table)
+        self._handing_over.update(t for t, c in self.counters.items() if c.in_flight_rows)
+        self._yielding = True
+        try:
+            for scope in list(self._waiting):
+                scope.cancel()
+            while self._in_flight:
+                await self._idle.park()
+        finally:
+            self._yielding = False
 
     def _abandoned_error(self, table: str, buffer: TableBuffer) -> InsertAbandoned:
         kept = (

@@ -100,6 +100,12 @@ class HandsOverFailures(Protocol):
     @property
     def max_backlog_bytes(self) -> int: ...
 
+    async def hand_over_unfinished(self) -> None:
+        """Hand every block not persisted yet to the handler now, in order,
+        under its token (a try running left to finish, its repeat made to wait
+        for it); return once none is left (at once when none is)."""
+        ...
+
 
 @runtime_checkable
 class FlushesWithin(Protocol):

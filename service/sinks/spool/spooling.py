@@ -21,6 +21,11 @@ Modes (``mode``):
   refused records are left, which are dead-lettered.  When the
   inner sink is behind (its backlog past ``spill_at`` of its limit), batches
   go to the spool instead of waiting (*spilled*), and drain back in order.
+  A batch goes to the spool (behind or down) only behind every block the
+  inner sink has not written yet: those are handed over first, in order
+  (``hand_over_unfinished``), so a block whose outcome is unknown is
+  repeated before anything spooled after it, within the deduplication
+  window.
 - ``"always"``: every batch is appended to the spool before ``submit``
   returns (the crash-safe mode), and delivered from there.
 - ``"off"``: no spool; ``submit``/``flush`` go straight to the inner sink.
@@ -216,8 +221,11 @@ class SpoolingSink:
             return
         records = len(batch)
         self.counters.accepted_records += records
-        if self.mode == "always" or not self._tracker.health.healthy:
+        if self.mode == "always":
             await self._append([batch])
+            return
+        if not self._tracker.health.healthy:
+            await self._spool_behind_inner(batch)
             return
         assert self.spool is not None
         behind = self._batched is not None and (
@@ -226,7 +234,7 @@ class SpoolingSink:
         )
         if behind or len(self.spool):  # behind, not down (or following what was)
             self.counters.spilled_records += records
-            await self._append([batch])
+            await self._spool_behind_inner(batch)
             return
         try:
             await self.inner.submit(batch)
@@ -237,6 +245,17 @@ class SpoolingSink:
             await self._append([batch])
             return
         self._in_inner += records
+
+    async def _spool_behind_inner(self, batch: Batch) -> None:
+        """Spool ``batch`` (``outage`` mode), after every block the inner sink
+        has not persisted yet: those are handed over first, in order, under
+        their tokens.  Spooled ahead of them, the batch was drained (first
+        tries) while such a block's outcome was unknown, and the block, when
+        it failed, was repeated behind it and everything else spooled
+        meanwhile: out of the deduplication window, written twice."""
+        if self._batched is not None and self._batched.backlog_bytes:
+            await self._batched.hand_over_unfinished()
+        await self._append([batch])
 
     async def _append(self, batches: Sequence[Batch], token: str | None = None) -> None:
         assert self.spool is not None

@@ -419,6 +419,31 @@ class WriterProcessSink(WriterConversation):
         if self._owns_pool:
             self.buffer_pool.close()
 
+    async def hand_over_unfinished(self) -> None:
+        """Hand every block of the batched path not persisted yet to the owner
+        now, in order, under its token: for an owner about to spool batches
+        behind them (see ``SpoolingSink``), so that a block whose outcome is
+        unknown is repeated before anything spooled after it.  The buffer is
+        sealed and handed over untried; a block the writer has is not waited
+        for (it keeps its buffers until the writer answers for it, and the
+        owner's repeat waits for that answer: :meth:`insert_now`).  Returns
+        once none is left here; nothing to do returns at once."""
+        if self._failed_blocks is None:
+            raise RuntimeError("hand_over_unfinished() needs hand_over_failures() first")
+        if not self._buffer.items and not self._own_blocks():
+            return
+        self._seal()
+        self._take_over_unfinished(
+            lambda block: WriterInsertFailed(
+                "handed to the spool before its outcome was known (the destination's batches "
+                "are being spooled, and this block is repeated first): insert of "
+                f"{block.rows} rows into {self.config.where}, block {block.token}",
+                transient=False,
+            )
+        )
+        while self._own_blocks():
+            await self._idle.park()
+
     # -- insert_now (for a spool wrapping this sink) ---------------------------------
 
     async def insert_now(self, batches: Sequence[Batch], token: str) -> None:
@@ -426,8 +451,16 @@ class WriterProcessSink(WriterConversation):
 
         Raises the writer's failure (:meth:`is_transient` says whether the same
         call may succeed later); a writer death during the call is transient.
+        Waits first while the writer still has a block this sink handed to
+        the owner without its answer (:meth:`hand_over_unfinished`, a flush's
+        ``within``): that try may still land, and a repeat of it, or
+        anything after it, must not land first, or the try could land with
+        its block gone from the deduplication window.
         """
         self._check_open()
+        while self._abandoned:
+            await self._idle.park()
+            self._check_open()
         block = Block(next(self._ids), token)
         outcome: list[BaseException | None] = []
         block.waiter = outcome
