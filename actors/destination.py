@@ -45,6 +45,7 @@ from taproute.routing.sink import (
     NamesHooks,
     RecordSink,
     ReleasesWhenCut,
+    ReportsReach,
     RunsInBackground,
     Spools,
     WaitsForDelivery,
@@ -154,6 +155,7 @@ class DestinationActor:
         #: The sink, when it can give up records it took.
         self._gives_up: GivesUp | None = None
         self._insert_errors: CountsInsertErrors | None = None
+        self._reach: ReportsReach | None = None
         self.counters = DestinationCounters(name)
         self._latch = latch
         self._in_flight = in_flight
@@ -226,6 +228,7 @@ class DestinationActor:
         self._spools = sink if isinstance(sink, Spools) else None
         self._gives_up = sink if isinstance(sink, GivesUp) else None
         self._insert_errors = sink if isinstance(sink, CountsInsertErrors) else None
+        self._reach = sink if isinstance(sink, ReportsReach) else None
         self.sink = sink
         return sink
 
@@ -561,5 +564,13 @@ class DestinationActor:
                 spool_drained_records=spool.drained_records,
                 spool_shed_records=spool.shed_records,
                 refused_records=spool.refused_records,
+            )
+        if self._reach is not None:  # no spool, but the sink knows (a ClickHouse sink)
+            reach = self._reach.reach()
+            return attrs.evolve(
+                self.counters,
+                healthy=reach.healthy,
+                unhealthy_since=reach.unhealthy_since,
+                unhealthy_reason=reach.reason,
             )
         return attrs.evolve(self.counters)

@@ -308,6 +308,26 @@ class Spools(Protocol):
     def spool_status(self) -> SpoolStatus: ...
 
 
+@attrs.frozen(kw_only=True)
+class Reach:
+    """Whether a destination without a spool takes writes now: healthy, or
+    since when (epoch seconds) and why not."""
+
+    healthy: bool
+    unhealthy_since: float | None = None
+    reason: str | None = None
+
+
+@runtime_checkable
+class ReportsReach(Protocol):
+    """A sink without a spool that knows whether its destination takes writes
+    now (a ClickHouse sink: not while its inserts fail and are retried, or
+    after it gave up), exported as the destination's health (``/status``,
+    ``/healthz``, ``taproute_destination_healthy``)."""
+
+    def reach(self) -> Reach: ...
+
+
 @runtime_checkable
 class WaitsForDelivery(Protocol):
     """A sink that can wait until everything it took is delivered (its spool
@@ -328,8 +348,10 @@ __all__ = [
     "CountsInsertErrors",
     "GivesUp",
     "NamesHooks",
+    "Reach",
     "ReleasesWhenCut",
     "RecordSink",
+    "ReportsReach",
     "ReportsFailure",
     "RunsInBackground",
     "TakesCheckedBatches",

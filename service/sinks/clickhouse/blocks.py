@@ -42,14 +42,16 @@ class HeldAttempt:
     the sink when its task ends, unless an attempt it stopped waiting for
     still runs in its thread, which then gives them back when it returns
     (it reads those buffers).  An attempt that had not started when the sink
-    stopped waiting does nothing."""
+    stopped waiting does nothing.  Several may run at once (a retry after an
+    attempt abandoned because the server stopped answering, which runs on
+    in its thread): the last of them to return gives the buffers back."""
 
     __slots__ = ("_abandoned", "_holds", "_lock", "_returned", "_running", "tried")
 
     def __init__(self, holds: list[Retained], returned: Callable[[], None] | None = None) -> None:
         self._holds = holds
         self._lock = threading.Lock()
-        self._running = False
+        self._running = 0  # attempts running in their threads
         self._abandoned = False
         #: Called (in the attempt's thread) when an attempt the sink stopped
         #: waiting for returns.
@@ -62,13 +64,13 @@ class HeldAttempt:
         with self._lock:
             if self._abandoned:
                 return
-            self._running = True
+            self._running += 1
         try:
             fn(*args)
         finally:
             with self._lock:
-                self._running = False
-                release = self._abandoned
+                self._running -= 1
+                release = self._abandoned and self._running == 0
             if release:
                 self._release()
                 if self._returned is not None:

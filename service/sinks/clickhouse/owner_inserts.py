@@ -20,6 +20,7 @@ from taproute.routing.latch import FailureLatch
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.blocks import TableBuffer, TableCounters
 from taproute.service.sinks.clickhouse.handover import HandsOverToOwner, PartlyInserted
+from taproute.service.sinks.clickhouse.liveness import run_watched
 from taproute.service.sinks.clickhouse.transport import Transport, connection_failure
 
 
@@ -79,7 +80,9 @@ class OwnerInserts(HandsOverToOwner):
             while self._abandoned_running.get(table):
                 await self._attempts_returned.park()
             try:
-                await self._calls.run(self._insert_blocking, table, buffer, token)
+                await run_watched(
+                    self.transport, self._calls.call, self._insert_blocking, table, buffer, token
+                )
             except Exception as exc:
                 if done == 0:
                     raise

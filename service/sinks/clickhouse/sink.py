@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -51,6 +52,7 @@ from taproute.routing.hooks import HookRegistry
 from taproute.routing.latch import FailureLatch
 from taproute.routing.limits import RELEASE_WITHIN_S
 from taproute.routing.schema import RecordSchema, expect_schema
+from taproute.routing.sink import Reach
 from taproute.service.sinks.clickhouse import arguments
 from taproute.service.sinks.clickhouse.abandonable import AbandonableCalls
 from taproute.service.sinks.clickhouse.batching import Batching, Retry, seal_due
@@ -69,6 +71,7 @@ from taproute.service.sinks.clickhouse.deduplication import (
     too_many_partitions,
 )
 from taproute.service.sinks.clickhouse.handover import FailedBlockHandler
+from taproute.service.sinks.clickhouse.liveness import run_watched
 from taproute.service.sinks.clickhouse.owner_inserts import OwnerInserts
 from taproute.service.sinks.clickhouse.table_checks import TableChecks
 from taproute.service.sinks.clickhouse.tables import (
@@ -258,6 +261,9 @@ class ClickHouseSink(OwnerInserts):
         self._abandoned_running: dict[str, int] = {n: 0 for n in self.tables}
         self._attempts_returned = trio.lowlevel.ParkingLot()
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        #: Since when (epoch seconds) and why inserts fail transiently (the
+        #: server unreachable, its disk read-only): until one succeeds.
+        self._unreached: tuple[float, str] | None = None
 
     # -- construction helpers ---------------------------------------------
 
@@ -498,20 +504,24 @@ class ClickHouseSink(OwnerInserts):
         failures = 0
         while True:
             try:
-                # Abandoned only when flush(within=) stops waiting: the
-                # attempt then gives the producers' buffers back itself.
-                await trio.to_thread.run_sync(
+                # Abandoned when flush(within=) stops waiting, or when the
+                # server stopped answering (liveness.py): the attempt then
+                # gives the producers' buffers back itself.
+                await run_watched(
+                    self.transport,
                     self._calls.call,
                     attempt.run,
                     self._insert_blocking,
                     table,
                     buffer,
                     token,
-                    abandon_on_cancel=True,
                 )
             except Exception as exc:
                 failures += 1
                 counters.errors += 1
+                if self.transport.is_transient(exc):  # unhealthy until an insert succeeds
+                    since = time.time() if self._unreached is None else self._unreached[0]
+                    self._unreached = (since, self.describe_failure(exc))
                 if (
                     self._failed_blocks is None
                     and failures < self.retry.attempts
@@ -523,6 +533,7 @@ class ClickHouseSink(OwnerInserts):
                 if self._failed_blocks is not None:
                     self._handing_over.add(table)  # before anyone waiting wakes
                 return exc, failures
+            self._unreached = None
             counters.inserts += 1
             counters.records += buffer.rows
             counters.bytes += buffer.bytes
@@ -755,6 +766,15 @@ class ClickHouseSink(OwnerInserts):
     def failure(self) -> BaseException | None:
         """The latched failure, or None."""
         return self._latch.failure
+
+    def reach(self) -> Reach:
+        """Unhealthy from an insert's transient failure (retried, or handed to
+        an owner) until an insert succeeds; healthy otherwise (``ReportsReach``:
+        the health of a destination without a spool)."""
+        unreached = self._unreached
+        if unreached is None:
+            return Reach(healthy=True)
+        return Reach(healthy=False, unhealthy_since=unreached[0], reason=unreached[1])
 
     def given_up_records(self) -> int:
         """Rows this sink took and gave up, over all tables (``abandoned_rows``):

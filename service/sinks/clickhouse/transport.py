@@ -428,6 +428,9 @@ class ServerTransport:
         self._url: str | None = None
         self._client: Any = None
         self._connecting = threading.Lock()
+        #: The last insert found no server (a connection error or no answer):
+        #: the next asks first whether one answers (:func:`.reach.probe`).
+        self._unanswered = False
         #: Seconds the server has to answer (see :data:`DEFAULT_CONNECT_TIMEOUT`).
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
         if isinstance(client_or_url, str):
@@ -516,7 +519,33 @@ class ServerTransport:
             "insert_deduplication_token": dedup_token,
             **(settings or {}),
         }
-        self.client.insert_arrow(table, data, settings=query_settings)
+        if self._unanswered and self._url is not None:
+            # The last call found no server: ask first, within connect_timeout,
+            # rather than send the block to wait out send_receive_timeout again.
+            probe(self._url, self.connect_timeout)
+        try:
+            self.client.insert_arrow(table, data, settings=query_settings)
+        except Exception as exc:
+            self._unanswered = connection_failure(exc) is not None
+            raise
+        self._unanswered = False
+
+    @property
+    def liveness_timeout(self) -> float | None:
+        """``connect_timeout``: how long a call may go unanswered before
+        :meth:`check_alive` asks whether the server is there at all (see
+        :mod:`.liveness`); None for a given client (its URL is its own)."""
+        return None if self._url is None else float(self.connect_timeout)
+
+    def check_alive(self) -> None:
+        """``GET /ping``, answered within ``connect_timeout`` (see :func:`.reach.probe`),
+        or ``OSError``."""
+        assert self._url is not None
+        try:
+            probe(self._url, self.connect_timeout)
+        except OSError:
+            self._unanswered = True  # the call it watched is abandoned: the next asks first
+            raise
 
     def query(self, sql: str) -> pa.Table:
         result: pa.Table = self.client.query_arrow(sql)
