@@ -217,9 +217,22 @@ class Delivery:
         if self.tracker.spool_failed(reason):
             _log.error("destination %r: %s: %s", self.name, reason, error)
 
-    def spool_recovered(self) -> None:
+    async def spool_recovered(self) -> None:
+        """A spool operation succeeded.  After a failure, that proves little
+        (a frame appended to a segment opened before the file system went
+        read-only, a group whose intent was already recorded): the
+        destination is healthy again only once the spool's directory takes a
+        new file (:meth:`Spool.check_writes`); until then it stays unhealthy,
+        and did flicker healthy between a delivery and the next failed write."""
+        if self.tracker.spool_failure is None:
+            return
+        assert self.spool is not None
+        try:
+            await self.spool.check_writes()
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:  # still failing; no room is the quota policy's
+                return
         if self.tracker.spool_recovered():
-            assert self.spool is not None
             _log.warning(
                 "destination %r: spool %s writes again", self.name, self.spool.config.directory
             )
@@ -339,7 +352,7 @@ class Delivery:
                 )
                 await trio.sleep(NO_ROOM_WAIT)
             else:
-                self.spool_recovered()
+                await self.spool_recovered()
                 return done
 
 

@@ -112,8 +112,27 @@ def replace_durably(directory: Path, name: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
+def check_writes(directory: Path) -> None:
+    """Create, write, fsync and remove a small file in ``directory``: raises
+    the ``OSError`` its disk gives (read-only, I/O error, permission).  A
+    spool whose disk failed is healthy again only once this works: a write
+    into a segment opened before a file system went read-only still
+    succeeds, and proves nothing about the next segment, ``intent`` or
+    ``ack``.  The name ends in ``.tmp``: a spool opening the directory
+    removes one left behind."""
+    path = directory / "writes.tmp"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, b"\0")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(path)
+
+
 __all__ = [
     "IOV_MAX",
+    "check_writes",
     "fsync_dir",
     "replace_durably",
     "start_writeback",

@@ -29,7 +29,7 @@ from taproute.routing.batch import Batch, RecordBatch, RowBatch
 from taproute.routing.hooks import HookRegistry
 from taproute.service.sinks.spool.codec import decode, encode
 from taproute.service.sinks.spool.config import SpoolConfig
-from taproute.service.sinks.spool.files import NO_ROOM
+from taproute.service.sinks.spool.files import NO_ROOM, check_writes
 from taproute.service.sinks.spool.log import HEADER, Damage, Entry, SegmentLog
 
 #: Called with (batch, reason) for a batch the ``dead_letter`` policy sheds
@@ -483,6 +483,12 @@ class Spool:
         self._unsynced = False
         await trio.to_thread.run_sync(self._log.sync)
         self._last_sync = self._clock()
+
+    async def check_writes(self) -> None:
+        """Make, write, fsync and remove a small file in the spool's directory
+        (in a worker thread): raises the ``OSError`` its disk gives
+        (:func:`~.files.check_writes`)."""
+        await trio.to_thread.run_sync(check_writes, self.config.directory)
 
     async def sync(self) -> None:
         """fsync appended frames, the ack position and new file names."""

@@ -272,7 +272,7 @@ class SpoolingSink:
             self.counters.shed_records += sum(len(b) for b in batches)
             self._delivery.spool_failed(exc, "appending: records shed")
         else:
-            self._delivery.spool_recovered()
+            await self._delivery.spool_recovered()
 
     async def _failed_block(self, batches: list[Batch], token: str, error: BaseException) -> None:
         """The inner sink's block failed: spool it under the token it was tried
