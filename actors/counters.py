@@ -193,12 +193,14 @@ class DestinationCounters:
         "taproute_destination_queue_depth_records", "Records waiting for the sink."
     )
     cut_short: str | None = None
-    #: With a spool (None without): True while the destination takes batches,
-    #: False while it is unreachable and batches spool (``/status`` says
-    #: true/false, ``/metrics`` 1/0); since when and why.
+    #: With a spool, or a sink that reports it (``ReportsReach``: a ClickHouse
+    #: sink), None without: True while the destination takes batches, False
+    #: while it is unreachable and batches spool, or the sink retries
+    #: (``/status`` says true/false, ``/metrics`` 1/0); since when and why.
     healthy: bool | None = live(
         "taproute_destination_healthy",
-        "1 while the destination takes batches, 0 while it is unreachable (batches spool).",
+        "1 while the destination takes batches, 0 while it is unreachable "
+        "(batches spool, or the sink retries).",
         None,
     )
     unhealthy_since: float | None = None

@@ -29,7 +29,7 @@ def test_every_counters_class_declares_counts_apart_from_live_state():
     }
     assert {d.field for d in declared(DestinationCounters, "live")} == {
         "queue_depth",
-        "healthy",  # these four only for a destination with a spool
+        "healthy",  # with a spool or a ClickHouse sink; the other three with a spool
         "spool_bytes",
         "spool_segments",
         "spool_oldest_age_seconds",

@@ -139,7 +139,8 @@ def build_app(
             if d.healthy == 0
         }
         if down:
-            # A destination is unreachable; its batches spool: degraded, not failed.
+            # A destination is unreachable (its batches spool, or its sink still
+            # retries): degraded, not failed.
             return JSONResponse({"status": "degraded", "unhealthy_destinations": down})
         ingress = snap.ingress
         if ingress.dropped or ingress.shed:

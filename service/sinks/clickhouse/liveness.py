@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -59,33 +61,51 @@ class ServerSilent(NotReached):
 
 
 class _Outcomes:
-    """What the call's and the ping's threads handed back, and a wake-up for
-    the task waiting on them (``deliver_*`` run in those threads, never raise)."""
+    """What the call's and the watchdog's threads handed back, and a wake-up
+    for the task waiting on them (``deliver_*`` run in those threads and
+    never raise)."""
 
     def __init__(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
+        #: Set once the call returned, or its caller stopped waiting: the watchdog ends.
+        self.over = threading.Event()
         self.call: outcome.Outcome[Any] | None = None
-        self.ping: outcome.Outcome[Any] | None = None
+        self.silent: outcome.Outcome[ServerSilent | None] | None = None
 
     def deliver_call(self, result: outcome.Outcome[Any]) -> None:
         self.call = result
+        self.over.set()
         self._wake()
 
-    def deliver_ping(self, result: outcome.Outcome[Any]) -> None:
-        self.ping = result
+    def deliver_silent(self, result: outcome.Outcome[ServerSilent | None]) -> None:
+        self.silent = result
         self._wake()
 
     def _wake(self) -> None:
         with contextlib.suppress(trio.RunFinishedError):  # abandoned, and the loop is gone
-            self._token.run_sync_soon(self._set)
-
-    def _set(self) -> None:
-        self._changed.set()
+            self._token.run_sync_soon(self._changed.set)
 
     async def wait(self) -> None:
         await self._changed.wait()
         self._changed = trio.Event()
+
+
+def _watchdog(watch: ChecksLiveness, timeout: float, over: threading.Event) -> ServerSilent | None:
+    """In a thread: every ``timeout`` seconds while the call runs, ask the
+    server; the first ping it does not answer ends the watch.  Real time
+    (``threading``), not the Trio clock: a network timeout is real, and a
+    test's virtual clock would ping at every jump."""
+    started = time.monotonic()
+    while not over.wait(timeout):
+        try:
+            watch.check_alive()
+        except OSError as exc:
+            silent = time.monotonic() - started
+            return ServerSilent(
+                f"no answer for {silent:.3g} s, and none to GET /ping either: {exc}"
+            )
+    return None
 
 
 async def run_watched(
@@ -102,30 +122,20 @@ async def run_watched(
         return await trio.to_thread.run_sync(call, fn, *args, abandon_on_cancel=True)
     assert isinstance(watch, ChecksLiveness)
     done = _Outcomes()
-    started = trio.current_time()
-    # start_thread_soon hands ``deliver_call`` the call's outcome (its value or error).
+    # start_thread_soon hands ``deliver_*`` the function's outcome (its value or error).
     trio.lowlevel.start_thread_soon(functools.partial(call, fn, *args), done.deliver_call)
-    next_ping = started + timeout
-    pinging = False
-    while done.call is None:
-        if done.ping is not None:  # the server answered the ping, or did not
-            answer, done.ping, pinging = done.ping, None, False
-            if isinstance(answer, outcome.Error) and isinstance(answer.error, OSError):
-                silent = trio.current_time() - started
-                raise ServerSilent(
-                    f"no answer for {silent:.3g} s, and none to GET /ping either: {answer.error}"
-                )
-            answer.unwrap()  # anything but an OSError is a bug: raised
-            next_ping = trio.current_time() + timeout
-            continue
-        if pinging:
-            await done.wait()  # the call's answer or the ping's, whichever comes first
-            continue
-        with trio.move_on_at(next_ping):
+    trio.lowlevel.start_thread_soon(
+        functools.partial(_watchdog, watch, timeout, done.over), done.deliver_silent
+    )
+    try:
+        while done.call is None:  # an answer wins over a silence found meanwhile
+            if done.silent is not None:
+                silent = done.silent.unwrap()  # a bug in the watchdog raises here
+                if silent is not None:
+                    raise silent  # the call is abandoned: it runs on in its thread
             await done.wait()  # cancelled from outside: the call is abandoned
-            continue
-        pinging = True
-        trio.lowlevel.start_thread_soon(watch.check_alive, done.deliver_ping)
+    finally:
+        done.over.set()  # no more pings for a call nobody waits for
     result: T = done.call.unwrap()
     return result
 
