@@ -37,6 +37,7 @@ def test_every_counters_class_declares_counts_apart_from_live_state():
     assert {d.field for d in declared(IngressCounters, "live")} == {
         "queued",
         "queued_key_controls",
+        "queued_sink_controls",
         "blocked_producers",
     }
     names = [

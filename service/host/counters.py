@@ -30,9 +30,12 @@ class IngressCounters:
     loop gone, or not started); key controls refused because ingress was
     full (``rejected_key_controls``, ``when_full="reject"``) or shed at the
     end of a capture block past ``max_block`` (``shed_key_controls``): their
-    keys stay open; what capture hooks
-    dropped or skipped, by hook and reason.  Live: records and key controls
-    queued now, producers blocked now."""
+    keys stay open; ``flush()`` calls that shared the flush queued last
+    instead of queueing another (``coalesced_flushes``); what capture hooks
+    dropped or skipped, by hook and reason.  Live: records, key controls
+    and flush/reload controls (``queued_sink_controls``) queued now,
+    producers blocked now (a flush, reload or key control waiting for room
+    counts as one)."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
     batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
@@ -85,6 +88,16 @@ class IngressCounters:
     queued_key_controls: int = live(
         "taproute_ingress_queued_key_controls",
         "Key controls accepted and not yet run (each takes one record's ingress room).",
+    )
+    coalesced_flushes: int = count(
+        "taproute_ingress_coalesced_flushes",
+        "flush() calls that shared the flush control queued last (nothing queued after "
+        "it) instead of queueing one more.",
+    )
+    queued_sink_controls: int = live(
+        "taproute_ingress_queued_sink_controls",
+        "Flush and reload controls accepted and not yet run (each takes one record's "
+        "ingress room).",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

@@ -23,6 +23,11 @@ A key control (complete, cancel, reopen) takes one record's room until the
 record worker ran it, and waits for room (or is refused, or shed past a
 capture block's ``max_block``) as a record does: a producer ending keys in a
 loop against a stalled router cannot grow ingress without bound.
+So does a flush or reload control (a close takes none: there is only ever
+one), waiting for room within its caller's timeout; a flush that finds the
+last control queued a flush of its kind, with nothing queued after it, shares
+that control instead: repeated ``flush(timeout=...)`` calls against a stalled
+router leave one control behind, not one each.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ from taproute.service.host.counters import IngressCounters
 from taproute.service.host.ingress_control import Control, ControlKind, Item
 
 WhenFull = Literal["block", "reject"]
+
+
+class NotQueued(TimeoutError):
+    """A flush or reload whose timeout ran out while it waited for ingress
+    room: nothing was queued for it (and nothing is left behind)."""
+
 
 #: How long a deferred (capture hook) batch may wait before the loop takes it.
 WAKE_DELAY_S = 0.02
@@ -134,6 +145,9 @@ class Ingress:
         # Key controls accepted (producers) and run (the record worker).
         self._in_controls = 0
         self._out_controls = 0
+        # Flush and reload controls accepted and run (a close takes no room).
+        self._in_sink_controls = 0
+        self._out_sink_controls = 0
         self._pending_rows: list[tuple[int, ...]] = []
         self._pending_payloads: list[bytes] = []
         self._wake: Callable[[], None] | None = None
@@ -200,9 +214,25 @@ class Ingress:
         """Key controls accepted and not yet run by the record worker."""
         return self._in_controls - self._out_controls
 
+    @property
+    def queued_sink_controls(self) -> int:
+        """Flush and reload controls accepted and not yet run by the record worker."""
+        return self._in_sink_controls - self._out_sink_controls
+
+    def _queued(self) -> int:
+        """Records and controls queued, each taking one record's room."""
+        return (
+            self._in_records
+            - self._out_records
+            + self._in_controls
+            - self._out_controls
+            + self._in_sink_controls
+            - self._out_sink_controls
+        )
+
     def _fits(self, records: int, nbytes: int, controls: int = 0) -> bool:
-        # A queued key control takes one record's room (and no bytes).
-        queued = self._in_records - self._out_records + self._in_controls - self._out_controls
+        # A queued control (but a close) takes one record's room (and no bytes).
+        queued = self._queued()
         if queued <= 0:
             return True  # an oversize batch still goes, alone
         return (
@@ -217,16 +247,18 @@ class Ingress:
         timeout: float | None = None,
         offer: PendingOffer | None = None,
         controls: int = 0,
+        refuse: bool = True,
     ) -> bool:
         """With the lock held: block (or refuse) until the item fits.
 
         With ``timeout`` (seconds), gives up after that long and returns False;
-        with ``offer``, returns False once it is withdrawn.  ``controls``: key
+        with ``offer``, returns False once it is withdrawn.  ``controls``:
         controls (one record's room each, never refused here) besides records.
+        ``refuse=False``: wait even under ``when_full="reject"``.
         """
         if self._fits(records, nbytes, controls):
             return True
-        if self.when_full == "reject":
+        if refuse and self.when_full == "reject":
             self.counters.rejected += records
             raise IngressFull(
                 f"ingress full ({self.queued_records}/{self.capacity_records} records, "
@@ -333,7 +365,7 @@ class Ingress:
         with self._lock:
             if self._failed is not None or self._closed:
                 self._check_open()
-            queued = self._in_records - self._out_records + self._in_controls - self._out_controls
+            queued = self._queued()
             if queued > 0 and (
                 queued + records > self.capacity_records
                 or self._in_bytes - self._out_bytes + nbytes > self.capacity_bytes
@@ -400,11 +432,22 @@ class Ingress:
         *,
         bounded: bool = False,
         max_block: float | None = None,
+        timeout: float | None = None,
     ) -> Future[Any]:
-        """Queue a flush, close or key-lifecycle control after everything queued so far.
+        """Queue a flush, close, reload or key-lifecycle control after everything queued so far.
 
         A flush (or key control) after a failure or close fails at once; a
         second close is a no-op; a close after a failure still stops the loop.
+        A close never waits for room (there is only one): it always gets through.
+
+        A flush or reload takes one record's room until the record worker
+        ran it.  A flush finding a flush of its kind last in the queue (no
+        record, control or coalesced single record after it) shares that
+        one's future instead (counted ``coalesced_flushes``): it covers
+        everything queued before this call.  Otherwise, while ingress is
+        full, it waits for room at most ``timeout`` seconds (None: no bound),
+        under either ``when_full`` (both are calls that wait); past it its
+        future fails with :class:`NotQueued` and nothing is queued.
 
         A key control takes one record's room until the record worker ran it:
         while ingress is full it waits for room (``when_full="block"``), or its
@@ -434,10 +477,19 @@ class Ingress:
                 # Close goes through even after a failure: the loop must still stop.
                 self._closed = True
                 self._space.notify_all()
-            if isinstance(kind, KeyAction) and not self._room_for_control(
-                control, bounded, max_block
-            ):
-                return control.future
+            if isinstance(kind, KeyAction):
+                if not self._room_for_control(control, bounded, max_block):
+                    return control.future
+            elif kind != "close":
+                shared = self._queued_flush(kind)
+                if shared is None and not self._fits(0, 0, 1):
+                    if not self._wait_for_sink_control(control, timeout):
+                        return control.future
+                    shared = self._queued_flush(kind)  # queued while this one waited
+                if shared is not None:
+                    self.counters.coalesced_flushes += 1
+                    return shared.future
+                self._in_sink_controls += 1
             self._seal_pending()
             self._queue.append(control)
             self._schedule_wake()
@@ -485,6 +537,47 @@ class Ingress:
         self._in_controls += 1
         return True
 
+    def _queued_flush(self, kind: ControlKind) -> Control | None:
+        """With the lock held: the flush control of ``kind`` queued last, with
+        nothing queued after it (a later flush may share it), else None."""
+        if kind not in ("flush", "deliver") or self._pending_rows:
+            return None
+        try:
+            last = self._queue[-1]  # the record worker may take it meanwhile: still in order
+        except IndexError:
+            return None
+        if isinstance(last, Control) and last.kind == kind and not last.future.done():
+            return last
+        return None
+
+    def _wait_for_sink_control(self, control: Control, timeout: float | None) -> bool:
+        """With the lock held: wait at most ``timeout`` seconds for one record's
+        room for a flush or reload ``control``; True once it fits, False (its
+        future failed: :class:`NotQueued`, or the runtime closed or failed
+        while it waited) otherwise."""
+        what = "flush(wait=True)" if control.kind == "deliver" else str(control.kind)
+        try:
+            fits = self._wait_for_space(0, 0, thread_wait(timeout), controls=1, refuse=False)
+            if fits:
+                self._check_open()
+        except Exception as exc:
+            closed = self._failed is None and self._closed
+            control.future.set_exception(
+                SinkClosed(f"runtime is closed; {what} refused") if closed else exc
+            )
+            return False
+        if not fits:
+            control.future.set_exception(
+                NotQueued(
+                    f"{what}: ingress stayed full for {timeout} s (the router is not taking "
+                    f"records: {self.queued_records} record(s) and "
+                    f"{self.queued_key_controls + self.queued_sink_controls} control(s) "
+                    "queued); not queued, nothing left behind"
+                )
+            )
+            return False
+        return True
+
     def _seal_pending(self) -> None:
         """With the lock held: turn coalesced single records into one batch."""
         if not self._pending_rows:
@@ -526,12 +619,14 @@ class Ingress:
             return False
         return True
 
-    def done(self, records: int, nbytes: int, controls: int = 0) -> None:
+    def done(self, records: int, nbytes: int, controls: int = 0, sink_controls: int = 0) -> None:
         """The record worker handed batches on (and ran ``controls`` key
-        controls): free their ingress capacity."""
+        controls, ``sink_controls`` flush and reload controls): free their
+        ingress capacity."""
         self._out_records += records
         self._out_bytes += nbytes
         self._out_controls += controls
+        self._out_sink_controls += sink_controls
         self._stalled = False  # ingress moves again: a bounded offer may wait
         # A producer counts itself blocked before its last look at the room,
         # so one that missed this room is seen here.
@@ -592,6 +687,7 @@ class Ingress:
                 counters,
                 queued=self._in_records - self._out_records,
                 queued_key_controls=self._in_controls - self._out_controls,
+                queued_sink_controls=self._in_sink_controls - self._out_sink_controls,
                 dropped={hook: dict(r) for hook, r in counters.dropped.items()},
                 skipped={hook: dict(r) for hook, r in counters.skipped.items()},
             )

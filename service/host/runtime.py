@@ -421,7 +421,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 continue
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
-            records = nbytes = controls = 0
+            records = nbytes = controls = sink_controls = 0
             run: list[RecordBatch] = []  # batches to merge, in queue order
             position = 0
             try:
@@ -437,6 +437,8 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                     if isinstance(item, Control):
                         if isinstance(item.kind, KeyAction):
                             controls += 1  # its ingress room, given back with the records'
+                        elif item.kind != "close":
+                            sink_controls += 1  # a flush's or reload's, the same
                         if await self._control(item):
                             self._sink_closed = True
                             return
@@ -449,7 +451,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 self._give_up([*run, *items[position + 1 :]], gone, count="abandoned")
                 raise
             finally:
-                self._ingress.done(records, nbytes, controls)
+                self._ingress.done(records, nbytes, controls, sink_controls)
 
     async def _hand_on(self, batches: list[RecordBatch]) -> None:
         """Submit ``batches`` (taken in this order) to the record sink, merged

@@ -12,6 +12,7 @@ declared here.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from contextlib import suppress
@@ -26,7 +27,7 @@ from taproute.routing.plan import Unmatched
 from taproute.routing.processors import ProcessorRegistry
 from taproute.routing.routes import RoutingConfig
 from taproute.routing.sink import RecordSink, Reloads, WaitsForDelivery
-from taproute.service.host.ingress import Ingress, thread_wait
+from taproute.service.host.ingress import Ingress, NotQueued, thread_wait
 from taproute.service.host.ingress_control import Control
 
 
@@ -125,14 +126,26 @@ class SinkControls:
         for every retry and spool: full delivery.
 
         Raises the first latched failure.
+
+        The flush's control takes one record's ingress room until it ran, so
+        repeated flushes against a stalled router stay bounded: with ingress
+        full it waits for room within ``timeout`` (a :class:`TimeoutError`
+        past it, nothing queued, nothing left behind), and a flush finding
+        the one queued last with nothing after it shares it (it covers every
+        record submitted before both): a loop of timed-out flushes leaves one
+        flush queued, which still runs once the router moves.
         """
         if self._thread is None:
             raise SinkClosed("runtime not started")
         self._ingress.refuse_on_loop("flush()")
+        wait_s = thread_wait(timeout)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         try:
             report: FlushReport | None = self._ingress.put_control(
-                "deliver" if wait else "flush"
-            ).result(thread_wait(timeout))
+                "deliver" if wait else "flush", timeout=wait_s
+            ).result(_left(deadline))
+        except NotQueued:
+            raise
         except TimeoutError:
             raise TimeoutError(
                 f"flush: not done within {timeout} s; what was submitted is still being "
@@ -215,6 +228,12 @@ class SinkControls:
         finish under the generation that accepted them, later ones route under
         the new one; records parked for a retry are tried again at once under
         it (see :meth:`RoutingSink.swap`).  Options as :meth:`RoutingSink.prepare`.
+
+        Its control takes one record's ingress room until it ran: with
+        ingress full it waits for room within ``timeout``; past it a
+        :class:`TimeoutError` says it was not queued, and the running
+        generation goes on (a timeout after it was queued: it may yet be
+        swapped in).
         """
         if self._reloads is None:
             raise TypeError(
@@ -236,12 +255,19 @@ class SinkControls:
             raise SinkClosed("runtime not started")
         try:
             self._ingress.refuse_on_loop("reload()")
-        except RuntimeError:
+            wait_s = thread_wait(timeout)
+        except (RuntimeError, TypeError, ValueError):
             generation.detach()
             raise
-        future = self._ingress.put_control("reload", payload=generation)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        # Its control takes one record's ingress room: with ingress full it
+        # waits for room within the timeout, else (NotQueued) never queued.
+        future = self._ingress.put_control("reload", payload=generation, timeout=wait_s)
         try:
-            number: int = future.result(thread_wait(timeout))
+            number: int = future.result(_left(deadline))
+        except NotQueued:
+            generation.detach()  # never queued
+            raise
         except TimeoutError:
             raise  # still queued: it may yet be swapped in
         except BaseException:
@@ -253,6 +279,11 @@ class SinkControls:
     def generation(self) -> int:
         """The configuration generation routing new records (0: a sink without any)."""
         return 0 if self._reloads is None else self._reloads.generation
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``time.monotonic``; None: no bound)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 __all__ = ["SinkControls"]
