@@ -61,6 +61,16 @@ class Attempt:
     #: A failed call the record worker made itself, queued for a pool worker to
     #: handle by the route's failure policy (None: the attempt is still to be made).
     pending: Outcome | None = None
+    #: Records of this attempt (and of its parts) settled so far by the task
+    #: handling it (processed, dead-lettered, dropped, or parked), shared with
+    #: its parts: when an unexpected failure cuts that task short, the rest
+    #: are counted given up (None: nobody counts).
+    tally: list[int] | None = None
+
+    def note_settled(self, records: int) -> None:
+        """``records`` of this attempt reached a counted state (see :attr:`tally`)."""
+        if self.tally is not None:
+            self.tally[0] += records
 
     def failed(self, code: FailureCode, error: BaseException, tb: str | None) -> None:
         """Note one more failure."""
@@ -94,6 +104,7 @@ class Attempt:
                 None if keys is None else keys[i : i + 1],
                 isolated=True,
                 park_ids=None if ids is None else ids[i : i + 1],
+                tally=self.tally,
             )
             for i in range(len(self.batch))
         ]

@@ -58,8 +58,10 @@ class RouteCounters:
     parked records included); ``processed`` input records done; ``emitted``
     records (forward) or rows (processed) handed to the destination; ``failed``
     input records given up; ``dropped`` discarded and counted (by a cancel,
-    or terminal under the ``drop`` policy); so once nothing is queued,
-    ``accepted = processed + failed + dropped + parked``.  ``retries`` made;
+    or terminal under the ``drop`` policy); ``given_up`` left unfinished by
+    an unexpected internal failure of the route (latched: the runtime has
+    failed), neither processed nor dead-lettered; so once nothing is queued,
+    ``accepted = processed + failed + dropped + given_up + parked``.  ``retries`` made;
     ``recovered`` records processed after failing;
     ``declined`` by the route's predicate (``last_decline``: why, last time);
     ``derived``: records of its output that chained routes took again;
@@ -100,6 +102,11 @@ class RouteCounters:
     emitted: int = count("taproute_route_emitted_records", "Records or rows a route sent on.")
     failed: int = count(
         "taproute_route_failed_records", "Input records a route gave up on (dead-lettered)."
+    )
+    given_up: int = count(
+        "taproute_route_given_up_records",
+        "Input records an unexpected internal failure of the route (latched) left "
+        "unfinished: neither processed nor dead-lettered.",
     )
     valid_slots: int | None = live(
         "taproute_route_valid_slots", "State slots holding state (stateful routes).", None

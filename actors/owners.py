@@ -224,12 +224,14 @@ class StatefulRoute(KeyedRoute):
                     await self._admit_together(held, attempt, more, mailbox)
                     continue
             settled = self._settled_records()
+            attempt.tally = tally = [0]
             try:
                 await self._admit(held, attempt)
             except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
                 self._count_cut(batch, settled)
                 raise
             except Exception as exc:
+                self._count_given_up(len(batch), tally)
                 self._latch.latch(exc, route=self.name, where="stateful owner")
             finally:
                 self._settle(batch)
@@ -303,7 +305,9 @@ class StatefulRoute(KeyedRoute):
         """:meth:`_admit` of several new batches, in order, their calls made
         in one thread hop until one fails; those after it are admitted again
         one by one (behind its key, if it was held)."""
-        attempts = [first] + [Attempt(*message) for message, _, _ in more]
+        tally = [0]  # shared: one count for the lot
+        attempts = [first] + [Attempt(m[0], m[1], tally=tally) for m, _, _ in more]
+        first.tally = tally
         settled = self._settled_records()
         try:
             screened = []
@@ -343,6 +347,7 @@ class StatefulRoute(KeyedRoute):
                 self.counters.abandoned += sum(len(a.batch) for a in attempts)
             raise
         except Exception as exc:
+            self._count_given_up(sum(len(a.batch) for a in attempts), tally)
             self._latch.latch(exc, route=self.name, where="stateful owner")
         finally:
             self._settle(first.batch)
@@ -463,11 +468,16 @@ class StatefulRoute(KeyedRoute):
                 continue
             head.scheduled = False
             self.parked.release(head)
-            # Screened again: a complete, cancel or reopen ahead of it in the
-            # queue may have changed its key's state since it arrived.
-            screened = await self._screen(head)
-            if screened is not None:
-                await self._process(screened)
+            head.tally = tally = [0]
+            try:
+                # Screened again: a complete, cancel or reopen ahead of it in
+                # the queue may have changed its key's state since it arrived.
+                screened = await self._screen(head)
+                if screened is not None:
+                    await self._process(screened)
+            except Exception:  # latched by the owner: no longer parked, counted here
+                self._count_given_up(len(head.batch), tally)
+                raise
             if queue and isinstance(queue[0], Attempt) and queue[0].scheduled:
                 return  # failed again: parked at the front with a new backoff
         held.pop(key, None)

@@ -66,7 +66,7 @@ class StatelessRoute(RouteActor):
         """
         await self.parked.wait_for_room()
         self.counters.accepted += len(batch)
-        attempt = Attempt(batch)
+        attempt = Attempt(batch, tally=[0])
         if not (
             self._idle_workers
             and self.mailbox.idle
@@ -88,6 +88,8 @@ class StatelessRoute(RouteActor):
                 attempt.pending = outcome
                 await self._enqueue(self.mailbox, attempt, batch)
         except Exception as exc:
+            assert attempt.tally is not None
+            self._count_given_up(len(batch), attempt.tally)
             self._latch.latch(exc, route=self.name, where="stateless attempt in the record worker")
         finally:
             self._settle(batch)
@@ -118,6 +120,7 @@ class StatelessRoute(RouteActor):
             finally:
                 self._idle_workers -= 1
             settled = self._settled_records()
+            attempt.tally = tally = [0]
             try:
                 if attempt.pending is not None:  # a failed call made by the record worker
                     outcome, attempt.pending = attempt.pending, None
@@ -128,6 +131,7 @@ class StatelessRoute(RouteActor):
                 self._count_cut(attempt.batch, settled)
                 raise
             except Exception as exc:
+                self._count_given_up(len(attempt.batch), tally)
                 self._latch.latch(exc, route=self.name, where="stateless worker")
             finally:
                 self._settle(attempt.batch)

@@ -79,6 +79,7 @@ class RetryQueue(Generic[T]):
         if attempt.hold is None:
             attempt.hold = attempt.batch.retain()
             self.counters.parked += len(attempt.batch)
+            attempt.note_settled(len(attempt.batch))
 
     def release(self, attempt: Attempt) -> None:
         """Give ``attempt``'s buffer back (idempotent); wakes producers waiting for room."""

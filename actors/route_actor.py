@@ -183,6 +183,13 @@ class RouteActor(RouteScreening):
         off, whose records are then counted as abandoned."""
         return self.counters.processed + self.counters.failed + self.counters.dropped
 
+    def _count_given_up(self, records: int, tally: list[int]) -> None:
+        """An unexpected failure (latched by the caller) cut short the task
+        handling an attempt of ``records`` records: those it had not settled
+        (``tally``: processed, dead-lettered, dropped or parked) are counted
+        given up, so every record accepted still ends in a count."""
+        self.counters.given_up += max(0, records - tally[0])
+
     def _count_cut(self, batch: RecordBatch, settled_before: int) -> None:
         """``batch``'s call was cancelled (a shutdown's grace ran out): count
         its records as abandoned unless the call had already settled them."""
@@ -291,6 +298,7 @@ class RouteActor(RouteScreening):
     async def _discard(self, attempt: Attempt) -> None:
         """Drop ``attempt``'s records, counted (a cancel, the terminal ``drop`` policy)."""
         self.counters.dropped += len(attempt.batch)
+        attempt.note_settled(len(attempt.batch))
         await self._unpark(attempt)
 
     async def _isolate(self, unit: Attempt) -> None:
@@ -315,6 +323,7 @@ class RouteActor(RouteScreening):
             if self.chain is not None:
                 self.counters.derived += await self.chain.rows(attempt.batch, rows)
         self.counters.processed += len(attempt.batch)
+        attempt.note_settled(len(attempt.batch))
         if attempt.failures:
             self.counters.recovered += len(attempt.batch)
         if attempt.park_ids is not None:
@@ -349,6 +358,7 @@ class RouteActor(RouteScreening):
         ``generation``: the one it was last tried under (default: this route's)."""
         assert attempt.code is not None and attempt.error is not None
         self.counters.failed += len(attempt.batch)
+        attempt.note_settled(len(attempt.batch))
         failure = RecordFailure(
             route=self.name,
             processor=self.planned.route.processor,

@@ -106,6 +106,11 @@ def check_grace_timeout(timeout: object) -> float:
     return math.inf if bounded is None else float(bounded)
 
 
+def _loop_error(exc: BaseException) -> Exception:
+    """What the loop's death by ``exc`` is reported as (an Exception)."""
+    return exc if isinstance(exc, Exception) else RuntimeError(f"loop stopped: {exc!r}")
+
+
 def _sole(exc: BaseException) -> BaseException:
     """The one exception inside nested one-member groups (Trio nurseries wrap)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
@@ -280,7 +285,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             trio.run(self._main)
         except BaseException as exc:  # the loop died: refuse producers, fail waiters
             exc = _sole(exc)  # a sink refusing to start is its error, not a nursery's group
-            error = exc if isinstance(exc, Exception) else RuntimeError(f"loop stopped: {exc!r}")
+            error = _loop_error(exc)
             if not self._ready.is_set():
                 self._start_error = error
             failure = self._latch.latch(error, where="runtime loop")
@@ -424,16 +429,20 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             records = nbytes = controls = sink_controls = 0
             run: list[RecordBatch] = []  # batches to merge, in queue order
             position = 0
+            started = False  # items[position] is being handled (or is in `run`)
             try:
                 for position, item in enumerate(items):  # noqa: B007 - read on cancel
+                    started = False
                     if isinstance(item, RecordBatch):
                         records += len(item)
                         nbytes += item.payload.nbytes
                         if self._arena is not None and mergeable(item):
                             run.append(item)
+                            started = True
                             continue
                     if run:
                         await self._hand_on(run)
+                    started = True
                     if isinstance(item, Control):
                         if isinstance(item.kind, KeyAction):
                             controls += 1  # its ingress room, given back with the records'
@@ -448,7 +457,16 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                     await self._hand_on(run)
             except trio.Cancelled:  # the grace ran out: what was taken and not handed on
                 gone = SinkClosed("runtime stopped: the shutdown grace ran out")
-                self._give_up([*run, *items[position + 1 :]], gone, count="abandoned")
+                left = items[position + 1 if started else position :]
+                self._give_up([*run, *left], gone, count="abandoned")
+                raise
+            except BaseException as exc:
+                # The loop dies (a sink raised past Exception: SystemExit, ...):
+                # what was taken and not handed on is given up, counted, and
+                # its controls fail, as what is still in ingress will.
+                failure = self._latch.latch(_loop_error(exc), where="runtime loop")
+                left = items[position + 1 if started else position :]
+                self._give_up([*run, *left], failure, count="given_up")
                 raise
             finally:
                 self._ingress.done(records, nbytes, controls, sink_controls)
@@ -458,10 +476,11 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         into one when the arena spans their payloads, and release each once.
 
         Empties ``batches``.  A failure is latched; later batches are released
-        without being submitted.  Records never handed on because of a
-        failure (the sink's submit raised, or one was latched before) are
-        counted as given up at ingress (``taproute_ingress_given_up_records``):
-        ``submit()`` had accepted them.
+        without being submitted (given up and released at once when the
+        sink's submit raised past Exception and the loop dies).  Records
+        never handed on because of a failure (the sink's submit raised, or
+        one was latched before) are counted as given up at ingress
+        (``taproute_ingress_given_up_records``): ``submit()`` had accepted them.
         """
         handed = list(batches)
         batches.clear()
@@ -492,6 +511,11 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                     self._sink_abandoned[1] += 1
                 gone = SinkClosed("runtime stopped: the shutdown grace ran out")
                 self._give_up(list(handed[position + 1 :]), gone, count="abandoned")
+                raise
+            except BaseException as exc:  # the loop dies: this one and the rest given up
+                self._ingress.counters.given_up += len(batch)
+                failure = self._latch.latch(_loop_error(exc), where="record sink submit")
+                self._give_up(list(handed[position + 1 :]), failure, count="given_up")
                 raise
             finally:
                 self._sink_call = None

@@ -18,6 +18,8 @@ from concurrent.futures import Future
 from contextlib import suppress
 from typing import Any
 
+import trio
+
 from taproute.actors.routing_sink import RoutingSink
 from taproute.routing.errors import FlushCutOff, KeyNotHeld, SinkClosed
 from taproute.routing.flush_report import FlushReport
@@ -82,12 +84,14 @@ class SinkControls:
                 with suppress(Exception):  # already failing; the first error stands
                     await self.record_sink.close()
             control.future.set_exception(failure)
-        except BaseException:  # cancelled: a shutdown's grace ran out
+        except BaseException as exc:  # cancelled (a shutdown's grace ran out), or the loop dies
             if not control.future.done():
                 if isinstance(control.kind, KeyAction):
                     self._ingress.count_failed_key_control()
                 control.future.set_exception(
                     SinkClosed(f"runtime stopped: the shutdown grace ran out during {control.kind}")
+                    if isinstance(exc, trio.Cancelled)
+                    else SinkClosed(f"runtime loop stopped during {control.kind}: {exc!r}")
                 )
             raise
         else:
