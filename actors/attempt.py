@@ -491,4 +491,12 @@ def judged(planned: PlannedRoute, result: Any) -> Outcome:
         )
     except OutputLayoutMismatch as exc:
         return Outcome(code=FailureCode.HANDLER_INVALID, error=exc)
+    except Exception as exc:  # the check itself raised on what came back: still a bad output
+        error = OutputLayoutMismatch(
+            f"route {planned.name!r}, processor {planned.processor.name!r}, output layout "
+            f"{planned.output_layout.name!r}: the output could not be checked: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return Outcome(code=FailureCode.HANDLER_INVALID, error=error)
     return Outcome(rows=rows)

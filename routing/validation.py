@@ -166,7 +166,10 @@ def _check_objects(
 
 
 def _shown(value: object) -> str:
-    return f"{type(value).__name__} {value!r:.60}"
+    try:
+        return f"{type(value).__name__} {value!r:.60}"
+    except Exception as exc:  # a user object whose repr raises is still named
+        return f"{type(value).__name__} (its repr raised {type(exc).__name__})"
 
 
 def _first_bad_array(
@@ -189,7 +192,7 @@ def _first_bad_array(
         elif isinstance(value, list | tuple):
             try:
                 array = np.asarray(value)
-            except ValueError:  # ragged
+            except Exception:  # ragged, or an element numpy cannot take (a tensor needing grad)
                 return row, _KIND_EXPECTED.format(element), _shown(value)
         else:
             return row, _KIND_EXPECTED.format(element), _shown(value)
