@@ -251,6 +251,8 @@ async def test_a_stateful_owner_admitting_batches_in_one_hop_cut_short_counts_th
 
 
 async def test_a_held_keys_retry_cut_short_counts_its_records_given_up(autojump_clock):
+    """No call deadline (0): under the autojump clock a call in a worker
+    thread would outlive any, and time out (retried again) at random."""
     FLAKY[2] = 1  # parked once, its key held
     BROKEN.add(2)  # the retry's output check breaks
 
@@ -261,7 +263,7 @@ async def test_a_held_keys_retry_cut_short_counts_its_records_given_up(autojump_
         await sink.flush(wait=True)  # the retry comes
 
     r, _, _ = await _run(
-        _config("stateful", workers=1, failure_policy=FailurePolicy(max_failures=5)),
+        _config("stateful", workers=1, failure_policy=FailurePolicy(max_failures=5, deadline=0)),
         "stateful owner",
         body,
     )
