@@ -94,6 +94,11 @@ class Attempt:
             park_ids=None if self.park_ids is None else self.park_ids[selection],
         )
 
+    def afresh(self) -> Attempt:
+        """These records as an attempt of their own, with no history but their
+        park ids: a part of a failed call whose failure may not be theirs."""
+        return Attempt(self.batch, self.keys, park_ids=self.park_ids, tally=self.tally)
+
     def singles(self) -> list[Attempt]:
         """One fresh attempt per record, in order, marked isolated (no history but
         its park id)."""

@@ -11,8 +11,10 @@ Retryable ones are parked (:mod:`taproute.actors.retry`) and tried again
 after the policy's backoff, without holding other records.  What is given up
 goes to the failure handler (the dead-letter store).  A batch that fails for
 a non-retryable reason is re-run record by record, so one malformed record
-does not take its neighbours down with it; this isolation is written once,
-here, for both processing kinds.
+does not take its neighbours down with it (a stateful call over several keys
+is re-run key by key first, each key's records in one call, and record by
+record only within a key whose call fails again); this isolation is written
+once, here, for both processing kinds.
 
 A route's predicate (the verdict on a batch, and a failed predicate's
 records given up) is :class:`~taproute.actors.route_predicates.RouteScreening`.
@@ -262,8 +264,15 @@ class RouteActor(RouteScreening):
         attempt.failed(outcome.code, outcome.error, outcome.traceback)
         self._count_failure(attempt)
         code = outcome.code
-        for unit in self._units(attempt):
-            if not code.retryable and len(unit.batch) > 1 and not unit.isolated:
+        units = self._units(attempt)
+        for unit in units:
+            if not code.retryable and len(units) > 1:
+                # One key's records of a call over several keys: the call's
+                # failure may be another key's.  Run again on their own (one
+                # call, isolated record by record only if that fails too), so
+                # a good key's records are not given up with a bad one's.
+                await self._process(unit.afresh())
+            elif not code.retryable and len(unit.batch) > 1 and not unit.isolated:
                 await self._isolate(unit)
             elif self.policy.gives_up(
                 code, unit.failures, unit.first_failure_at, trio.current_time()

@@ -82,9 +82,9 @@ async def test_an_output_the_check_cannot_read_is_dead_lettered_and_the_route_go
     async with open_routing_sink(
         config, SCHEMA, {"out": out}, "out", hooks=hooks, on_failure=dead.append
     ) as sink:
-        # One key for all (a stateful route isolates a failed key's records one
-        # by one; single-record keys of a failed call are given up as they are).
-        keys = np.zeros(4, np.int64)
+        # A key per record: a stateful route re-runs each key of a failed call
+        # on its own, so only the bad record's key fails again.
+        keys = np.arange(4, dtype=np.int64)
         await sink.submit(vec_batch(q, 4, keys=keys))  # seqs 0..3
         await sink.submit(vec_batch(q, 4, keys=keys, seq_start=4))
         await sink.flush()  # before: raised the latched RuntimeError
@@ -97,7 +97,7 @@ async def test_an_output_the_check_cannot_read_is_dead_lettered_and_the_route_go
     assert failure.records.descriptors["seq"].tolist() == [GRAD_SEQ]
     assert "column 'hidden'" in str(failure.error) and "grad_fn" in str(failure.error)
     if state is not None:  # each good record applied once: the refused calls rolled back
-        assert state.slots[0, 0] == 7.0
+        assert state.slots[:4, 0].tolist() == [2.0, 2.0, 1.0, 2.0]
 
 
 class BrokenRepr:
