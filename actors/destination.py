@@ -31,6 +31,7 @@ import trio
 from taproute.actors.attempt import Placement
 from taproute.actors.counters import DestinationCounters
 from taproute.actors.cuttable import CuttableCalls
+from taproute.actors.fairness import YIELD_AFTER_S
 from taproute.actors.inflight import InFlight
 from taproute.actors.mailbox import Mailbox
 from taproute.routing.batch import Batch, RecordBatch
@@ -71,11 +72,6 @@ async def release_unclosed(sink: object) -> None:
     if isinstance(sink, ReleasesWhenCut):
         with trio.move_on_after(RELEASE_WITHIN_S, shield=True):
             await sink.release_when_cut()
-
-
-#: A destination actor drains queued batches without a scheduler trip for each
-#: (a hop costs more than the work); it still yields this often.
-_YIELD_EVERY = 64
 
 
 class RawSender(Protocol):
@@ -355,13 +351,19 @@ class DestinationActor:
         """Submit every queued batch, in order, until the mailbox is closed."""
         sink = self.sink
         assert sink is not None, "open() the destination before running it"
-        handled = 0
+        resumed = time.perf_counter()
         while True:
-            handled += 1
-            if handled % _YIELD_EVERY == 0:
-                await trio.lowlevel.checkpoint()  # stay fair to other actors
+            # Queued batches are drained without a scheduler trip for each (a
+            # hop costs more than the work), but the loop is handed over once
+            # this task has run YIELD_AFTER_S: every other task on the loop
+            # (HTTP, the record worker, timers) waits that long per round, not
+            # for a run of sink submits however slow they are.
+            if time.perf_counter() - resumed >= YIELD_AFTER_S:
+                await trio.lowlevel.checkpoint()
+                resumed = time.perf_counter()
             await self._settle_if_due()
             self._receiving = True
+            waits = self.mailbox.messages == 0
             try:
                 route, batch = await self.mailbox.receive()
             except trio.EndOfChannel:
@@ -370,6 +372,8 @@ class DestinationActor:
                 return
             finally:
                 self._receiving = False
+            if waits:  # it waited: a schedule point just passed
+                resumed = time.perf_counter()
             await self._direct_submit_ended()
             if isinstance(batch, Settle):
                 if not self._settling:

@@ -34,7 +34,7 @@ import trio
 
 from taproute.actors.counters import Observable, ReportsStore, RouterSnapshot
 from taproute.actors.destination import is_sink, release_unclosed
-from taproute.actors.fairness import scheduled_now
+from taproute.actors.fairness import scheduled_now, yield_if_due
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import ConfigError, ShutdownAbandoned, SinkClosed
 from taproute.routing.hooks import HookRegistry
@@ -453,6 +453,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                             return
                     else:
                         await self._hand_on([item])
+                    # A full ingress is many batches: hand the loop to the other
+                    # tasks (HTTP, destinations, timers) between them, not only
+                    # once it is all handed on.
+                    await yield_if_due()
                 if run:
                     await self._hand_on(run)
             except trio.Cancelled:  # the grace ran out: what was taken and not handed on
