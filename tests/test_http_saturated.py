@@ -1,5 +1,7 @@
 """/healthz, /metrics and /status answer promptly while producer threads hold
-ingress full and the destination keeps the runtime's loop busy.
+ingress full and the destination keeps the runtime's loop busy; ``POST
+/reload`` on a saturated router answers within its wait (202 while its swap is
+queued behind the ingress) and its generation routes in order.
 
 Prometheus scrapes with a 10 s timeout, Kubernetes probes often with 1 s: the
 endpoint must answer exactly when the router is busiest.  A destination whose
@@ -7,7 +9,9 @@ submits take loop time (Python work per batch, as a sink building Arrow
 tables does) once starved the HTTP tasks: the record worker ran a whole
 ingress (65,536 records) between two schedule points, a destination actor
 64 submits, and a request that needs about ten trips through the scheduler
-waited for about ten of those runs (3 s per /healthz here).
+waited for about ten of those runs (3 s per /healthz here).  And a reload,
+ordered behind what ingress holds, answered only once a slow destination had
+taken all of it (22 s in a fault probe), past any client's timeout.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from taproute.actors import RoutingSink
 from taproute.native import make_descriptors
 from taproute.routing import Batch, Route, RoutingConfig
 from taproute.service import HttpConfig, RecordService, create_record_runtime
+from taproute.service.host.config import load_config
+from taproute.service.host.reload import ConfigReloader
 from tests.processors import SCHEMA
+from tests.sinks import HeldInThread
+from tests.test_reload_service import NORMS, RAW, config_text
 
 #: Loop time each submit of the busy destination takes (2 ms per 256 records:
 #: ingress holds 256 of those batches).
@@ -90,10 +98,18 @@ def saturated(runtime: RecordService, producers: int = 4, batch: int = 256) -> I
             thread.join(60)
 
 
-def timed_get(url: str) -> tuple[float, int, str]:
+def timed_get(url: str, *, post: bool = False) -> tuple[float, int, str]:
+    """Seconds to the whole answer, its status and body (a POST with the token)."""
+    request = (
+        urllib.request.Request(
+            url, data=b"", method="POST", headers={"Authorization": "Bearer s3cret"}
+        )
+        if post
+        else urllib.request.Request(url)
+    )
     started = time.perf_counter()
     try:
-        with urllib.request.urlopen(url, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=60) as response:
             code, body = response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         code, body = error.code, error.read().decode()
@@ -129,3 +145,59 @@ def test_endpoints_answer_promptly_while_ingress_is_full_and_the_loop_busy():
     for times in took.values():
         assert max(times) <= ANSWER_WITHIN_S, report
         assert statistics.median(times) <= MEDIAN_WITHIN_S, report
+
+
+def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW))
+    config = load_config(path)
+    held = HeldInThread()  # the file's destination, held: nothing leaves ingress
+    sink = RoutingSink(config.routing_config(), SCHEMA, {"ch": held}, unmatched="drop")
+    http = HttpConfig(port=0, token="s3cret")
+    with create_record_runtime(record_sink=sink, http=http) as runtime:
+        runtime.reloader = ConfigReloader(runtime, config)
+        (url,) = runtime.http_urls
+        path.write_text(config_text(tmp_path, RAW + NORMS))
+        with saturated(runtime):
+            assert held.entered.wait(60)
+            try:
+                # Checked, queued behind the 65,536 records ingress holds, answered at once.
+                seconds, code, body = timed_get(f"{url}/reload?wait=0", post=True)
+                assert seconds <= ANSWER_WITHIN_S
+                assert (code, json.loads(body)) == (
+                    202,
+                    {"status": "queued", "running_generation": 1, "queued_reloads": 1},
+                )
+                # A wait is bounded: past it the answer says queued, and the reload goes on.
+                seconds, code, body = timed_get(f"{url}/reload?wait=0.2", post=True)
+                assert seconds <= 0.2 + ANSWER_WITHIN_S
+                assert (code, json.loads(body)["queued_reloads"]) == (202, 2)
+                # A file with problems is refused at once, whatever is queued.
+                path.write_text(config_text(tmp_path, RAW.replace('"ch"', '"nowhere"')))
+                seconds, code, body = timed_get(f"{url}/reload", post=True)
+                assert seconds <= ANSWER_WITHIN_S
+                assert code == 422 and "unknown destination 'nowhere'" in body
+                path.write_text(config_text(tmp_path, RAW + NORMS))
+                for wait in ("-1", "nan", "inf", "soon"):
+                    assert timed_get(f"{url}/reload?wait={wait}", post=True)[1] == 400
+                seconds, code, body = timed_get(f"{url}/status")
+                assert seconds <= ANSWER_WITHIN_S
+                status = json.loads(body)
+                assert (status["generation"], status["ingress"]["queued_reloads"]) == (1, 2)
+                assert list(status["routes"]) == ["raw"]
+                assert status["ingress"]["queued"] >= 65_536 // 2
+                metrics = timed_get(f"{url}/metrics")[2]
+                assert "taproute_ingress_queued_reloads 2.0" in metrics
+            finally:
+                held.release.set()
+        runtime.flush()  # queued after both reloads: they ran, in order, before it
+        status = json.loads(timed_get(f"{url}/status")[2])
+        assert (status["generation"], status["ingress"]["queued_reloads"]) == (3, 0)
+        assert list(status["routes"]) == ["raw", "norms"]
+        # Records submitted before the first reload went through generation 1
+        # alone; those after it through raw and norms both.
+        routes = status["routes"]
+        assert routes["raw"]["processed"] == status["ingress"]["submitted"]
+        assert 0 < routes["norms"]["processed"] < status["ingress"]["submitted"]
+        # Not saturated: the answer waits for the swap and says which generation.
+        assert timed_get(f"{url}/reload", post=True)[1:] == (200, '{"generation":4}')

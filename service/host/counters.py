@@ -34,8 +34,9 @@ class IngressCounters:
     instead of queueing another (``coalesced_flushes``); what capture hooks
     dropped or skipped, by hook and reason.  Live: records, key controls
     and flush/reload controls (``queued_sink_controls``) queued now,
-    producers blocked now (a flush, reload or key control waiting for room
-    counts as one)."""
+    reloads queued and not yet swapped in (``queued_reloads``), producers
+    blocked now (a flush, reload or key control waiting for room counts as
+    one)."""
 
     submitted: int = count("taproute_ingress_submitted_records", "Records producers submitted.")
     batches: int = count("taproute_ingress_submitted_batches", "Batches crossing into the router.")
@@ -98,6 +99,10 @@ class IngressCounters:
         "taproute_ingress_queued_sink_controls",
         "Flush and reload controls accepted and not yet run (each takes one record's "
         "ingress room).",
+    )
+    queued_reloads: int = live(
+        "taproute_ingress_queued_reloads",
+        "Reloads checked and queued behind the records submitted before them, not yet swapped in.",
     )
     #: Records capture hooks dropped before submitting them: hook -> reason -> records.
     dropped: dict[str, dict[str, int]] = attrs.Factory(dict)

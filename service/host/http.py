@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -111,14 +112,21 @@ def build_app(
     controls: DeadLetterControls | None = None,
     trace: Callable[..., Any] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    reload: Callable[[], int] | None = None,
+    reload: Callable[[float | None], Future[int]] | None = None,
     token: str | None = None,
 ) -> Starlette:
     """The ASGI app over a snapshot function (and the operator controls, if given).
 
     Every refusal, Starlette's own 404 and 405 included, is a 4xx with the
-    JSON body ``{"error": "..."}``; a bug answers a JSON 500.  With ``reload``,
-    ``POST /reload`` calls it (``token``: the bearer token it requires).
+    JSON body ``{"error": "..."}``; a bug answers a JSON 500.  With ``reload``
+    (it queues a reload, waiting for ingress room at most the seconds it is
+    given, and returns its future), ``POST /reload`` calls it
+    (``token``: the bearer token it requires) and waits for it within a
+    bound (see :func:`~taproute.service.ops.endpoints.reload_route`).
+
+    ``snapshot`` is called on the loop thread, once per request: the
+    handlers answer between two batches of a saturated router (the loop's
+    tasks hand it over every millisecond or so, ``actors/fairness.py``).
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
@@ -160,7 +168,15 @@ def build_app(
     if trace is not None:
         routes.append(trace_route(trace, max_body_bytes))
     if reload is not None:
-        routes.append(reload_route(reload, token))
+
+        def queued() -> dict[str, int]:
+            snap = snapshot()
+            return {
+                "running_generation": snap.generation,
+                "queued_reloads": snap.ingress.queued_reloads,
+            }
+
+        routes.append(reload_route(reload, token, queued))
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},

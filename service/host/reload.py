@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import tomllib
 import typing
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,13 +87,16 @@ def _changed(name: str) -> str:
 
 class ConfigReloader:
     """Reloads ``service`` (built from ``config``) from ``config.source``, re-read
-    at each call; thread-safe, one reload at a time.
+    at each call; thread-safe, one file read and check at a time.
 
     ``call_timeout``: the ``--call-timeout`` the service was started with,
     applied to every reloaded file as it was to the first.  Calling it returns
     the new generation's number, or raises :class:`ConfigFileError` listing
     every problem (the file's own, fixed sections changed, the new routes'
-    build problems, each at its key path).
+    build problems, each at its key path).  The new generation routes the
+    records submitted after the call: the call returns once those submitted
+    before it were handed on, which on a saturated router is what its
+    ingress holds (:meth:`queue` does not wait for that).
     """
 
     def __init__(
@@ -113,6 +117,19 @@ class ConfigReloader:
         self._lock = threading.Lock()
 
     def __call__(self) -> int:
+        return self.queue().result()
+
+    def queue(self, timeout: float | None = None) -> Future[int]:
+        """Read and check the file, build its generation, and queue the swap
+        behind the records submitted before; returns without waiting for the
+        swap: the future gives the new generation's number once it routes, or
+        raises why the swap refused it.  A file with problems raises
+        :class:`ConfigFileError` here, and nothing is queued.
+
+        The swap's control takes one record's ingress room: while ingress is
+        full this waits for room at most ``timeout`` seconds (None: no
+        bound); past it the future raises ``NotQueued`` (a
+        :class:`TimeoutError`) and nothing was queued."""
         with self._lock:
             try:
                 candidate = load_config(self.config.source)
@@ -142,9 +159,23 @@ class ConfigReloader:
                     generation.detach()
                 raise ConfigFileError(candidate.source, problems)
             assert generation is not None
-            number = self._service.swap(generation)
-            self.config = candidate
-            return number
+            swap = self._service.queue_swap(generation, timeout=timeout)
+        outcome: Future[int] = Future()
+
+        def swapped(done: Future[int]) -> None:
+            # Where the swap ran (the loop thread), or here: must never raise.
+            # The config is the new one before the caller learns the number
+            # (every accepted file has the running fixed sections, so a check
+            # made meanwhile compares against the same ones).
+            error = done.exception()
+            if error is not None:
+                outcome.set_exception(error)
+            else:
+                self.config = candidate
+                outcome.set_result(done.result())
+
+        swap.add_done_callback(swapped)
+        return outcome
 
 
 __all__ = [

@@ -63,7 +63,7 @@ from taproute.routing.sink import (
 )
 from taproute.service.host.batch_merge import SpansPayloads, merge, mergeable
 from taproute.service.host.closing import ClosesOnExit
-from taproute.service.host.counters import ServiceSnapshot
+from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull, thread_wait
 from taproute.service.host.ingress_control import Control
 from taproute.service.host.producer_calls import ProducerCalls
@@ -257,6 +257,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         #: Stores reported in the snapshot besides the record sink's (the
         #: service's dead-letter store when its sink is not a routing sink).
         self._stores: list[ReportsStore] = []
+        self._queued_swaps = set()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -651,6 +652,11 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         except trio.RunFinishedError:
             return self._snapshot_in_loop()
 
+    def _ingress_snapshot(self) -> IngressCounters:
+        counters = self._ingress.snapshot()  # a copy of its own
+        counters.queued_reloads = len(self._queued_swaps)
+        return counters
+
     def _snapshot_in_loop(self) -> ServiceSnapshot:
         observable = self._observable
         sink = (
@@ -670,7 +676,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             causal=sink.causal,
             unmatched_samples=sink.unmatched_samples,
             generation=sink.generation,
-            ingress=self._ingress.snapshot(),
+            ingress=self._ingress_snapshot(),
             stores={
                 **sink.stores,
                 **{s.name: s for s in (store.store_status() for store in self._stores)},

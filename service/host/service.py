@@ -20,6 +20,7 @@ inherited, never restated) with two independent pieces composed around it:
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import trio
@@ -85,7 +86,9 @@ class RecordService(RecordRuntime):
         )
         #: What ``POST /reload`` runs: re-reads the service's config file and
         #: reloads from it, returning the new generation (a service built from
-        #: a config file has one; see ``taproute.service.host.reload``).
+        #: a config file has one; see ``taproute.service.host.reload``).  One
+        #: with a ``queue()`` method (a ``ConfigReloader``) is queued instead,
+        #: so that the answer need not wait for a saturated router's ingress.
         self.reloader: Callable[[], int] | None = None
 
     async def _serve_http(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -103,14 +106,24 @@ class RecordService(RecordRuntime):
             self.http_urls = await nursery.start(serve_http, app, self.http)
             task_status.started()
 
-    def _reload_from_source(self) -> int:
+    def _reload_from_source(self, timeout: float | None = None) -> Future[int]:
+        """What ``POST /reload`` runs (in a worker thread): the reload queued
+        (a :class:`ConfigReloader` checks the file and queues its swap without
+        waiting for it, but for ingress room at most ``timeout`` seconds), or,
+        for another reloader, its call made and done."""
         reloader = self.reloader
         if reloader is None:
             raise NoReloader(
                 "this service was not started from a config file: reload it from Python "
                 "with service.reload(config)"
             )
-        return reloader()
+        queue = getattr(reloader, "queue", None)
+        if callable(queue):
+            queued: Future[int] = queue(timeout)
+            return queued
+        done: Future[int] = Future()
+        done.set_result(reloader())
+        return done
 
     # -- operator controls ---------------------------------------------------
 

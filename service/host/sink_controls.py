@@ -50,6 +50,8 @@ class SinkControls:
     _sink_call: str | None
     #: A close reached the record sink (its close lets go of its transport).
     _sink_close_started: bool = False
+    #: Swaps queued and not yet run (``ingress.queued_reloads``).
+    _queued_swaps: set[Future[int]]
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop."""
@@ -251,7 +253,39 @@ class SinkControls:
 
     def swap(self, generation: Any, *, timeout: float | None = None) -> int:
         """Apply a generation the sink prepared (``record_sink.prepare(...)``), in
-        submission order; returns its number (see :meth:`reload`)."""
+        submission order; returns its number (see :meth:`reload`).
+
+        ``timeout`` (seconds) bounds the whole wait, for ingress room (past it
+        :class:`NotQueued`, a :class:`TimeoutError`: never queued) and for the
+        swap (past it :class:`TimeoutError` and the swap stays queued: it may
+        yet be swapped in; ``counters().ingress.queued_reloads`` counts it
+        until then)."""
+        try:
+            wait_s = thread_wait(timeout)
+        except (TypeError, ValueError):
+            generation.detach()
+            raise
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        future = self.queue_swap(generation, timeout=wait_s)
+        try:
+            number: int = future.result(_left(deadline))
+        except TimeoutError:
+            raise  # never queued (NotQueued, detached as it settled), or still queued
+        except BaseException:
+            generation.detach()  # never swapped in (idempotent if it was refused there)
+            raise
+        return number
+
+    def queue_swap(self, generation: Any, *, timeout: float | None = None) -> Future[int]:
+        """Queue the swap of a prepared generation behind the records submitted
+        before, without waiting for it: the future gives its number once it
+        routes, or raises why it was refused (it is then detached).  Until it
+        is done, it counts in ``counters().ingress.queued_reloads``.
+
+        Its control takes one record's ingress room until it ran: with
+        ingress full it waits for room within ``timeout`` (seconds; None: as
+        long as it takes); past it the future raises :class:`NotQueued` and
+        nothing was queued."""
         if self._reloads is None:
             raise TypeError("swap: the record sink has no configuration generations")
         if self._thread is None:
@@ -259,25 +293,23 @@ class SinkControls:
             raise SinkClosed("runtime not started")
         try:
             self._ingress.refuse_on_loop("reload()")
-            wait_s = thread_wait(timeout)
-        except (RuntimeError, TypeError, ValueError):
+        except RuntimeError:
             generation.detach()
             raise
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        # Its control takes one record's ingress room: with ingress full it
-        # waits for room within the timeout, else (NotQueued) never queued.
-        future = self._ingress.put_control("reload", payload=generation, timeout=wait_s)
-        try:
-            number: int = future.result(_left(deadline))
-        except NotQueued:
-            generation.detach()  # never queued
-            raise
-        except TimeoutError:
-            raise  # still queued: it may yet be swapped in
-        except BaseException:
-            generation.detach()  # never swapped in (idempotent if it was refused there)
-            raise
-        return number
+        future: Future[int] = self._ingress.put_control(
+            "reload", payload=generation, timeout=timeout
+        )
+        self._queued_swaps.add(future)
+
+        def settled(done: Future[int]) -> None:
+            # Run where the future is settled (the loop thread, at the swap),
+            # or here if it already was: must never raise.
+            self._queued_swaps.discard(done)
+            if not done.cancelled() and done.exception() is not None:
+                generation.detach()  # never swapped in (idempotent if refused there)
+
+        future.add_done_callback(settled)
+        return future
 
     @property
     def generation(self) -> int:

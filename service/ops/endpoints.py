@@ -12,6 +12,8 @@ import json
 import math
 import sqlite3
 from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any
 
 import attrs
@@ -115,41 +117,124 @@ class NoReloader(TaprouteError, LookupError):
     """The service has no configuration file to reload from."""
 
 
-def reload_route(reload: Callable[[], int], token: str | None) -> Route:
-    """``POST /reload`` (bearer token): reload the service from its config file.
+#: How long ``POST /reload`` waits for its swap by default before it answers
+#: 202 (the reload stays queued): well within an HTTP client's usual timeout.
+RELOAD_WAIT_S = 5.0
 
-    200 ``{"generation": n}`` once the new generation routes; 422 with every
-    problem (``{"error": ..., "problems": [...]}``) when the file is refused,
-    the running generation going on; 404 when the service has no file.
+#: The longest ``?wait=`` a ``POST /reload`` takes (seconds).
+MAX_RELOAD_WAIT_S = 3600.0
+
+
+def reload_route(
+    reload: Callable[[], Future[int]],
+    token: str | None,
+    queued: Callable[[], dict[str, int]],
+    *,
+    wait_s: float = RELOAD_WAIT_S,
+) -> Route:
+    """``POST /reload[?wait=SECONDS]`` (bearer token): reload the service from
+    its config file.
+
+    ``reload`` checks the file and queues its generation's swap behind the
+    records submitted before (raising at once when the file is refused); the
+    swap runs once those are handed on, which on a saturated router is what
+    its ingress holds, for as long as the destinations take.  The answer
+    waits for it ``wait`` seconds at most (``wait_s`` by default): 200
+    ``{"generation": n}`` once the new generation routes; 202 ``{"status":
+    "queued", ...}`` (with ``queued()``: the generation routing now and the
+    reloads queued) when it is still queued then, and it goes on: ``/status``
+    shows it (``generation``, ``ingress.queued_reloads``).  422 with every
+    problem (``{"error": ..., "problems": [...]}``) when the file, or the
+    swap within the wait, refused it, the running generation going on; 503
+    when ingress stayed full for the whole wait, so the swap could not even
+    be queued (nothing changes; try again); 404 when the service has no
+    file.
     """
 
     async def endpoint(request: Request) -> JSONResponse:
         refused = bearer_refusal(token, request)
         if refused is not None:
             return refused
-        unknown = unknown_parameters(request, ())
-        if unknown is not None:  # a reload takes no options: refused, not applied
+        unknown = unknown_parameters(request, ("wait",))
+        if unknown is not None:  # an option it does not take: refused, not ignored
             return unknown
+        wait = _seconds(request.query_params.get("wait"), wait_s, MAX_RELOAD_WAIT_S)
+        if isinstance(wait, str):
+            return json_error(400, f"wait: {wait}")
+        started = trio.current_time()
         try:
-            number = await trio.to_thread.run_sync(reload)
+            # The wait bounds the whole answer: ingress room for the swap's
+            # control first (a stalled router's full ingress), then the swap.
+            future = await trio.to_thread.run_sync(reload, wait)
         except NoReloader as exc:
             return json_error(404, str(exc))
         except ConfigError as exc:
-            problems = getattr(exc, "problems", None) or [
-                message if where is None else f"{where}: {message}"
-                for message, where in exc.located()
-            ]
-            body: dict[str, object] = {
-                "error": "reload refused; the running generation goes on",
-                "problems": problems,
-            }
-            path = getattr(exc, "path", None)
-            if path is not None:  # the file the problems' key paths are in
-                body["file"] = str(path)
-            return JSONResponse(body, status_code=422)
+            return _reload_refused(exc)
+        left = max(0.0, wait - (trio.current_time() - started))
+        if not await _settled(future, left):
+            return JSONResponse({"status": "queued", **queued()}, status_code=202)
+        try:
+            number = future.result()
+        except ConfigError as exc:  # refused at its swap (a destination that cannot open)
+            return _reload_refused(exc)
+        except TimeoutError as exc:  # no ingress room within the wait: never queued
+            return JSONResponse(
+                {
+                    "error": f"reload not queued: {exc}; the running generation goes on, "
+                    "try again (with a longer ?wait=)",
+                    **queued(),
+                },
+                status_code=503,
+            )
         return JSONResponse({"generation": number})
 
     return Route("/reload", endpoint, methods=["POST"])
+
+
+def _seconds(given: str | None, default: float, most: float) -> float | str:
+    """A query parameter as seconds in ``[0, most]`` (``default`` when not
+    given), or why it is refused."""
+    if given is None:
+        return default
+    try:
+        value = float(given)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= most:  # NaN and infinities too
+        return f"expected seconds in [0, {most:g}], found {given!r}"
+    return value
+
+
+async def _settled(future: Future[Any], wait: float) -> bool:
+    """Whether ``future`` (settled in another thread) is done within ``wait`` seconds."""
+    if future.done() or wait <= 0:
+        return future.done()
+    settled = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(_: Future[Any]) -> None:
+        with suppress(trio.RunFinishedError):  # the loop ended: nobody waits any more
+            token.run_sync_soon(settled.set)
+
+    future.add_done_callback(wake)
+    with trio.move_on_after(wait):
+        await settled.wait()
+    return future.done()
+
+
+def _reload_refused(exc: ConfigError) -> JSONResponse:
+    """422 with every problem of a refused reload, at its key path, and the file."""
+    problems = getattr(exc, "problems", None) or [
+        message if where is None else f"{where}: {message}" for message, where in exc.located()
+    ]
+    body: dict[str, object] = {
+        "error": "reload refused; the running generation goes on",
+        "problems": problems,
+    }
+    path = getattr(exc, "path", None)
+    if path is not None:  # the file the problems' key paths are in
+        body["file"] = str(path)
+    return JSONResponse(body, status_code=422)
 
 
 def dead_letter_routes(controls: DeadLetterControls) -> list[Route]:
