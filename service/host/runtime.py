@@ -445,10 +445,18 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         await self._hand_on(run)
                     started = True
                     if isinstance(item, Control):
-                        if isinstance(item.kind, KeyAction):
-                            controls += 1  # its ingress room, given back with the records'
-                        elif item.kind != "close":
-                            sink_controls += 1  # a flush's or reload's, the same
+                        # What was handed on before it has its room back before
+                        # the control settles: a flush() that returned finds
+                        # that room free (a capture block's bounded end is not
+                        # shed as if ingress were still stalled).
+                        self._ingress.done(records, nbytes, controls, sink_controls)
+                        records = nbytes = 0
+                        # Its own room is given back with later records': a key
+                        # control's, and a flush's or reload's the same.
+                        controls = 1 if isinstance(item.kind, KeyAction) else 0
+                        sink_controls = (
+                            1 if not isinstance(item.kind, KeyAction) and item.kind != "close" else 0
+                        )
                         if await self._control(item):
                             self._sink_closed = True
                             return
