@@ -152,7 +152,16 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
     path.write_text(config_text(tmp_path, RAW))
     config = load_config(path)
     held = HeldInThread()  # the file's destination, held: nothing leaves ingress
-    sink = RoutingSink(config.routing_config(), SCHEMA, {"ch": held}, unmatched="drop")
+    # Its mailbox takes a few batches, not 262,144 records (the default): the
+    # 65,536 records ingress holds once full are all ahead of a reload queued
+    # then, and the record worker blocks before it reaches them all.
+    sink = RoutingSink(
+        config.routing_config(),
+        SCHEMA,
+        {"ch": held},
+        unmatched="drop",
+        destination_capacity=1024,
+    )
     http = HttpConfig(port=0, token="s3cret")
     with create_record_runtime(record_sink=sink, http=http) as runtime:
         runtime.reloader = ConfigReloader(runtime, config)
