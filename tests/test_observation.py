@@ -38,6 +38,7 @@ def test_every_counters_class_declares_counts_apart_from_live_state():
         "queued",
         "queued_key_controls",
         "queued_sink_controls",
+        "queued_reloads",
         "blocked_producers",
     }
     names = [
