@@ -45,6 +45,9 @@ BUSY_S = 0.002
 #: other jobs (answers took 1.8 to 4.8 s each before; about 50 ms now).
 ANSWER_WITHIN_S = 1.0
 
+#: Ingress capacity (records) of the reload test.
+RELOAD_INGRESS = 4096
+
 #: And what the median answer must come within.
 MEDIAN_WITHIN_S = 0.3
 
@@ -153,8 +156,8 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
     config = load_config(path)
     held = HeldInThread()  # the file's destination, held: nothing leaves ingress
     # Its mailbox takes a few batches, not 262,144 records (the default): the
-    # 65,536 records ingress holds once full are all ahead of a reload queued
-    # then, and the record worker blocks before it reaches them all.
+    # records ingress holds once full are all ahead of a reload queued then,
+    # and the record worker blocks before it reaches them all.
     sink = RoutingSink(
         config.routing_config(),
         SCHEMA,
@@ -163,42 +166,67 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
         destination_capacity=1024,
     )
     http = HttpConfig(port=0, token="s3cret")
-    with create_record_runtime(record_sink=sink, http=http) as runtime:
+    # Ingress of 4,096 records: filled by single records (to its last record's
+    # room) in a moment, and routed through both generations as quickly.
+    with create_record_runtime(
+        record_sink=sink, http=http, capacity_records=RELOAD_INGRESS
+    ) as runtime:
         runtime.reloader = ConfigReloader(runtime, config)
         (url,) = runtime.http_urls
         path.write_text(config_text(tmp_path, RAW + NORMS))
-        with saturated(runtime):
+        hook = runtime.bind_hook("layers.0.q", layout="vec")
+        descriptors = make_descriptors(hook, 16, count=256, layout_ids=0)
+        payload = np.zeros((256, 4), np.float32)
+        try:
+            # The destination holds the record worker: records wait behind it,
+            # ingress has room to spare.
+            for _ in range(8):
+                runtime.submit_batch(descriptors, payload)
             assert held.entered.wait(60)
-            try:
-                # Checked, queued behind the 65,536 records ingress holds, answered at once.
-                seconds, code, body = timed_get(f"{url}/reload?wait=0", post=True)
-                assert seconds <= ANSWER_WITHIN_S
-                assert (code, json.loads(body)) == (
-                    202,
-                    {"status": "queued", "running_generation": 1, "queued_reloads": 1},
-                )
-                # A wait is bounded: past it the answer says queued, and the reload goes on.
-                seconds, code, body = timed_get(f"{url}/reload?wait=0.2", post=True)
-                assert seconds <= 0.2 + ANSWER_WITHIN_S
-                assert (code, json.loads(body)["queued_reloads"]) == (202, 2)
-                # A file with problems is refused at once, whatever is queued.
-                path.write_text(config_text(tmp_path, RAW.replace('"ch"', '"nowhere"')))
-                seconds, code, body = timed_get(f"{url}/reload", post=True)
-                assert seconds <= ANSWER_WITHIN_S
-                assert code == 422 and "unknown destination 'nowhere'" in body
-                path.write_text(config_text(tmp_path, RAW + NORMS))
-                for wait in ("-1", "nan", "inf", "soon"):
-                    assert timed_get(f"{url}/reload?wait={wait}", post=True)[1] == 400
-                seconds, code, body = timed_get(f"{url}/status")
-                assert seconds <= ANSWER_WITHIN_S
-                status = json.loads(body)
-                assert (status["generation"], status["ingress"]["queued_reloads"]) == (1, 2)
-                assert list(status["routes"]) == ["raw"]
-                assert status["ingress"]["queued"] >= 65_536 // 2
-                metrics = timed_get(f"{url}/metrics")[2]
-                assert "taproute_ingress_queued_reloads 2.0" in metrics
-            finally:
-                held.release.set()
+            # Checked, queued behind those records, answered at once.
+            seconds, code, body = timed_get(f"{url}/reload?wait=0", post=True)
+            assert seconds <= ANSWER_WITHIN_S
+            assert (code, json.loads(body)) == (
+                202,
+                {"status": "queued", "running_generation": 1, "queued_reloads": 1},
+            )
+            # A wait is bounded: past it the answer says queued, and the reload goes on.
+            seconds, code, body = timed_get(f"{url}/reload?wait=0.2", post=True)
+            assert seconds <= 0.2 + ANSWER_WITHIN_S
+            assert (code, json.loads(body)["queued_reloads"]) == (202, 2)
+            # Producers of single records: ingress full to the last record's room.
+            with saturated(runtime, batch=1):
+                try:
+                    # Ingress full and not moving: a reload's control (it takes one
+                    # record's room) cannot even be queued within the wait: 503,
+                    # nothing queued, the running generation going on.
+                    seconds, code, body = timed_get(f"{url}/reload?wait=0.2", post=True)
+                    assert seconds <= 0.2 + ANSWER_WITHIN_S
+                    answer = json.loads(body)
+                    assert code == 503 and "reload not queued" in answer["error"], body
+                    assert (answer["running_generation"], answer["queued_reloads"]) == (1, 2)
+                    # A file with problems is refused at once, whatever is queued.
+                    path.write_text(config_text(tmp_path, RAW.replace('"ch"', '"nowhere"')))
+                    seconds, code, body = timed_get(f"{url}/reload", post=True)
+                    assert seconds <= ANSWER_WITHIN_S
+                    assert code == 422 and "unknown destination 'nowhere'" in body
+                    path.write_text(config_text(tmp_path, RAW + NORMS))
+                    for wait in ("-1", "nan", "inf", "soon"):
+                        assert timed_get(f"{url}/reload?wait={wait}", post=True)[1] == 400
+                    seconds, code, body = timed_get(f"{url}/status")
+                    assert seconds <= ANSWER_WITHIN_S
+                    status = json.loads(body)
+                    assert (status["generation"], status["ingress"]["queued_reloads"]) == (1, 2)
+                    assert list(status["routes"]) == ["raw"]
+                    assert status["ingress"]["queued"] >= RELOAD_INGRESS // 2
+                    metrics = timed_get(f"{url}/metrics")[2]
+                    assert "taproute_ingress_queued_reloads 2.0" in metrics
+                finally:
+                    # The producers blocked for room get it only from the
+                    # destination: released before they are stopped.
+                    held.release.set()
+        finally:
+            held.release.set()
         runtime.flush()  # queued after both reloads: they ran, in order, before it
         status = json.loads(timed_get(f"{url}/status")[2])
         assert (status["generation"], status["ingress"]["queued_reloads"]) == (3, 0)

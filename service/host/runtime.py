@@ -453,10 +453,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         records = nbytes = 0
                         # Its own room is given back with later records': a key
                         # control's, and a flush's or reload's the same.
-                        controls = 1 if isinstance(item.kind, KeyAction) else 0
-                        sink_controls = (
-                            1 if not isinstance(item.kind, KeyAction) and item.kind != "close" else 0
-                        )
+                        keyed = isinstance(item.kind, KeyAction)
+                        controls = 1 if keyed else 0
+                        sink_controls = 1 if not keyed and item.kind != "close" else 0
                         if await self._control(item):
                             self._sink_closed = True
                             return

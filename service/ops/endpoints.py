@@ -126,7 +126,7 @@ MAX_RELOAD_WAIT_S = 3600.0
 
 
 def reload_route(
-    reload: Callable[[], Future[int]],
+    reload: Callable[[float | None], Future[int]],
     token: str | None,
     queued: Callable[[], dict[str, int]],
     *,
@@ -135,7 +135,8 @@ def reload_route(
     """``POST /reload[?wait=SECONDS]`` (bearer token): reload the service from
     its config file.
 
-    ``reload`` checks the file and queues its generation's swap behind the
+    ``reload(seconds)`` checks the file and queues its generation's swap
+    (waiting for ingress room at most ``seconds``) behind the
     records submitted before (raising at once when the file is refused); the
     swap runs once those are handed on, which on a saturated router is what
     its ingress holds, for as long as the destinations take.  The answer
