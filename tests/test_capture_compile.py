@@ -279,3 +279,157 @@ def test_binding_while_another_thread_runs_the_compiled_model_does_not_crash_it(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) > 0
+
+
+def _churn(compiled, runtime, rounds, pattern, ids, mask, *, select=None):
+    """``rounds`` bind/remove rounds on a warmed-up compiled model: each
+    round binds ``pattern`` (a list: one per round, in turn), runs a pass
+    keyed 100*r + row, removes, and runs a pass keyed 100*r + 50 + row."""
+    patterns = pattern if isinstance(pattern, list) else [pattern]
+    selects = select if isinstance(select, list) else [select]
+    logits = []
+    for r in range(rounds):
+        bindings = bind_modules(
+            runtime,
+            compiled,
+            patterns[r % len(patterns)],
+            layout="acts",
+            select=selects[r % len(selects)],
+            on_error="raise",
+        )
+        with torch.inference_mode(), capture_context([100 * r, 100 * r + 1], attention_mask=mask):
+            logits.append(compiled(ids, attention_mask=mask).logits)
+        for binding in bindings:
+            binding.remove()
+        with torch.inference_mode(), capture_context([100 * r + 50, 100 * r + 51]):
+            logits.append(compiled(ids, attention_mask=mask).logits)
+    return logits
+
+
+@pytest.mark.parametrize("backend", ["counter", "inductor"])
+def test_bind_remove_churn_on_a_fullgraph_model_compiles_a_bounded_number_of_times(backend):
+    """Each bind of an unhooked module invalidated the compiled code and each
+    remove() failed Dynamo's guard on the module's hook count, and Dynamo
+    counts every compile of a code object against recompile_limit (8): about
+    four bind/remove rounds on a warmed-up GPT-2 compiled with fullgraph=True
+    made every later forward pass raise FailOnRecompileLimitHit. A server
+    toggling capture for a debugging session broke inference. Now a module's
+    traced hook keeps its place when removed: twelve rounds compile twice
+    (the warm-up, the first bind), every pass runs, records come only from
+    bound passes, and they are the real positions of each row."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter() if backend == "counter" else None
+    model = gpt2()
+    names = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    compiled = torch.compile(model, fullgraph=True, backend=counter or backend)
+    rounds = 12
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        with torch.inference_mode():
+            compiled(ids, attention_mask=mask)  # the server's warm-up
+        logits = _churn(compiled, runtime, rounds, "transformer.h.*.mlp", ids, mask)
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        assert runtime.counters().ingress.skipped == {}  # removed hooks count nothing
+        records = records_by_hook(sink.record_batches, runtime.hooks)
+    if counter is not None:
+        assert counter.frame_count == 2  # the warm-up, and once with the hooks
+    expected = _gpt2_reference(model, names, ids, attention_mask=mask)
+    with torch.inference_mode():
+        eager = model(ids, attention_mask=mask).logits
+    for got in logits:
+        torch.testing.assert_close(got, eager)
+    for name in names:
+        keys = [key for key, _, _ in records[name]]
+        assert keys == [100 * r + row for r in range(rounds) for row in (0, 1)]
+        for i, (_, _, payload) in enumerate(records[name]):
+            want = expected[name][i % 2][mask[i % 2].bool()].numpy()
+            got = as_float32(payload).reshape(-1, 32)
+            if backend == "counter":  # the graph run eagerly: bitwise
+                np.testing.assert_array_equal(got, want)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_churn_over_different_modules_compiles_once_per_module():
+    """Rounds binding one layer, the other, and both in turn: each module's
+    first bind compiles once, and later rounds compile nothing, whichever
+    subset they bind."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    patterns = ["transformer.h.0.mlp", "transformer.h.1.mlp", "transformer.h.*.mlp"]
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        with torch.inference_mode():
+            compiled(ids, attention_mask=mask)
+        _churn(compiled, runtime, 9, patterns, ids, mask)
+        assert counter.frame_count == 3  # the warm-up, the first bind of h.0, of h.1
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(sink.record_batches, runtime.hooks)
+    for layer in (0, 1):
+        rounds = [r for r in range(9) if r % 3 in (layer, 2)]
+        keys = [key for key, _, _ in records[f"transformer.h.{layer}.mlp"]]
+        assert keys == [100 * r + row for r in rounds for row in (0, 1)]
+
+
+def test_a_removed_binding_of_a_compiled_model_leaves_its_eager_module_inert():
+    """The place a traced hook keeps after remove() holds a hook that does
+    nothing eagerly: the eager model run under a capture context, and
+    outside one, captures and counts nothing; binding again captures."""
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    sink = CaptureSink()
+    module = model.transformer.h[0].mlp
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        (binding,) = bind_modules(runtime, compiled, "transformer.h.0.mlp", layout="acts")
+        with torch.inference_mode(), capture_context([1, 2]):
+            compiled(ids)
+        binding.remove()
+        assert binding.removed
+        assert len(module._forward_hooks) == 1  # the place is kept, inert
+        with torch.inference_mode():
+            model(ids)  # outside any context: not even counted as skipped
+            with capture_context([3, 4]):
+                model(ids)
+                compiled(ids)
+        (again,) = bind_modules(runtime, compiled, "transformer.h.0.mlp", layout="acts")
+        assert len(module._forward_hooks) == 1  # the same place, taken again
+        with torch.inference_mode(), capture_context([5, 6]):
+            model(ids)
+            compiled(ids)
+        runtime.flush()
+        assert list(sink.descriptors()["key"]) == [1, 2, 5, 6, 5, 6]
+        assert runtime.counters().ingress.skipped == {}
+        assert runtime.counters().ingress.dropped == {}
+    again.remove()
+
+
+def test_a_removed_binding_of_an_eager_model_unhooks_its_module():
+    """No compiled code traced the hook: remove() unhooks the module as
+    torch's handles do, so an eager model keeps no hook of a binding gone."""
+    model = gpt2()
+    module = model.transformer.h[0].mlp
+    ids = torch.randint(3, VOCAB, (2, 5))
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        for keys in ([1, 2], [3, 4], [5, 6]):
+            (binding,) = bind_modules(runtime, model, "transformer.h.0.mlp", layout="acts")
+            with torch.inference_mode(), capture_context(keys):
+                model(ids)
+            binding.remove()
+            assert not module._forward_hooks
+            with torch.inference_mode(), capture_context([9, 9]):
+                model(ids)
+        runtime.flush()
+        assert list(sink.descriptors()["key"]) == [1, 2, 3, 4, 5, 6]

@@ -29,6 +29,7 @@ from taproute.native import BufferLease, untrack_acyclic
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import IngressFull, SinkClosed
 from taproute.service.capture import plans as shared_plans
+from taproute.service.capture import slots
 from taproute.service.capture.compiled import compiled_fullgraph, retrace_compiled, uncompiled
 from taproute.service.capture.context import _CONTEXT, CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
@@ -60,7 +61,7 @@ from taproute.service.capture.hook_binding import (
 from taproute.service.capture.host_copy import numpy_view_dtype, to_host
 from taproute.service.capture.plans import SharedPlan
 from taproute.service.capture.pool import HostBufferPool
-from taproute.service.capture.traced import NOT_A_TENSOR, capture_operator, register
+from taproute.service.capture.traced import NOT_A_TENSOR, capture_operator, new_number, register
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +174,99 @@ def _check_module(where: str, what: str, value: object) -> None:
             "eagerly, a graph break that fullgraph refuses, so every forward pass would "
             "raise: compile it without fullgraph=True to capture from it"
         )
+
+
+def _capture_hook(
+    is_compiling: Callable[[], bool],
+    operator: Any,
+    select: Select,
+    number: int,
+    current: Callable[[], CaptureContext | None],
+    skipped: Callable[[], None],
+    runtime: Any,
+    name: Any,
+    binding: Any,
+    capture: Any,
+    on_error: Any,
+) -> _Hook:
+    """A binding's forward hook; with ``current`` that gives no context and
+    ``skipped`` that does nothing (the rest unused: None), the inert hook a
+    removed binding leaves in its place (see slots.py).
+
+    Every hook is made here, so all have one code: Dynamo guards compiled
+    code on a traced hook's code and on what its traced branch reads
+    (``is_compiling``, ``operator``, ``select``, ``number``), never on the
+    hook object nor on what the eager branch reads.  A binding and the
+    inert hook of the same place are thus the same hook to compiled code.
+    """
+
+    def hook(_module: torch.nn.Module | None, _inputs: Any, output: Any) -> None:
+        if is_compiling():
+            # Traced by torch.compile (never reached eagerly, nor when the
+            # operator is missing: the hook is then disabled for Dynamo):
+            # the graph calls the capture operator, whose kernel runs this
+            # hook eagerly with the real tensor.  No graph break.
+            operator([pick_traced(output, select)], number)
+            return
+        context = current()
+        if context is None:
+            skipped()
+            return
+        if binding.error is not None:
+            runtime.count_dropped(name, DETACHED, len(context.keys))
+            return
+        try:
+            capture(output, context)
+        except IngressFull as exc:
+            if on_error == "raise":
+                raise
+            # The runtime refuses while full (when_full="reject"): this call only.
+            runtime.count_dropped(name, INGRESS_FULL, len(context.keys))
+            binding._warn_once(INGRESS_FULL, f"hook {name!r}: {exc} (reason 'ingress_full')")
+        except ContextMismatch as exc:
+            if on_error == "raise":
+                raise
+            # A context that doesn't fit loses this call only.
+            runtime.count_dropped(name, INVALID_CONTEXT, len(context.keys))
+            binding._warn_once(
+                INVALID_CONTEXT, f"{exc}; records dropped (reason 'invalid_context')"
+            )
+        except CaptureError as exc:
+            if on_error == "raise":
+                raise
+            # An output that can't be captured as bound (type, dtype) would lose
+            # every call: the binding detaches.
+            binding.error = exc
+            runtime.count_dropped(name, BAD_OUTPUT, len(context.keys))
+            binding._warn_once(
+                BAD_OUTPUT, f"{exc}; the hook detached and drops its records (reason 'detached')"
+            )
+        except SinkClosed as exc:
+            if on_error == "raise":
+                raise
+            # Closed without a failure (a model still running after shutdown
+            # began): nothing went wrong with the capture, each call is counted.
+            runtime.count_dropped(name, RUNTIME_CLOSED, len(context.keys))
+            binding._warn_once(
+                RUNTIME_CLOSED, f"hook {name!r}: {exc}; records dropped (reason 'runtime_closed')"
+            )
+        except Exception as exc:
+            if on_error == "raise":
+                raise
+            binding.error = exc
+            runtime.count_dropped(name, RUNTIME_FAILED, len(context.keys))
+            binding._warn_once(
+                RUNTIME_FAILED,
+                f"hook {name!r}: capture failed ({type(exc).__name__}: {exc}); the hook "
+                "detached and drops its records from now on (reason 'detached')",
+            )
+
+    return hook
+
+
+def _nothing() -> None:
+    """The inert hook's context (none) and what it does without one (nothing)."""
+    return None
 
 
 def bind_module(
@@ -379,71 +473,35 @@ def bind_module(
             shape_noted[0] = None
             hooks.set_token_shape(output_id, None)
 
-    def hook(_module: torch.nn.Module | None, _inputs: Any, output: Any) -> None:
-        if is_compiling():
-            # Traced by torch.compile (never reached eagerly, nor when the
-            # operator is missing: the hook is then disabled for Dynamo):
-            # the graph calls the capture operator, whose kernel runs this
-            # hook eagerly with the real tensor.  No graph break.
-            operator([pick_traced(output, select)], number)
-            return
-        context = _CONTEXT.get()
-        if context is None:
-            runtime.count_skipped(name, NO_CONTEXT)
-            binding._warn_once(
-                NO_CONTEXT,
-                f"hook {name!r} ran outside a capture_context: nothing captured (in a worker "
-                "thread, run the model through carry_context(...)); counted as skipped",
-            )
-            return
-        if binding.error is not None:
-            runtime.count_dropped(name, DETACHED, len(context.keys))
-            return
-        try:
-            capture(output, context)
-        except IngressFull as exc:
-            if on_error == "raise":
-                raise
-            # The runtime refuses while full (when_full="reject"): this call only.
-            runtime.count_dropped(name, INGRESS_FULL, len(context.keys))
-            binding._warn_once(INGRESS_FULL, f"hook {name!r}: {exc} (reason 'ingress_full')")
-        except ContextMismatch as exc:
-            if on_error == "raise":
-                raise
-            # A context that doesn't fit loses this call only.
-            runtime.count_dropped(name, INVALID_CONTEXT, len(context.keys))
-            binding._warn_once(
-                INVALID_CONTEXT, f"{exc}; records dropped (reason 'invalid_context')"
-            )
-        except CaptureError as exc:
-            if on_error == "raise":
-                raise
-            # An output that can't be captured as bound (type, dtype) would lose
-            # every call: the binding detaches.
-            binding.error = exc
-            runtime.count_dropped(name, BAD_OUTPUT, len(context.keys))
-            binding._warn_once(
-                BAD_OUTPUT, f"{exc}; the hook detached and drops its records (reason 'detached')"
-            )
-        except SinkClosed as exc:
-            if on_error == "raise":
-                raise
-            # Closed without a failure (a model still running after shutdown
-            # began): nothing went wrong with the capture, each call is counted.
-            runtime.count_dropped(name, RUNTIME_CLOSED, len(context.keys))
-            binding._warn_once(
-                RUNTIME_CLOSED, f"hook {name!r}: {exc}; records dropped (reason 'runtime_closed')"
-            )
-        except Exception as exc:
-            if on_error == "raise":
-                raise
-            binding.error = exc
-            runtime.count_dropped(name, RUNTIME_FAILED, len(context.keys))
-            binding._warn_once(
-                RUNTIME_FAILED,
-                f"hook {name!r}: capture failed ({type(exc).__name__}: {exc}); the hook "
-                "detached and drops its records from now on (reason 'detached')",
-            )
+    def skipped() -> None:
+        runtime.count_skipped(name, NO_CONTEXT)
+        binding._warn_once(
+            NO_CONTEXT,
+            f"hook {name!r} ran outside a capture_context: nothing captured (in a worker "
+            "thread, run the model through carry_context(...)); counted as skipped",
+        )
+
+    # Under torch.compile, Dynamo traces the hook: it takes the branch that
+    # calls the capture operator (see traced.py).  A torch that cannot
+    # define the operator runs the hook eagerly instead (a graph break).
+    is_compiling = torch.compiler.is_compiling
+    operator = capture_operator()
+    current = _CONTEXT.get
+    slot = None if operator is None else slots.take(module, select)
+    number = new_number() if slot is None else slot.number
+    hook = _capture_hook(
+        is_compiling,
+        operator,
+        select,
+        number,
+        current,
+        skipped,
+        runtime,
+        name,
+        binding,
+        capture,
+        on_error,
+    )
 
     def run(tensors: list[Any]) -> None:
         """The capture operator's kernel: the hook, eagerly, on the real output.
@@ -454,20 +512,20 @@ def bind_module(
         (output,) = tensors
         hook(None, None, NOT_A_TENSOR if output is None else output)
 
-    # Under torch.compile, Dynamo traces the hook: it takes the branch that
-    # calls the capture operator (see traced.py).  A torch that cannot
-    # define the operator runs the hook eagerly instead (a graph break).
-    is_compiling = torch.compiler.is_compiling
-    operator = capture_operator()
-    number = register(run)
-    traceable: _Hook = hook
-    if operator is None:
-        eager: Callable[[_Hook], _Hook] = torch.compiler.disable
-        traceable = eager(hook)
     # The operator holds ``run`` weakly: it lives as long as the hook does.
     setattr(hook, "runner", run)  # noqa: B010
+    register(run, number)
     unhooked = not module._forward_hooks
-    binding._handle = module.register_forward_hook(traceable)
+    if slot is None:
+        eager: Callable[[_Hook], _Hook] = torch.compiler.disable
+        binding._handle = module.register_forward_hook(eager(hook))
+    else:
+        # What remove() leaves in the hook's place once compiled code traced it.
+        inert = _capture_hook(
+            is_compiling, operator, select, number, _nothing, _nothing, *(None,) * 5
+        )
+        slots.place(module, slot, hook)
+        binding._handle = slots.SlotHandle(module, slot, inert)
     note_bound(module, hooks, binding)
     if unhooked:
         retrace_compiled()

@@ -52,7 +52,8 @@ class HookBinding:
 
     ``detached`` is set (with ``error``) once the binding stopped capturing
     because its output cannot be captured as bound or the runtime failed;
-    :meth:`remove` unregisters the hook.
+    :meth:`remove` stops it for good (unhooked, or where torch.compile
+    traced the hook, an inert hook kept in its place: see slots.py).
     """
 
     def __init__(self, name: str, output_id: int, handle: Any = None) -> None:
@@ -77,7 +78,7 @@ class HookBinding:
 
     @property
     def removed(self) -> bool:
-        """True once :meth:`remove` ran (the hook no longer fires)."""
+        """True once :meth:`remove` ran (the binding captures nothing more)."""
         return self._handle is None
 
     def _warn_once(self, reason: str, message: str) -> None:

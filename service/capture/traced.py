@@ -40,6 +40,9 @@ OPERATOR = "taproute::capture"
 Runner = Callable[[list[Any]], None]
 
 _RUNNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: The numbers torch.compile has traced a call of the operator with (its
+#: fake kernel saw them): code compiled so far may pass them.
+_TRACED: set[int] = set()
 _NUMBERS = itertools.count(1)
 _LOCK = threading.Lock()
 _operator: Any = None
@@ -108,6 +111,9 @@ def _define() -> Any:
 
     @op.register_fake
     def _(tensors: list[torch.Tensor | None], runner: int) -> None:
+        # Run while torch.compile traces a call: that runner's number is in
+        # compiled code from now on (see slots.py).
+        _TRACED.add(runner)
         return None
 
     # Ordered: kept (it returns nothing, so it would be dead code) and run
@@ -116,12 +122,25 @@ def _define() -> Any:
     return torch.ops.taproute.capture.default
 
 
-def register(runner: Runner) -> int:
+def register(runner: Runner, number: int | None = None) -> int:
     """The number a traced hook passes to the operator to run ``runner``
-    (held weakly: keep it alive as long as a hook may pass its number)."""
-    number = next(_NUMBERS)
+    (held weakly: keep it alive as long as a hook may pass its number).
+    ``number``: run ``runner`` for a number handed out before (a hook slot
+    taken again: see slots.py), in place of what ran for it."""
+    if number is None:
+        number = next(_NUMBERS)
     _RUNNERS[number] = runner
     return number
+
+
+def new_number() -> int:
+    """A number no runner has yet (for :func:`register` later)."""
+    return next(_NUMBERS)
+
+
+def traced(number: int) -> bool:
+    """True once torch.compile traced a call of the operator with ``number``."""
+    return number in _TRACED
 
 
 def runners() -> int:
@@ -129,4 +148,12 @@ def runners() -> int:
     return len(_RUNNERS)
 
 
-__all__ = ["NOT_A_TENSOR", "OPERATOR", "as_tensor", "capture_operator", "register"]
+__all__ = [
+    "NOT_A_TENSOR",
+    "OPERATOR",
+    "as_tensor",
+    "capture_operator",
+    "new_number",
+    "register",
+    "traced",
+]
