@@ -433,3 +433,90 @@ def test_a_removed_binding_of_an_eager_model_unhooks_its_module():
                 model(ids)
         runtime.flush()
         assert list(sink.descriptors()["key"]) == [1, 2, 3, 4, 5, 6]
+
+
+def _first_block_of_attention(output):
+    return output[0]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "select"),
+    [
+        ("transformer.h.0.attn", 0),
+        ("transformer", "last_hidden_state"),
+        ("transformer.h.0.attn", _first_block_of_attention),
+    ],
+)
+def test_a_select_binding_of_a_fullgraph_model_captures_what_it_captures_eagerly(pattern, select):
+    """The traced hook picked its tensor and the operator's kernel ran the
+    eager capture, which applied select again to that tensor: an index or
+    a callable took its first row (ContextMismatch: 5 rows for 2 keys, or
+    a detached binding), a key or attribute failed on it (bad_output). The
+    kernel hands over what was picked as picked: the compiled model's
+    records equal the eager model's, bitwise under the eager backend."""
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        (binding,) = bind_modules(
+            runtime, compiled, pattern, layout="acts", select=select, on_error="raise"
+        )
+        with torch.inference_mode():
+            with capture_context([1, 2], attention_mask=mask):
+                model(ids, attention_mask=mask)
+            with capture_context([3, 4], attention_mask=mask):
+                compiled(ids, attention_mask=mask)
+        runtime.flush()
+        records = records_by_hook(sink.record_batches, runtime.hooks)[pattern]
+    binding.remove()
+    assert [key for key, _, _ in records] == [1, 2, 3, 4]
+    for row in (0, 1):
+        eager, traced = as_float32(records[row][2]), as_float32(records[row + 2][2])
+        assert eager.size == int(mask[row].sum()) * 32
+        np.testing.assert_array_equal(traced, eager)
+
+
+def test_churn_over_different_modules_and_selects_compiles_once_per_new_place():
+    """Rounds binding one layer, the other, both, and an attention module
+    with select=None and select=0 in turn: each module's first bind and each
+    select a place has not had yet compile once (Dynamo keeps the entries),
+    and later rounds compile nothing, whichever subset and select they bind."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    patterns = ["transformer.h.0.mlp", "transformer.h.1.mlp", "transformer.h.*.mlp"]
+    sink = CaptureSink()
+    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
+        with torch.inference_mode():
+            compiled(ids, attention_mask=mask)
+        _churn(compiled, runtime, 9, patterns, ids, mask)
+        assert counter.frame_count == 3  # the warm-up, the first bind of h.0, of h.1
+        _churn(compiled, runtime, 6, "transformer.h.0.attn", ids, mask, select=[None, 0])
+        assert counter.frame_count == 5  # attn's first bind, its first select=0
+        runtime.flush()
+        assert runtime.counters().ingress.dropped == {}
+        assert runtime.counters().ingress.skipped == {}
+        records = records_by_hook(sink.record_batches, runtime.hooks)
+    bound = {
+        name: [r for r in range(9) if name.endswith(f"h.{r % 3}.mlp") or r % 3 == 2]
+        for name in ("transformer.h.0.mlp", "transformer.h.1.mlp")
+    }
+    for name, rounds in bound.items():
+        assert [key for key, _, _ in records[name]] == [
+            100 * r + row for r in rounds for row in (0, 1)
+        ]
+    reference = Reference(model, ["transformer.h.0.attn"], lambda out: out[0])
+    with torch.inference_mode():
+        model(ids, attention_mask=mask)
+    reference.remove()
+    attn = records["transformer.h.0.attn"]
+    assert [key for key, _, _ in attn] == [100 * r + row for r in range(6) for row in (0, 1)]
+    for i, (_, _, payload) in enumerate(attn):  # select None and 0: the same tensor
+        want = reference.calls["transformer.h.0.attn"][0][i % 2][mask[i % 2].bool()].numpy()
+        np.testing.assert_array_equal(as_float32(payload).reshape(-1, 32), want)

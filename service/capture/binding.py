@@ -61,7 +61,7 @@ from taproute.service.capture.hook_binding import (
 from taproute.service.capture.host_copy import numpy_view_dtype, to_host
 from taproute.service.capture.plans import SharedPlan
 from taproute.service.capture.pool import HostBufferPool
-from taproute.service.capture.traced import NOT_A_TENSOR, capture_operator, new_number, register
+from taproute.service.capture.traced import Picked, capture_operator, new_number, register
 
 if TYPE_CHECKING:
     import torch
@@ -505,12 +505,15 @@ def bind_module(
 
     def run(tensors: list[Any]) -> None:
         """The capture operator's kernel: the hook, eagerly, on the real output.
-        Compiled code keeps calling it after remove() (Dynamo does not watch
-        hooks): a removed binding captures nothing more, as eagerly."""
+        Compiled code keeps calling the operator with this place's number
+        after remove(): until the place is bound again (another runner for
+        the number), this removed binding's captures nothing, as eagerly."""
         if binding.removed:
             return
         (output,) = tensors
-        hook(None, None, NOT_A_TENSOR if output is None else output)
+        # What the traced hook picked, not picked again (a select applied
+        # to the tensor it selected took its first row, or failed).
+        hook(None, None, output if plain and output is not None else Picked(output))
 
     # The operator holds ``run`` weakly: it lives as long as the hook does.
     setattr(hook, "runner", run)  # noqa: B010

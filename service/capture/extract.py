@@ -22,7 +22,7 @@ import numpy.typing as npt
 from taproute.native import plan_records
 from taproute.service.capture.context import CaptureContext
 from taproute.service.capture.errors import CaptureError, ContextMismatch
-from taproute.service.capture.traced import NotATensor
+from taproute.service.capture.traced import Picked
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,9 @@ def pick(output: Any, select: Select, *, hook: str) -> torch.Tensor:
     """
     import torch
 
-    if isinstance(output, NotATensor):  # what a hook traced by torch.compile picked
+    if type(output) is Picked:  # picked already, by a hook traced by torch.compile
+        if output.tensor is not None:
+            return output.tensor  # type: ignore[no-any-return]
         what = "the module's output" if select is None else f"select={select!r}"
         raise CaptureError(
             f"hook {hook!r}: under torch.compile, {what} gave no tensor to capture (the "

@@ -49,16 +49,20 @@ _operator: Any = None
 _defined = False
 
 
-class NotATensor:
-    """What a capture hook's kernel is given when the output's selection was
-    not a tensor while torch.compile traced it (the eager capture then
-    refuses it as it refuses any output it cannot capture)."""
+class Picked:
+    """What a capture hook traced by torch.compile picked out of the module's
+    output (``tensor``: None where its ``select`` gave no tensor), as the
+    operator's kernel hands it to the eager capture: picked already, so not
+    picked again (the eager capture refuses None as it refuses any output
+    it cannot capture)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
 
     def __repr__(self) -> str:
-        return "what select picked under torch.compile, not a tensor"
-
-
-NOT_A_TENSOR = NotATensor()
+        return f"Picked({self.tensor!r})"
 
 
 def as_tensor(value: Any) -> Any:
@@ -149,8 +153,8 @@ def runners() -> int:
 
 
 __all__ = [
-    "NOT_A_TENSOR",
     "OPERATOR",
+    "Picked",
     "as_tensor",
     "capture_operator",
     "new_number",
