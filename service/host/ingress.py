@@ -148,6 +148,9 @@ class Ingress:
         # Flush and reload controls accepted and run (a close takes no room).
         self._in_sink_controls = 0
         self._out_sink_controls = 0
+        # Empty batches (queued only for their release) accepted and released.
+        self._in_empty = 0
+        self._out_empty = 0
         self._pending_rows: list[tuple[int, ...]] = []
         self._pending_payloads: list[bytes] = []
         self._wake: Callable[[], None] | None = None
@@ -228,10 +231,13 @@ class Ingress:
             - self._out_controls
             + self._in_sink_controls
             - self._out_sink_controls
+            + self._in_empty
+            - self._out_empty
         )
 
     def _fits(self, records: int, nbytes: int, controls: int = 0) -> bool:
-        # A queued control (but a close) takes one record's room (and no bytes).
+        # A queued control (but a close) or empty batch takes one record's
+        # room (and no bytes).
         queued = self._queued()
         if queued <= 0:
             return True  # an oversize batch still goes, alone
@@ -291,6 +297,12 @@ class Ingress:
             self.counters.blocked_seconds += time.perf_counter() - started
         return True
 
+    def check_open(self) -> None:
+        """Raise the latched failure, or SinkClosed once closed (what a
+        producer's call that queues nothing still refuses)."""
+        with self._lock:
+            self._check_open()
+
     def _check_open(self) -> None:
         if self._failed is not None:
             raise self._failed
@@ -308,12 +320,13 @@ class Ingress:
         """Queue ``batch`` if it fits now; False (nothing queued) when it would wait."""
         records = len(batch.descriptors)
         nbytes = batch.payload.nbytes
+        empty = _empty(records)
         with self._lock:
             self._check_open()
-            if not self._fits(records, nbytes):
+            if not self._fits(records, nbytes, empty):
                 if self.when_full == "block":
                     return False
-                self._wait_for_space(records, nbytes)  # raises IngressFull
+                self._wait_for_space(records, nbytes, controls=empty)  # raises IngressFull
             self._append_locked(batch, records, nbytes, defer_wake=False)
         return True
 
@@ -326,10 +339,11 @@ class Ingress:
         withdrawn (:meth:`withdraw`): False then, True once queued."""
         records = len(batch.descriptors)
         nbytes = batch.payload.nbytes
+        empty = _empty(records)
         with self._lock:
             self._check_open()
-            if not self._fits(records, nbytes):
-                if not self._wait_for_space(records, nbytes, offer=offer):
+            if not self._fits(records, nbytes, empty):
+                if not self._wait_for_space(records, nbytes, offer=offer, controls=empty):
                     return False
                 self._check_open()
             self._append_locked(batch, records, nbytes, defer_wake=False)
@@ -362,16 +376,17 @@ class Ingress:
         """
         records = len(batch.descriptors)
         nbytes = batch.payload.nbytes
+        empty = _empty(records)
         with self._lock:
             if self._failed is not None or self._closed:
                 self._check_open()
             queued = self._queued()
             if queued > 0 and (
-                queued + records > self.capacity_records
+                queued + records + empty > self.capacity_records
                 or self._in_bytes - self._out_bytes + nbytes > self.capacity_bytes
             ):
                 if (timeout is not None and self._stalled) or not self._wait_for_space(
-                    records, nbytes, timeout
+                    records, nbytes, timeout, controls=empty
                 ):
                     self._stalled = True
                     self.counters.shed += records
@@ -394,8 +409,12 @@ class Ingress:
         counters.submitted += records
         # An empty batch is queued only for its release (on the loop thread,
         # in order); it is no batch of records and the record worker skips it.
+        # It takes one record's room until released, so a loop of empty
+        # submits against a stalled router cannot grow ingress without bound.
         if records:
             counters.batches += 1
+        else:
+            self._in_empty += 1
         if not self._wake_pending and (
             not defer_wake
             or self._parked
@@ -619,14 +638,22 @@ class Ingress:
             return False
         return True
 
-    def done(self, records: int, nbytes: int, controls: int = 0, sink_controls: int = 0) -> None:
+    def done(
+        self,
+        records: int,
+        nbytes: int,
+        controls: int = 0,
+        sink_controls: int = 0,
+        empty: int = 0,
+    ) -> None:
         """The record worker handed batches on (and ran ``controls`` key
-        controls, ``sink_controls`` flush and reload controls): free their
-        ingress capacity."""
+        controls, ``sink_controls`` flush and reload controls, released
+        ``empty`` empty batches): free their ingress capacity."""
         self._out_records += records
         self._out_bytes += nbytes
         self._out_controls += controls
         self._out_sink_controls += sink_controls
+        self._out_empty += empty
         self._stalled = False  # ingress moves again: a bounded offer may wait
         # A producer counts itself blocked before its last look at the room,
         # so one that missed this room is seen here.
@@ -691,6 +718,12 @@ class Ingress:
                 dropped={hook: dict(r) for hook, r in counters.dropped.items()},
                 skipped={hook: dict(r) for hook, r in counters.skipped.items()},
             )
+
+
+def _empty(records: int) -> int:
+    """The room beside its records an item of ``records`` records takes: an
+    empty batch (queued only for its release) takes one record's."""
+    return 0 if records else 1
 
 
 def _keys(keys: tuple[int, ...]) -> str:

@@ -39,10 +39,23 @@ class ProducerCalls:
         is refused whole (and ``release`` is not called: the buffer is still
         the caller's); blocks while ingress is full.  An empty batch (no
         records) is a no-op: refused like any batch after close or a
-        failure, otherwise counted nowhere and routed nowhere; its
-        ``release`` still runs once, on the loop thread.
+        failure, otherwise counted nowhere and routed nowhere.  Without a
+        ``release`` it is queued nowhere either and never waits; with one,
+        the release still runs once, on the loop thread, after what was
+        queued before it, and until then the batch takes one record's
+        ingress room (it waits for room as a record does).
         """
-        self._ingress.put_batch(self.intake.batch(descriptors, payload, release))
+        batch = self.intake.batch(descriptors, payload, release)
+        if not self._nothing_to_queue(batch, release):
+            self._ingress.put_batch(batch)
+
+    def _nothing_to_queue(self, batch: RecordBatch, release: object) -> bool:
+        """True for an empty batch without a release: a no-op, refused only
+        after close or a failure (as any batch), queued nowhere."""
+        if release is None and not len(batch):
+            self._ingress.check_open()
+            return True
+        return False
 
     def try_submit_batch(
         self,
@@ -56,7 +69,8 @@ class ProducerCalls:
         counts the records rejected), as ``submit_batch`` does there.  Safe on
         the loop thread itself, where waiting for room would deadlock.
         """
-        return self._ingress.try_put_batch(self.intake.batch(descriptors, payload, release))
+        batch = self.intake.batch(descriptors, payload, release)
+        return self._nothing_to_queue(batch, release) or self._ingress.try_put_batch(batch)
 
     def offer_batch(
         self,
@@ -74,6 +88,8 @@ class ProducerCalls:
         loop itself: the batch waits at most the ingress ``wake_delay``.
         """
         batch = self.intake.batch(descriptors, payload, release)
+        if self._nothing_to_queue(batch, release):
+            return True
         return self._ingress.offer_batch(batch, self.max_block, defer_wake=True)
 
     def offer_captured(self, batch: RecordBatch) -> bool:
@@ -115,7 +131,7 @@ class ProducerCalls:
         import asyncio
 
         batch = self.intake.batch(descriptors, payload, release)
-        if self._ingress.try_put_batch(batch):
+        if self._nothing_to_queue(batch, release) or self._ingress.try_put_batch(batch):
             return
         offer = PendingOffer()
         waiting = asyncio.get_running_loop().run_in_executor(

@@ -427,7 +427,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 continue
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
-            records = nbytes = controls = sink_controls = 0
+            records = nbytes = controls = sink_controls = empty = 0
             run: list[RecordBatch] = []  # batches to merge, in queue order
             position = 0
             started = False  # items[position] is being handled (or is in `run`)
@@ -437,6 +437,8 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                     if isinstance(item, RecordBatch):
                         records += len(item)
                         nbytes += item.payload.nbytes
+                        if not len(item):
+                            empty += 1  # its one record's room, given back the same
                         if self._arena is not None and mergeable(item):
                             run.append(item)
                             started = True
@@ -481,7 +483,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 self._give_up([*run, *left], failure, count="given_up")
                 raise
             finally:
-                self._ingress.done(records, nbytes, controls, sink_controls)
+                self._ingress.done(records, nbytes, controls, sink_controls, empty)
 
     async def _hand_on(self, batches: list[RecordBatch]) -> None:
         """Submit ``batches`` (taken in this order) to the record sink, merged
