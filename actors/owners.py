@@ -121,16 +121,25 @@ class StatefulRoute(KeyedRoute):
         if wait:
             await self.parked.wait_for_room()
         self.counters.accepted += len(batch)
+        tally = [0]  # records handed to an owner or settled here
+        try:
+            await self._partition(batch, tally, wait)
+        except Exception as exc:
+            self._cut_dispatch(len(batch), tally, exc)
+
+    async def _partition(self, batch: RecordBatch, tally: list[int], wait: bool) -> None:
+        """:meth:`dispatch`'s work: each key's records to its owner, bad keys
+        given up; ``tally`` counts the records it took care of."""
         try:
             keys = self._keys(batch)
         except Exception as exc:
-            await self._reject(Attempt(batch), FailureCode.POLICY_INVALID, exc)
+            await self._reject(Attempt(batch, tally=tally), FailureCode.POLICY_INVALID, exc)
             return
         per_owner, bad = partition_keys(keys, self.key_range, len(self.owner_mailboxes))
         if bad is not None:
             first = int(bad[0])
             await self._reject(
-                Attempt(batch.select(bad), keys[bad]),
+                Attempt(batch.select(bad), keys[bad], tally=tally),
                 FailureCode.POLICY_INVALID,
                 KeyOutOfRange(
                     f"route {self.name!r}: key {int(keys[first])} of record {first} is outside "
@@ -144,6 +153,7 @@ class StatefulRoute(KeyedRoute):
             await self._enqueue(
                 self.owner_mailboxes[owner], (part, keys[selection]), part, wait=wait
             )
+            tally[0] += len(part)  # its owner's now: settled (or given up) there
 
     async def restore(self, restored: Restored, *, copy: bool = False) -> None:
         """Restored records go to their keys' owners like new ones, with their

@@ -51,7 +51,10 @@ class StatelessRoute(RouteActor):
         if wait:
             await self.parked.wait_for_room()
         self.counters.accepted += len(batch)
-        await self._enqueue(self.mailbox, Attempt(batch), batch, wait=wait)
+        try:
+            await self._enqueue(self.mailbox, Attempt(batch), batch, wait=wait)
+        except Exception as exc:
+            self._cut_dispatch(len(batch), [0], exc)
 
     async def dispatch_here(self, batch: RecordBatch) -> None:
         """Try ``batch`` in the calling task (the record worker) when the pool has
@@ -73,7 +76,10 @@ class StatelessRoute(RouteActor):
             and not self.handing_over
             and runs_inline(self.planned, self.placement)
         ):
-            await self._enqueue(self.mailbox, attempt, batch)
+            try:
+                await self._enqueue(self.mailbox, attempt, batch)
+            except Exception as exc:
+                self._cut_dispatch(len(batch), [0], exc)
             return
         batch.lease.acquire()
         self._in_flight.add()

@@ -192,6 +192,16 @@ class RouteActor(RouteScreening):
         given up, so every record accepted still ends in a count."""
         self.counters.given_up += max(0, records - tally[0])
 
+    def _cut_dispatch(self, records: int, tally: list[int], exc: Exception) -> None:
+        """An unexpected failure cut short :meth:`dispatch` of ``records``
+        accepted records: those it had not handed to a mailbox or settled
+        (``tally``) are counted given up and the failure is latched, naming
+        this route.  The dispatch then returns, as a pool's own attempt in
+        the record worker does: had it raised, the runtime would count the
+        whole ingress batch given up again (accepted here, given up there)."""
+        self._count_given_up(records, tally)
+        self._latch.latch(exc, route=self.name, where="route dispatch")
+
     def _count_cut(self, batch: RecordBatch, settled_before: int) -> None:
         """``batch``'s call was cancelled (a shutdown's grace ran out): count
         its records as abandoned unless the call had already settled them."""
