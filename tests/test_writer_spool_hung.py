@@ -54,12 +54,20 @@ async def test_a_flush_hands_a_hung_writers_blocks_to_the_spool_after_flush_time
     sink = spooled(tmp_path, SCHEMA, ["vec"], hooks, batching=Batching(max_rows=4))
     writer = sink.inner
     assert isinstance(writer, WriterProcessSink)
+    # The healthy writer gets as long as it needs: with the 0.5 s from the
+    # start, a first insert slower than that (a loaded machine) made the
+    # first flush hand its block to the spool too, and the counts below
+    # (20 appended) were off by it.
+    writer.flush_timeout = GUARD_S
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         await sink.submit(vec_batch(0, 4))
         await sink.flush()  # the healthy writer persisted it: the batched path
+        assert sink.health.healthy and sink.snapshot().spool.appended_records == 0
+        assert sink.counters.delivered_records == 4
         pid = writer.writer_pid
         assert pid is not None
+        writer.flush_timeout = 0.5  # from here the writer never answers in time
         os.kill(pid, signal.SIGSTOP)
         try:
             for i in range(1, 6):
@@ -79,6 +87,8 @@ async def test_a_flush_hands_a_hung_writers_blocks_to_the_spool_after_flush_time
             assert writer._abandoned
         finally:
             os.kill(pid, signal.SIGCONT)
+        # Answering again, though maybe slowly on a loaded machine: waited for.
+        writer.flush_timeout = GUARD_S
         with guarded(sink):
             await sink.wait_delivered()
             # The writer inserted what it had been sent, the spool the same
