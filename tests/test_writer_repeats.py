@@ -23,6 +23,33 @@ from tests.test_writer_process import SCHEMA, step_batch
 BLOCKS = 6
 
 
+def window_of_three(tmp_path) -> None:
+    """The writer's raw table (in ``tmp_path / "data"``) remembers its last 3
+    blocks: what ``inserts_in_flight = 2`` needs (a repeat and the 2 x 2 - 1
+    inserts that may land around it)."""
+    setup = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
+    try:
+        setup.query("ALTER TABLE raw_acts MODIFY SETTING non_replicated_deduplication_window = 3")
+    finally:
+        setup.close_unstarted()
+
+
+def record_sent_blocks(monkeypatch) -> list[int]:
+    """The list every ``Insert`` the parent sends to a writer appends its block id to."""
+    from taproute.service.sinks.writer import protocol
+
+    sent: list[int] = []
+    real_send = protocol.MessageStream.send
+
+    async def send(self, message: object) -> None:
+        if isinstance(message, Insert):
+            sent.append(message.block)
+        await real_send(self, message)
+
+    monkeypatch.setattr(protocol.MessageStream, "send", send)
+    return sent
+
+
 async def test_a_block_resent_after_its_lost_reply_and_a_writer_death_is_written_once(
     tmp_path, monkeypatch
 ):
@@ -37,23 +64,8 @@ async def test_a_block_resent_after_its_lost_reply_and_a_writer_death_is_written
     the lost one included, land before its repeat (2 when the lost reply is
     the first block's, 3 when it is the second's and the first one's came),
     and every row is there once."""
-    from taproute.service.sinks.writer import protocol
-
-    setup = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
-    try:
-        setup.query("ALTER TABLE raw_acts MODIFY SETTING non_replicated_deduplication_window = 3")
-    finally:
-        setup.close_unstarted()
-
-    sent: list[int] = []
-    real_send = protocol.MessageStream.send
-
-    async def send(self, message: object) -> None:
-        if isinstance(message, Insert):
-            sent.append(message.block)
-        await real_send(self, message)
-
-    monkeypatch.setattr(protocol.MessageStream, "send", send)
+    window_of_three(tmp_path)
+    sent = record_sent_blocks(monkeypatch)
     batching = Batching(max_rows=4, inserts_in_flight=2, linger=3600)
     sink = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
     hooks = HookRegistry()

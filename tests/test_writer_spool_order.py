@@ -18,19 +18,12 @@ from taproute.service.sinks.clickhouse import Batching
 from taproute.service.sinks.spool import Spool, SpoolConfig
 from taproute.service.sinks.spool.spooling import Backoff, SpoolingSink
 from taproute.service.sinks.writer import WriterProcessSink
-from taproute.service.sinks.writer.protocol import Done, Failed, Insert
+from taproute.service.sinks.writer.protocol import Done, Failed
 from tests.test_writer_process import SCHEMA, step_batch
+from tests.test_writer_repeats import window_of_three
 from tests.test_writer_spool import GUARD_S
 
 BLOCKS = 8
-
-
-def window_of_three(tmp_path) -> None:
-    setup = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"])
-    try:
-        setup.query("ALTER TABLE raw_acts MODIFY SETTING non_replicated_deduplication_window = 3")
-    finally:
-        setup.close_unstarted()
 
 
 def first_answer_lost(writer: WriterProcessSink) -> list[int]:
@@ -64,18 +57,7 @@ async def test_blocks_sealed_after_one_handed_to_the_spool_follow_it_there(tmp_p
     the window and wrote that step's rows again (36 rows for 32).  Now, as
     in-process, the blocks not sent yet follow it into the spool untried, in
     order, and every row is there once."""
-    from taproute.service.sinks.writer import protocol
-
     window_of_three(tmp_path)
-    sent: list[int] = []
-    real_send = protocol.MessageStream.send
-
-    async def send(self, message: object) -> None:
-        if isinstance(message, Insert):
-            sent.append(message.block)
-        await real_send(self, message)
-
-    monkeypatch.setattr(protocol.MessageStream, "send", send)
     batching = Batching(max_rows=4, inserts_in_flight=2, linger=3600)
     writer = WriterProcessSink.embedded(SCHEMA, tmp_path / "data", raw=["acts"], batching=batching)
     hooks = HookRegistry()
