@@ -389,34 +389,6 @@ def test_bind_remove_churn_on_a_fullgraph_model_compiles_a_bounded_number_of_tim
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_churn_over_different_modules_compiles_once_per_module():
-    """Rounds binding one layer, the other, and both in turn: each module's
-    first bind compiles once, and later rounds compile nothing, whichever
-    subset they bind."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter = CompileCounter()
-    model = gpt2()
-    ids = torch.randint(3, VOCAB, (2, 5))
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    compiled = torch.compile(model, fullgraph=True, backend=counter)
-    patterns = ["transformer.h.0.mlp", "transformer.h.1.mlp", "transformer.h.*.mlp"]
-    sink = CaptureSink()
-    with create_record_runtime(record_sink=sink, schema=RecordSchema([ACTS])) as runtime:
-        with torch.inference_mode():
-            compiled(ids, attention_mask=mask)
-        _churn(compiled, runtime, 9, patterns, ids, mask)
-        assert counter.frame_count == 3  # the warm-up, the first bind of h.0, of h.1
-        runtime.flush()
-        assert runtime.counters().ingress.dropped == {}
-        assert runtime.counters().ingress.skipped == {}
-        records = records_by_hook(sink.record_batches, runtime.hooks)
-    for layer in (0, 1):
-        rounds = [r for r in range(9) if r % 3 in (layer, 2)]
-        keys = [key for key, _, _ in records[f"transformer.h.{layer}.mlp"]]
-        assert keys == [100 * r + row for r in rounds for row in (0, 1)]
-
-
 def test_a_removed_binding_of_a_compiled_model_leaves_its_eager_module_inert():
     """The place a traced hook keeps after remove() holds a hook that does
     nothing eagerly: the eager model run under a capture context, and
