@@ -44,6 +44,12 @@ that gives the model a core of its own.  That run's result is
 glibc's malloc thresholds are fixed for the run (``--malloc fixed``, the
 default; ``--malloc default`` leaves them dynamic): see :func:`fix_malloc`.
 
+Per variant the table also gives where the rest of the CPU goes, per
+forward, over the whole variant (passes and flush): this process's other
+threads (the runtime's loop, processors' worker threads, in-process chDB:
+what competes with the model for its GIL) and the writer processes (what
+competes with it only for cores).
+
 Hold time is measured in separate rounds (timer hooks registered around the
 measured hook would otherwise weigh on the timed forwards), naive and
 taproute -> null alternating round by round, as wall and model-thread CPU
@@ -52,6 +58,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 import time
@@ -59,6 +66,7 @@ from collections.abc import Callable
 from typing import Any
 
 import _cost_routes as cost_routes
+import psutil
 import torch
 from harness import (
     NullSink,
@@ -215,6 +223,17 @@ def naive_persist(
     return run
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's live child processes
+    (the writer processes), every thread they ran, exited ones included."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def hooked_modules(model: torch.nn.Module, patterns: list[str]) -> list[torch.nn.Module]:
     import fnmatch
 
@@ -364,10 +383,19 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
             nice_runtime, nice_flush_times, nice_sink.buffer_pool
         )
     cpu_times: dict[str, list[float]] = {variant: [] for variant in variants}
+    # Where the rest of the CPU goes, per forward, over the whole variant
+    # (passes and flush): this process's other threads (the runtime's loop,
+    # processors' worker threads, in-process chDB) and the writer processes.
+    other_cpu: dict[str, list[float]] = {variant: [] for variant in variants}
+    writer_cpu: dict[str, list[float]] = {variant: [] for variant in variants}
 
     def keeping_cpu(variant: str, run: Callable[[], float]) -> Callable[[], float]:
         def timed() -> float:
+            process, model, writers = time.process_time(), time.thread_time(), children_cpu()
             wall = run()
+            model = time.thread_time() - model
+            other_cpu[variant].append((time.process_time() - process - model) / passes)
+            writer_cpu[variant].append((children_cpu() - writers) / passes)
             cpu_times[variant].append(last_cpu[0])
             return wall
 
@@ -379,6 +407,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         warmup=1,
     )
     model_cpu = {variant: summary(cpu[-args.repeat :]) for variant, cpu in cpu_times.items()}
+    other = {variant: summary(cpu[-args.repeat :]) for variant, cpu in other_cpu.items()}
+    writers = {variant: summary(cpu[-args.repeat :]) for variant, cpu in writer_cpu.items()}
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
     results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
     results["naive_chdb_persisted"] = summary(naive_persisted_times[-args.repeat :])
@@ -413,6 +443,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         "results": results,
         "routed_rows": persisted,
         "model_cpu": model_cpu,
+        "other_threads_cpu": other,
+        "writer_processes_cpu": writers,
         "holds": holds,
         "hooks": hooks,
         "tokens_per_pass": int(mask.sum()),
@@ -629,6 +661,8 @@ def main() -> None:
             for variant, summ in results.items():
                 ratio = summ["median"] / base["median"]
                 cpu = model_cpu.get(variant)
+                other = measured["other_threads_cpu"].get(variant)
+                writers = measured["writer_processes_cpu"].get(variant)
                 rows.append(
                     [
                         name,
@@ -639,6 +673,8 @@ def main() -> None:
                         fmt(tokens / summ["median"]),
                         "-" if cpu is None else fmt(cpu["median"] * 1e3),
                         "-" if cpu is None else fmt(cpu["median"] / base_cpu),
+                        "-" if other is None else fmt(other["median"] * 1e3),
+                        "-" if writers is None else fmt(writers["median"] * 1e3),
                     ]
                 )
             naive_ratio = results["naive"]["median"] / base["median"]
@@ -759,6 +795,8 @@ def main() -> None:
                     "tokens/s",
                     "model-thread CPU ms/forward",
                     "CPU x no hooks",
+                    "other threads' CPU ms/forward (until flush)",
+                    "writer processes' CPU ms/forward (until flush)",
                 ],
                 "rows": rows,
             }
