@@ -48,7 +48,10 @@ Per variant the table also gives where the rest of the CPU goes, per
 forward, over the whole variant (passes and flush): this process's other
 threads (the runtime's loop, processors' worker threads, in-process chDB:
 what competes with the model for its GIL) and the writer processes (what
-competes with it only for cores).
+competes with it only for cores), and the model thread's waits per forward
+(voluntary context switches: it does no I/O, so it waits for the GIL, or
+for ingress room) and preemptions per forward (involuntary ones: another
+thread or process took its core).
 
 Hold time is measured in separate rounds (timer hooks registered around the
 measured hook would otherwise weigh on the timed forwards), naive and
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import resource
 import tempfile
 import time
 from collections.abc import Callable
@@ -306,15 +310,23 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     naive_transport.execute(NAIVE_TABLE + settings)  # the settings taproute's tables get
     persist = naive_persist(model, patterns, mask, naive_transport)
     last_cpu = [0.0]  # the model thread's CPU seconds per forward of the last run_passes
+    # ... and its waits per forward (voluntary context switches: it does no
+    # I/O, so these are waits for the GIL, or for ingress room)
+    last_waits = [0.0]
+    last_preempted = [0.0]  # ... and how often it was preempted (involuntary switches)
 
     def run_passes() -> float:
         if args.pin == "apart":  # outside the clock; catches threads started since
             pin_apart({MODEL_CPU})
         started, cpu = time.perf_counter(), time.thread_time()
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
         with torch.inference_mode(), capture_context(keys, attention_mask=mask):
             for _ in range(passes):
                 forward(ids, mask)
         last_cpu[0] = (time.thread_time() - cpu) / passes
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        last_waits[0] = (after.ru_nvcsw - usage.ru_nvcsw) / passes
+        last_preempted[0] = (after.ru_nivcsw - usage.ru_nivcsw) / passes
         return (time.perf_counter() - started) / passes
 
     def plain() -> float:
@@ -388,6 +400,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     # processors' worker threads, in-process chDB) and the writer processes.
     other_cpu: dict[str, list[float]] = {variant: [] for variant in variants}
     writer_cpu: dict[str, list[float]] = {variant: [] for variant in variants}
+    model_waits: dict[str, list[float]] = {variant: [] for variant in variants}
+    model_preempted: dict[str, list[float]] = {variant: [] for variant in variants}
 
     def keeping_cpu(variant: str, run: Callable[[], float]) -> Callable[[], float]:
         def timed() -> float:
@@ -397,6 +411,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
             other_cpu[variant].append((time.process_time() - process - model) / passes)
             writer_cpu[variant].append((children_cpu() - writers) / passes)
             cpu_times[variant].append(last_cpu[0])
+            model_waits[variant].append(last_waits[0])
+            model_preempted[variant].append(last_preempted[0])
             return wall
 
         return timed
@@ -409,6 +425,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     model_cpu = {variant: summary(cpu[-args.repeat :]) for variant, cpu in cpu_times.items()}
     other = {variant: summary(cpu[-args.repeat :]) for variant, cpu in other_cpu.items()}
     writers = {variant: summary(cpu[-args.repeat :]) for variant, cpu in writer_cpu.items()}
+    waits = {variant: summary(n[-args.repeat :]) for variant, n in model_waits.items()}
+    preempted = {variant: summary(n[-args.repeat :]) for variant, n in model_preempted.items()}
     results["taproute_chdb_flushed"] = summary(flush_times[-args.repeat :])
     results["taproute_chdb_process_flushed"] = summary(process_flush_times[-args.repeat :])
     results["naive_chdb_persisted"] = summary(naive_persisted_times[-args.repeat :])
@@ -445,6 +463,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
         "model_cpu": model_cpu,
         "other_threads_cpu": other,
         "writer_processes_cpu": writers,
+        "model_thread_waits": waits,
+        "model_thread_preempted": preempted,
         "holds": holds,
         "hooks": hooks,
         "tokens_per_pass": int(mask.sum()),
@@ -663,6 +683,8 @@ def main() -> None:
                 cpu = model_cpu.get(variant)
                 other = measured["other_threads_cpu"].get(variant)
                 writers = measured["writer_processes_cpu"].get(variant)
+                waits = measured["model_thread_waits"].get(variant)
+                preempted = measured["model_thread_preempted"].get(variant)
                 rows.append(
                     [
                         name,
@@ -675,6 +697,8 @@ def main() -> None:
                         "-" if cpu is None else fmt(cpu["median"] / base_cpu),
                         "-" if other is None else fmt(other["median"] * 1e3),
                         "-" if writers is None else fmt(writers["median"] * 1e3),
+                        "-" if waits is None else fmt(waits["median"]),
+                        "-" if preempted is None else fmt(preempted["median"]),
                     ]
                 )
             naive_ratio = results["naive"]["median"] / base["median"]
@@ -797,6 +821,8 @@ def main() -> None:
                     "CPU x no hooks",
                     "other threads' CPU ms/forward (until flush)",
                     "writer processes' CPU ms/forward (until flush)",
+                    "model-thread waits/forward",
+                    "model-thread preemptions/forward",
                 ],
                 "rows": rows,
             }
