@@ -427,7 +427,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 continue
             # Ingress capacity is given back once per wake-up, not per batch:
             # one lock round trip and one producer wake-up for the lot.
-            records = nbytes = controls = sink_controls = empty = 0
+            records = nbytes = empty = 0
             run: list[RecordBatch] = []  # batches to merge, in queue order
             position = 0
             started = False  # items[position] is being handled (or is in `run`)
@@ -451,13 +451,12 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         # the control settles: a flush() that returned finds
                         # that room free (a capture block's bounded end is not
                         # shed as if ingress were still stalled).
-                        self._ingress.done(records, nbytes, controls, sink_controls)
+                        self._ingress.done(records, nbytes)
                         records = nbytes = 0
-                        # Its own room is given back with later records': a key
-                        # control's, and a flush's or reload's the same.
-                        keyed = isinstance(item.kind, KeyAction)
-                        controls = 1 if keyed else 0
-                        sink_controls = 1 if not keyed and item.kind != "close" else 0
+                        # Its own room (a key control's, a flush's or reload's;
+                        # a close takes none) goes back as it settles, so a
+                        # snapshot taken after flush() returned counts no
+                        # control queued (_control gives it back exactly once).
                         if await self._control(item):
                             self._sink_closed = True
                             return
@@ -483,7 +482,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                 self._give_up([*run, *left], failure, count="given_up")
                 raise
             finally:
-                self._ingress.done(records, nbytes, controls, sink_controls, empty)
+                self._ingress.done(records, nbytes, empty=empty)
 
     async def _hand_on(self, batches: list[RecordBatch]) -> None:
         """Submit ``batches`` (taken in this order) to the record sink, merged

@@ -54,13 +54,39 @@ class SinkControls:
     _queued_swaps: set[Future[int]]
 
     async def _control(self, control: Control) -> bool:
-        """Run a flush or close; returns True when the worker should stop."""
+        """Run a flush or close; returns True when the worker should stop.
+
+        The control's ingress room is given back once, before its future
+        settles (whatever the outcome): a caller that saw its flush, reload
+        or key control return finds no control of its own still counted as
+        queued, and its room free."""
+        returned = False
+
+        def give_back_room() -> None:
+            nonlocal returned
+            if not returned:
+                returned = True
+                keyed = isinstance(control.kind, KeyAction)
+                self._ingress.done(
+                    0,
+                    0,
+                    controls=1 if keyed else 0,
+                    sink_controls=1 if not keyed and control.kind != "close" else 0,
+                )
+
+        try:
+            return await self._run_control(control, give_back_room)
+        finally:
+            give_back_room()
+
+    async def _run_control(self, control: Control, give_back_room: Callable[[], None]) -> bool:
+        """:meth:`_control`'s body; ``give_back_room`` runs before a future settles."""
         result: object = None
         self._sink_call = "flush" if control.kind == "deliver" else str(control.kind)
         try:
             self._latch.raise_if_failed()
             if control.kind == "reload":
-                return await self._reload(control)
+                return await self._reload(control, give_back_room)
             if control.kind == "flush":
                 result = await self.record_sink.flush()
             elif control.kind == "deliver":
@@ -73,8 +99,10 @@ class SinkControls:
                 await self.record_sink.close()
         except KeyNotHeld as exc:  # the caller's mistake, refused whole: not a failure
             self._ingress.count_refused_key_control()  # seen even if the future is not
+            give_back_room()
             control.future.set_exception(exc)
         except FlushCutOff as exc:  # the closing shutdown's grace overtook it: its failure
+            give_back_room()
             control.future.set_exception(exc)
         except Exception as exc:
             if isinstance(control.kind, KeyAction):  # a failed runtime's, or its failure
@@ -85,11 +113,13 @@ class SinkControls:
                 self._sink_close_started = True
                 with suppress(Exception):  # already failing; the first error stands
                     await self.record_sink.close()
+            give_back_room()
             control.future.set_exception(failure)
         except BaseException as exc:  # cancelled (a shutdown's grace ran out), or the loop dies
             if not control.future.done():
                 if isinstance(control.kind, KeyAction):
                     self._ingress.count_failed_key_control()
+                give_back_room()
                 control.future.set_exception(
                     SinkClosed(f"runtime stopped: the shutdown grace ran out during {control.kind}")
                     if isinstance(exc, trio.Cancelled)
@@ -97,6 +127,7 @@ class SinkControls:
                 )
             raise
         else:
+            give_back_room()
             control.future.set_result(result if isinstance(result, FlushReport) else None)
         finally:
             self._sink_call = None
@@ -113,14 +144,16 @@ class SinkControls:
             await sink.wait_delivered()
         return result
 
-    async def _reload(self, control: Control) -> bool:
+    async def _reload(self, control: Control, give_back_room: Callable[[], None]) -> bool:
         """Swap in a prepared generation; a refusal is the caller's, not a failure."""
         assert self._reloads is not None
         try:
             number = await self._reloads.swap(control.payload)
         except Exception as exc:
+            give_back_room()
             control.future.set_exception(exc)
         else:
+            give_back_room()
             control.future.set_result(number)
         return False
 
