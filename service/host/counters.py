@@ -8,6 +8,8 @@ sink's do (:mod:`taproute.actors.counters`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from taproute.actors.counters import RouterSnapshot, count, live
@@ -110,13 +112,97 @@ class IngressCounters:
     skipped: dict[str, dict[str, int]] = attrs.Factory(dict)
 
 
+#: What came of a reload: ``pending`` (checked, queued, not swapped in yet),
+#: ``applied`` (its generation routes), ``refused`` (at its check, or at its
+#: swap: the running generation went on), ``not_queued`` (ingress stayed full
+#: for its whole wait: nothing changed).
+ReloadOutcome = Literal["pending", "applied", "refused", "not_queued"]
+
+
+@attrs.frozen(kw_only=True)
+class ReloadStatus:
+    """One reload asked of the runtime and what came of it.
+
+    ``id`` numbers the runtime's reloads in the order they were asked (1
+    first; ``POST /reload`` answers it as ``reload_id``).  What was asked:
+    ``source``, the config file (None: a ``RoutingConfig`` given from
+    Python), ``config_sha256``, the SHA-256 of the file's bytes as read for
+    this reload (``sha256sum`` of the file; None from Python), ``routes``,
+    the names of its routes (empty when the file could not be read), and
+    ``running_generation``, the generation routing when it was asked.
+    ``outcome`` (see :data:`ReloadOutcome`); ``generation``, the number it
+    routes as once ``applied``; ``error`` (the whole message) and
+    ``problems`` (one line each, at its key path: the destination that failed
+    to open, the unknown processor) once ``refused`` or ``not_queued``.
+    ``requested_at``/``settled_at``: wall-clock seconds (Unix time);
+    ``settled_at`` is None while pending."""
+
+    id: int
+    source: str | None
+    config_sha256: str | None
+    routes: tuple[str, ...]
+    running_generation: int
+    outcome: ReloadOutcome
+    generation: int | None = None
+    error: str | None = None
+    problems: tuple[str, ...] = ()
+    requested_at: float
+    settled_at: float | None = None
+
+
+@attrs.define
+class ReloadCounters:
+    """Configuration reloads asked of the runtime.  Counts: reloads
+    ``applied``, ``refused`` (at their check or at their swap, also when the
+    swap came after the caller stopped waiting) and ``not_queued``.  Live:
+    ``last_successful``, whether the reload settled last was applied.
+    ``recent``: the last reloads asked, oldest first (newest: the snapshot's
+    ``last_reload``)."""
+
+    applied: int = count(
+        "taproute_config_reloads_applied",
+        "Configuration reloads whose generation was swapped in.",
+    )
+    refused: int = count(
+        "taproute_config_reloads_refused",
+        "Configuration reloads refused, at their check (the configuration's problems) or "
+        "at their swap (a destination that failed to open, the runtime closed or failed), "
+        "also after the caller stopped waiting; the running generation went on.",
+    )
+    not_queued: int = count(
+        "taproute_config_reloads_not_queued",
+        "Configuration reloads never queued: ingress stayed full for their whole wait.",
+    )
+    #: False while the reload settled last (applied, refused or not queued,
+    #: whichever came last) was not applied; True before any settled.
+    last_successful: bool = live(
+        "taproute_config_last_reload_successful",
+        "0 while the configuration reload settled last was refused or never queued (why: "
+        "last_reload in /status), else 1.",
+        True,
+    )
+    recent: list[ReloadStatus] = attrs.Factory(list)
+
+
 @attrs.frozen
 class ServiceSnapshot(RouterSnapshot):
     """The record sink's snapshot (empty routes/destinations for a plain sink)
-    plus the runtime's ``ingress``; ``failure`` is the first failure latched by
-    the runtime or the sink."""
+    plus the runtime's ``ingress`` and ``reloads``; ``failure`` is the first
+    failure latched by the runtime or the sink."""
 
     ingress: IngressCounters = attrs.Factory(IngressCounters)
+    reloads: ReloadCounters = attrs.Factory(ReloadCounters)
+
+    @property
+    def last_reload(self) -> ReloadStatus | None:
+        """The reload asked last and what came of it (None: none asked)."""
+        return self.reloads.recent[-1] if self.reloads.recent else None
 
 
-__all__ = ["IngressCounters", "ServiceSnapshot"]
+__all__ = [
+    "IngressCounters",
+    "ReloadCounters",
+    "ReloadOutcome",
+    "ReloadStatus",
+    "ServiceSnapshot",
+]

@@ -99,10 +99,13 @@ class HttpConfig:
 
 def snapshot_as_json(snapshot: ServiceSnapshot) -> dict[str, Any]:
     """The snapshot as plain JSON-able data, with the age of the oldest open key
-    over all stateful routes (None: none open) on top, where a leak shows first."""
+    over all stateful routes (None: none open) on top, where a leak shows first,
+    and ``last_reload``: the reload asked last and what came of it (None: none)."""
     data = attrs.asdict(snapshot)
     ages = [r.oldest_open_key_age_s for r in snapshot.routes.values()]
     data["oldest_open_key_age_s"] = max((a for a in ages if a is not None), default=None)
+    last = snapshot.last_reload
+    data["last_reload"] = None if last is None else attrs.asdict(last)
     return data
 
 

@@ -20,7 +20,7 @@ from taproute.actors.counters import (
     StoreCounters,
     declared,
 )
-from taproute.service.host.counters import IngressCounters, ServiceSnapshot
+from taproute.service.host.counters import IngressCounters, ReloadCounters, ServiceSnapshot
 
 
 class SnapshotCollector(Collector):
@@ -93,6 +93,7 @@ class SnapshotCollector(Collector):
         )
         generation.add_metric([], snap.generation)
         yield generation
+        yield from _families(ReloadCounters, [([], snap.reloads)], [])
 
 
 def _families(

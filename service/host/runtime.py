@@ -67,6 +67,7 @@ from taproute.service.host.counters import IngressCounters, ServiceSnapshot
 from taproute.service.host.ingress import WAKE_DELAY_S, Ingress, WhenFull, thread_wait
 from taproute.service.host.ingress_control import Control
 from taproute.service.host.producer_calls import ProducerCalls
+from taproute.service.host.reload_outcomes import ReloadLedger
 from taproute.service.host.runtime_options import check_runtime_options
 from taproute.service.host.sink_controls import SinkControls
 
@@ -258,6 +259,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         #: service's dead-letter store when its sink is not a routing sink).
         self._stores: list[ReportsStore] = []
         self._queued_swaps = set()
+        self.reload_ledger = ReloadLedger()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -685,6 +687,7 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
             unmatched_samples=sink.unmatched_samples,
             generation=sink.generation,
             ingress=self._ingress_snapshot(),
+            reloads=self.reload_ledger.snapshot(),
             stores={
                 **sink.stores,
                 **{s.name: s for s in (store.store_status() for store in self._stores)},

@@ -31,6 +31,7 @@ from taproute.routing.routes import RoutingConfig
 from taproute.routing.sink import RecordSink, Reloads, WaitsForDelivery
 from taproute.service.host.ingress import Ingress, NotQueued, thread_wait
 from taproute.service.host.ingress_control import Control
+from taproute.service.host.reload_outcomes import ReloadLedger
 
 
 class SinkControls:
@@ -52,6 +53,8 @@ class SinkControls:
     _sink_close_started: bool = False
     #: Swaps queued and not yet run (``ingress.queued_reloads``).
     _queued_swaps: set[Future[int]]
+    #: What came of each reload asked (``counters().reloads``, ``last_reload``).
+    reload_ledger: ReloadLedger
 
     async def _control(self, control: Control) -> bool:
         """Run a flush or close; returns True when the worker should stop.
@@ -279,10 +282,22 @@ class SinkControls:
                 f"reload: the record sink {type(self.record_sink).__name__} has no "
                 "configuration generations (a RoutingSink does)"
             )
-        generation = self._reloads.prepare(
-            config, default_destination=default_destination, unmatched=unmatched, registry=registry
+        wait_s = thread_wait(timeout)
+        routes = (
+            [route.name for route in config.routes] if isinstance(config, RoutingConfig) else []
         )
-        return self.swap(generation, timeout=timeout)
+        reload_id = self.reload_ledger.asked(running_generation=self.generation, routes=routes)
+        try:
+            generation = self._reloads.prepare(
+                config,
+                default_destination=default_destination,
+                unmatched=unmatched,
+                registry=registry,
+            )
+        except Exception as exc:
+            self.reload_ledger.refused(reload_id, exc)
+            raise
+        return self._swap(generation, wait_s, reload_id)
 
     def swap(self, generation: Any, *, timeout: float | None = None) -> int:
         """Apply a generation the sink prepared (``record_sink.prepare(...)``), in
@@ -292,14 +307,17 @@ class SinkControls:
         :class:`NotQueued`, a :class:`TimeoutError`: never queued) and for the
         swap (past it :class:`TimeoutError` and the swap stays queued: it may
         yet be swapped in; ``counters().ingress.queued_reloads`` counts it
-        until then)."""
+        until then, and ``counters().last_reload`` says what came of it)."""
         try:
             wait_s = thread_wait(timeout)
         except (TypeError, ValueError):
             generation.detach()
             raise
+        return self._swap(generation, wait_s, None)
+
+    def _swap(self, generation: Any, wait_s: float | None, reload_id: int | None) -> int:
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        future = self.queue_swap(generation, timeout=wait_s)
+        future = self.queue_swap(generation, timeout=wait_s, reload_id=reload_id)
         try:
             number: int = future.result(_left(deadline))
         except TimeoutError:
@@ -309,11 +327,16 @@ class SinkControls:
             raise
         return number
 
-    def queue_swap(self, generation: Any, *, timeout: float | None = None) -> Future[int]:
+    def queue_swap(
+        self, generation: Any, *, timeout: float | None = None, reload_id: int | None = None
+    ) -> Future[int]:
         """Queue the swap of a prepared generation behind the records submitted
         before, without waiting for it: the future gives its number once it
         routes, or raises why it was refused (it is then detached).  Until it
-        is done, it counts in ``counters().ingress.queued_reloads``.
+        is done, it counts in ``counters().ingress.queued_reloads``; what came
+        of it is kept in ``counters().reloads`` (``last_reload``), also when
+        nobody waits for the future any more.  ``reload_id``: its record in
+        :attr:`reload_ledger`, opened by the caller (None: opened here).
 
         Its control takes one record's ingress room until it ran: with
         ingress full it waits for room within ``timeout`` (seconds; None: as
@@ -321,23 +344,31 @@ class SinkControls:
         nothing was queued."""
         if self._reloads is None:
             raise TypeError("swap: the record sink has no configuration generations")
-        if self._thread is None:
-            generation.detach()
-            raise SinkClosed("runtime not started")
+        if reload_id is None:
+            config = getattr(generation, "config", None)
+            routes = [r.name for r in config.routes] if isinstance(config, RoutingConfig) else []
+            reload_id = self.reload_ledger.asked(running_generation=self.generation, routes=routes)
         try:
+            if self._thread is None:
+                raise SinkClosed("runtime not started")
             self._ingress.refuse_on_loop("reload()")
-        except RuntimeError:
+        except BaseException as exc:
             generation.detach()
+            self.reload_ledger.refused(reload_id, exc)
             raise
         future: Future[int] = self._ingress.put_control(
             "reload", payload=generation, timeout=timeout
         )
         self._queued_swaps.add(future)
+        ledger = self.reload_ledger
 
         def settled(done: Future[int]) -> None:
             # Run where the future is settled (the loop thread, at the swap),
-            # or here if it already was: must never raise.
+            # or here if it already was: must never raise.  The outcome is
+            # recorded before any later callback (the caller's) runs, so a
+            # snapshot taken once the caller learnt it shows it.
             self._queued_swaps.discard(done)
+            ledger.settle(reload_id, done)
             if not done.cancelled() and done.exception() is not None:
                 generation.detach()  # never swapped in (idempotent if refused there)
 
