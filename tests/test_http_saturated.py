@@ -211,12 +211,13 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
             assert seconds <= ANSWER_WITHIN_S
             assert (code, json.loads(body)) == (
                 202,
-                {"status": "queued", "running_generation": 1, "queued_reloads": 1},
+                {"status": "queued", "reload_id": 1, "running_generation": 1, "queued_reloads": 1},
             )
             # A wait is bounded: past it the answer says queued, and the reload goes on.
             seconds, code, body = timed_get(f"{url}/reload?wait=0.2", post=True)
             assert seconds <= 0.2 + ANSWER_WITHIN_S
-            assert (code, json.loads(body)["queued_reloads"]) == (202, 2)
+            answer = json.loads(body)
+            assert (code, answer["reload_id"], answer["queued_reloads"]) == (202, 2, 2)
             # Producers of single records: ingress full to the last record's room.
             with saturated(runtime, batch=1):
                 try:
@@ -228,6 +229,7 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
                     answer = json.loads(body)
                     assert code == 503 and "reload not queued" in answer["error"], body
                     assert (answer["running_generation"], answer["queued_reloads"]) == (1, 2)
+                    assert answer["reload_id"] == 3
                     # A file with problems is refused at once, whatever is queued.
                     path.write_text(config_text(tmp_path, RAW.replace('"ch"', '"nowhere"')))
                     seconds, code, body = timed_get(f"{url}/reload", post=True)
@@ -254,6 +256,15 @@ def test_a_reload_at_saturation_answers_within_its_wait_and_routes_in_order(tmp_
         status = json.loads(timed_get(f"{url}/status")[2])
         assert (status["generation"], status["ingress"]["queued_reloads"]) == (3, 0)
         assert list(status["routes"]) == ["raw", "norms"]
+        # What came of each: the two queued applied, in order, after their 202s;
+        # the 503 never queued; the bad file refused at its check.
+        assert [(r["id"], r["outcome"], r["generation"]) for r in status["reloads"]["recent"]] == [
+            (1, "applied", 2),
+            (2, "applied", 3),
+            (3, "not_queued", None),
+            (4, "refused", None),
+        ]
+        assert "ingress stayed full" in status["reloads"]["recent"][2]["error"]
         # Records submitted before the first reload went through generation 1
         # alone; those after it through raw and norms both.
         routes = status["routes"]

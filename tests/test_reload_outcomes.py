@@ -1,11 +1,11 @@
 """What came of a reload whose caller stopped waiting: a swap refused after
-``runtime.reload(timeout=)`` raised ``TimeoutError`` used to show only as
-``ingress.queued_reloads`` dropping with ``generation`` unchanged.  It now
-shows as ``refused``, with its cause, in ``last_reload`` (``counters()``,
-``/status``) and in ``taproute_config_reloads_refused_total``
-(``/metrics``); a later good reload shows ``applied``.  The refused swap
-leaves the running generation routing and loses nothing accepted before,
-during or after it.
+``POST /reload`` answered 202 (or after ``runtime.reload(timeout=)`` raised
+``TimeoutError``) used to show only as ``ingress.queued_reloads`` dropping
+with ``generation`` unchanged.  It now shows as ``refused``, with its cause,
+in ``last_reload`` (``/status``, ``counters()``) and in
+``taproute_config_reloads_refused_total`` (``/metrics``); a later good reload
+shows ``applied``.  The refused swap leaves the running generation routing
+and loses nothing accepted before, during or after it.
 
 The destination that fails to open is real: a ClickHouse server destination
 whose port nobody listens on (connection refused), first routed to by the
@@ -15,7 +15,11 @@ record worker and the reload's control wait behind it)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -26,10 +30,14 @@ from taproute.routing import Batch, PlanErrors, Route, RoutingConfig
 from taproute.service import (
     CaptureSink,
     ClickHouseSink,
+    HttpConfig,
     RoutingSink,
     create_record_runtime,
 )
+from taproute.service.host.config import load_config
+from taproute.service.host.reload import ConfigReloader
 from tests.processors import SCHEMA
+from tests.test_reload_service import NORMS, RAW, config_text
 
 Q = "layers.0.q"
 
@@ -43,6 +51,20 @@ DOWN_URL = "http://127.0.0.1:1/default?connect_timeout=1"
 BATCH = 256
 BEFORE_BATCHES = 8
 DESTINATION_CAPACITY = 1024
+
+DOWN_DESTINATION = f"""
+[destinations.down]
+url = "{DOWN_URL}"
+raw = ["vec"]
+spool = "off"
+"""
+
+COPY_TO_DOWN = """
+[[routes]]
+name = "copy"
+outputs = ["layers.*"]
+destination = "down"
+"""
 
 
 class HeldCapture(CaptureSink):
@@ -171,3 +193,120 @@ def test_a_swap_refused_after_the_callers_wait_shows_in_the_snapshot_and_loses_n
         assert (snap.reloads.applied, snap.reloads.refused) == (1, 2)
         assert snap.reloads.last_successful
     assert delivered_once(ch, after.stop + BATCH)
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return response.status, response.read().decode()
+
+
+def _post(url: str) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=b"", method="POST", headers={"Authorization": "Bearer s3cret"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _metric(metrics: str, name: str) -> float:
+    lines = metrics.splitlines()
+    (value,) = [float(line.split()[1]) for line in lines if line.split(" ")[0] == name]
+    return value
+
+
+def test_post_reload_refused_after_its_202_shows_refused_with_the_cause_in_status_and_metrics(
+    tmp_path,
+):
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW) + DOWN_DESTINATION)
+    config = load_config(path)
+    ch = HeldCapture()
+    # The file's own destination "down" (its factory: a server nobody
+    # listens for, no spool); "ch" held, so the reload waits past its answer.
+    sink = RoutingSink(
+        config.routing_config(),
+        SCHEMA,
+        {"ch": ch, "down": config.destination_factories(SCHEMA)["down"]},
+        unmatched="drop",
+        destination_capacity=DESTINATION_CAPACITY,
+    )
+    http = HttpConfig(port=0, token="s3cret")
+    with create_record_runtime(record_sink=sink, http=http) as runtime:
+        runtime.reloader = ConfigReloader(runtime, config)
+        (url,) = runtime.http_urls
+        status = json.loads(_get(f"{url}/status")[1])
+        assert status["last_reload"] is None
+        metrics = _get(f"{url}/metrics")[1]
+        assert _metric(metrics, "taproute_config_reloads_refused_total") == 0
+        assert _metric(metrics, "taproute_config_last_reload_successful") == 1
+
+        q = runtime.bind_hook(Q, layout="vec")
+        before = range(0, BEFORE_BATCHES * BATCH)
+        try:
+            submit(runtime, q, before)
+            assert ch.entered.wait(60)
+            path.write_text(config_text(tmp_path, RAW + COPY_TO_DOWN) + DOWN_DESTINATION)
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            code, body = _post(f"{url}/reload?wait=0")
+            assert (code, body) == (
+                202,
+                {"status": "queued", "reload_id": 1, "running_generation": 1, "queued_reloads": 1},
+            )
+            last = json.loads(_get(f"{url}/status")[1])["last_reload"]
+            assert {k: last[k] for k in ("id", "outcome", "source", "config_sha256", "routes")} == {
+                "id": 1,
+                "outcome": "pending",
+                "source": str(path),
+                "config_sha256": digest,
+                "routes": ["raw", "copy"],
+            }
+            during = range(before.stop, before.stop + 2 * BATCH)
+            submit(runtime, q, during)
+        finally:
+            ch.release.set()
+        runtime.flush()  # behind the reload: its swap ran, and refused it
+
+        status = json.loads(_get(f"{url}/status")[1])
+        assert (status["generation"], status["ingress"]["queued_reloads"]) == (1, 0)
+        assert list(status["routes"]) == ["raw"]
+        last = status["last_reload"]
+        assert (last["id"], last["outcome"], last["generation"]) == (1, "refused", None)
+        assert last["config_sha256"] == digest
+        (problem,) = last["problems"]
+        assert problem.startswith("destinations.down.url: cannot open http://127.0.0.1:1/"), problem
+        assert problem in last["error"]
+        assert status["reloads"]["refused"] == 1 and not status["reloads"]["last_successful"]
+        metrics = _get(f"{url}/metrics")[1]
+        assert _metric(metrics, "taproute_config_reloads_refused_total") == 1
+        assert _metric(metrics, "taproute_config_reloads_applied_total") == 0
+        assert _metric(metrics, "taproute_config_last_reload_successful") == 0
+        assert _metric(metrics, "taproute_config_generation") == 1
+
+        after = range(during.stop, during.stop + 2 * BATCH)
+        submit(runtime, q, after)
+        runtime.flush()
+        assert delivered_once(ch, after.stop)
+
+        # A later good file: applied, and said so.
+        path.write_text(config_text(tmp_path, RAW + NORMS) + DOWN_DESTINATION)
+        assert _post(f"{url}/reload") == (200, {"generation": 2})
+        status = json.loads(_get(f"{url}/status")[1])
+        last = status["last_reload"]
+        assert (last["id"], last["outcome"], last["generation"]) == (2, "applied", 2)
+        assert last["config_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert [r["outcome"] for r in status["reloads"]["recent"]] == ["refused", "applied"]
+        metrics = _get(f"{url}/metrics")[1]
+        assert _metric(metrics, "taproute_config_reloads_applied_total") == 1
+        assert _metric(metrics, "taproute_config_reloads_refused_total") == 1
+        assert _metric(metrics, "taproute_config_last_reload_successful") == 1
+
+        # A file refused at its check (the prompt 422) is kept the same way.
+        path.write_text(config_text(tmp_path, RAW.replace('"ch"', '"nowhere"')) + DOWN_DESTINATION)
+        code, body = _post(f"{url}/reload")
+        assert code == 422
+        last = json.loads(_get(f"{url}/status")[1])["last_reload"]
+        assert (last["id"], last["outcome"], last["problems"]) == (3, "refused", body["problems"])
+        assert _metric(_get(f"{url}/metrics")[1], "taproute_config_reloads_refused_total") == 2

@@ -421,16 +421,18 @@ def _semantic_problems(config: ServiceConfig) -> Iterator[str]:
             yield f"producer.hooks[{i}].layout: {exc}"
 
 
-def load_config(path: str | Path) -> ServiceConfig:
+def load_config(path: str | Path, *, data: bytes | None = None) -> ServiceConfig:
     """Read and check a TOML config; raise :class:`ConfigFileError` listing every problem.
 
-    Reads only: imports no processor module, creates no file.
+    Reads only: imports no processor module, creates no file.  ``data``: the
+    file's bytes, already read (a reload hashes what it checks).
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigFileError(path, [f"cannot read: {exc.strerror or exc}"]) from None
+    if data is None:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigFileError(path, [f"cannot read: {exc.strerror or exc}"]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

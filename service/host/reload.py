@@ -16,6 +16,7 @@ generation goes on.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import tomllib
 import typing
@@ -48,13 +49,16 @@ def fixed_section_problems(running: ServiceConfig, candidate: ServiceConfig) -> 
     ]
 
 
-def unloadable_file_fixed_section_problems(running: ServiceConfig, path: Path) -> list[str]:
+def unloadable_file_fixed_section_problems(
+    running: ServiceConfig, path: Path, data: bytes | None = None
+) -> list[str]:
     """For a file that does not load (a bad value anywhere): one line per fixed
     section it changes, of those that read on their own, so that the refusal
     lists them with the file's own problems. A section with problems of its
-    own is left out (load_config lists those)."""
+    own is left out (load_config lists those).  ``data``: the file's bytes,
+    already read."""
     try:
-        raw = tomllib.loads(path.read_text("utf-8"))
+        raw = tomllib.loads((path.read_bytes() if data is None else data).decode("utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return []  # nothing of it can be read: load_config said why
     types = typing.get_type_hints(ServiceConfig)
@@ -129,38 +133,40 @@ class ConfigReloader:
         The swap's control takes one record's ingress room: while ingress is
         full this waits for room at most ``timeout`` seconds (None: no
         bound); past it the future raises ``NotQueued`` (a
-        :class:`TimeoutError`) and nothing was queued."""
+        :class:`TimeoutError`) and nothing was queued.
+
+        Whatever comes of it is kept in the service's snapshot
+        (``counters().last_reload``: the file, the SHA-256 of the bytes
+        checked, the outcome and why; ``/status``), a refusal at the swap
+        included when nobody waits for the future any more; the future's
+        ``reload_id`` is its ``id`` there."""
         with self._lock:
+            path = self.config.source
             try:
-                candidate = load_config(self.config.source)
-            except ConfigFileError as exc:
-                changed = unloadable_file_fixed_section_problems(self.config, self.config.source)
-                raise ConfigFileError(exc.path, changed + exc.problems) from None
-            if self.call_timeout is not None:
-                candidate = candidate.with_call_timeout(self.call_timeout)
-            problems = fixed_section_problems(self.config, candidate)
-            try:
-                candidate.import_processors()
-            except ConfigFileError as exc:  # listed with the rest (its routes then fail too)
-                problems += exc.problems
-            generation: Generation | None = None
-            try:
-                generation = self._sink.prepare(
-                    candidate.routing_config(),
-                    default_destination=candidate.routing.default_destination,
-                    unmatched=candidate.routing.unmatched,
+                data: bytes | None = path.read_bytes()
+            except OSError:
+                data = None  # load_config says why
+            ledger = self._service.reload_ledger
+            running = self._service.generation
+            digest = None if data is None else hashlib.sha256(data).hexdigest()
+            routes: list[str] = []
+
+            def asked() -> int:
+                return ledger.asked(
+                    running_generation=running,
+                    routes=routes,
+                    source=str(path),
+                    config_sha256=digest,
                 )
+
+            try:
+                candidate, generation = self._checked(path, data, routes)
             except ConfigFileError as exc:
-                problems += exc.problems
-            except ConfigError as exc:
-                problems += plan_problems(exc)
-            if problems:
-                if generation is not None:
-                    generation.detach()
-                raise ConfigFileError(candidate.source, problems)
-            assert generation is not None
-            swap = self._service.queue_swap(generation, timeout=timeout)
-        outcome: Future[int] = Future()
+                ledger.refused(asked(), exc)
+                raise
+            reload_id = asked()
+            swap = self._service.queue_swap(generation, timeout=timeout, reload_id=reload_id)
+        outcome = QueuedReload(reload_id)
 
         def swapped(done: Future[int]) -> None:
             # Where the swap ran (the loop thread), or here: must never raise.
@@ -177,10 +183,57 @@ class ConfigReloader:
         swap.add_done_callback(swapped)
         return outcome
 
+    def _checked(
+        self, path: Path, data: bytes | None, routes: list[str]
+    ) -> tuple[ServiceConfig, Generation]:
+        """The file (``data``: its bytes, None: unreadable) loaded and checked,
+        and its generation built; :class:`ConfigFileError` with every
+        problem.  ``routes`` gets the names of its routes once it loaded."""
+        try:
+            candidate = load_config(path, data=data)
+        except ConfigFileError as exc:
+            changed = unloadable_file_fixed_section_problems(self.config, path, data)
+            raise ConfigFileError(exc.path, changed + exc.problems) from None
+        routes += [route.name for route in candidate.routes]
+        if self.call_timeout is not None:
+            candidate = candidate.with_call_timeout(self.call_timeout)
+        problems = fixed_section_problems(self.config, candidate)
+        try:
+            candidate.import_processors()
+        except ConfigFileError as exc:  # listed with the rest (its routes then fail too)
+            problems += exc.problems
+        generation: Generation | None = None
+        try:
+            generation = self._sink.prepare(
+                candidate.routing_config(),
+                default_destination=candidate.routing.default_destination,
+                unmatched=candidate.routing.unmatched,
+            )
+        except ConfigFileError as exc:
+            problems += exc.problems
+        except ConfigError as exc:
+            problems += plan_problems(exc)
+        if problems:
+            if generation is not None:
+                generation.detach()
+            raise ConfigFileError(candidate.source, problems)
+        assert generation is not None
+        return candidate, generation
+
+
+class QueuedReload(Future[int]):
+    """The future :meth:`ConfigReloader.queue` returns: its ``reload_id`` is the
+    reload's ``id`` in the service's snapshot (``counters().reloads``)."""
+
+    def __init__(self, reload_id: int) -> None:
+        super().__init__()
+        self.reload_id = reload_id
+
 
 __all__ = [
     "FIXED_SECTIONS",
     "ConfigReloader",
+    "QueuedReload",
     "fixed_section_problems",
     "unloadable_file_fixed_section_problems",
 ]

@@ -143,8 +143,10 @@ def reload_route(
     waits for it ``wait`` seconds at most (``wait_s`` by default): 200
     ``{"generation": n}`` once the new generation routes; 202 ``{"status":
     "queued", ...}`` (with ``queued()``: the generation routing now and the
-    reloads queued) when it is still queued then, and it goes on: ``/status``
-    shows it (``generation``, ``ingress.queued_reloads``).  422 with every
+    reloads queued; ``reload_id`` when the future has one) when it is still
+    queued then, and it goes on: ``/status`` shows it (``generation``,
+    ``ingress.queued_reloads``), and what came of it, a refusal at the swap
+    with its cause (``last_reload``, ``reloads.recent`` by ``id``).  422 with every
     problem (``{"error": ..., "problems": [...]}``) when the file, or the
     swap within the wait, refused it, the running generation going on; 503
     when ingress stayed full for the whole wait, so the swap could not even
@@ -171,9 +173,13 @@ def reload_route(
             return json_error(404, str(exc))
         except ConfigError as exc:
             return _reload_refused(exc)
+        # Which reload this is in /status (``last_reload.id``, ``reloads.recent``),
+        # where what comes of it after this answer shows.
+        reload_id = getattr(future, "reload_id", None)
+        named = {} if reload_id is None else {"reload_id": reload_id}
         left = max(0.0, wait - (trio.current_time() - started))
         if not await _settled(future, left):
-            return JSONResponse({"status": "queued", **queued()}, status_code=202)
+            return JSONResponse({"status": "queued", **named, **queued()}, status_code=202)
         try:
             number = future.result()
         except ConfigError as exc:  # refused at its swap (a destination that cannot open)
@@ -183,6 +189,7 @@ def reload_route(
                 {
                     "error": f"reload not queued: {exc}; the running generation goes on, "
                     "try again (with a longer ?wait=)",
+                    **named,
                     **queued(),
                 },
                 status_code=503,
