@@ -44,6 +44,24 @@ class PlanErrors(ConfigError):
         return [pair for error in self.errors for pair in error.located()]
 
 
+def problem_lines(error: BaseException) -> list[str]:
+    """Every problem ``error`` names (why a configuration was refused), one line
+    each, at its key path where it has one: a config file's error lists its
+    own (``problems``), a :class:`ConfigError` its located ones; another
+    error is one line, its type, message and notes (a destination factory's
+    error: "opening destination 'db' (its factory raised)")."""
+    problems = getattr(error, "problems", None)
+    if isinstance(problems, list) and problems:
+        return [str(p) for p in problems]
+    if isinstance(error, ConfigError):
+        return [
+            message if where is None else f"{where}: {message}"
+            for message, where in error.located()
+        ]
+    notes = [str(n) for n in getattr(error, "__notes__", ())]
+    return [f"{type(error).__name__}: {error}" + "".join(f" ({note})" for note in notes)]
+
+
 def raise_collected(errors: Sequence[ConfigError]) -> None:
     """Raise the one error found as itself, several as :class:`PlanErrors`, none: return."""
     if len(errors) == 1:

@@ -27,6 +27,7 @@ import trio
 
 from taproute.native import make_descriptors
 from taproute.routing import Batch, PlanErrors, Route, RoutingConfig
+from taproute.routing.errors import RoutingFailure
 from taproute.service import (
     CaptureSink,
     ClickHouseSink,
@@ -37,6 +38,7 @@ from taproute.service import (
 from taproute.service.host.config import load_config
 from taproute.service.host.reload import ConfigReloader
 from tests.processors import SCHEMA
+from tests.sinks import FailingSink
 from tests.test_reload_service import NORMS, RAW, config_text
 
 Q = "layers.0.q"
@@ -310,3 +312,37 @@ def test_post_reload_refused_after_its_202_shows_refused_with_the_cause_in_statu
         last = json.loads(_get(f"{url}/status")[1])["last_reload"]
         assert (last["id"], last["outcome"], last["problems"]) == (3, "refused", body["problems"])
         assert _metric(_get(f"{url}/metrics")[1], "taproute_config_reloads_refused_total") == 2
+
+
+def test_post_reload_on_a_failed_runtime_answers_503_naming_the_failure(tmp_path):
+    """A runtime whose first failure is latched takes no reload: its swap's
+    future raises that failure, which ``POST /reload`` answered as a bare
+    500 ``internal error: RoutingFailure`` (the handler's "a bug")."""
+    path = tmp_path / "router.toml"
+    path.write_text(config_text(tmp_path, RAW))
+    config = load_config(path)
+    sink = RoutingSink(
+        config.routing_config(),
+        SCHEMA,
+        {"ch": FailingSink(fail_on=1, message="disk full")},
+        unmatched="drop",
+    )
+    http = HttpConfig(port=0, token="s3cret")
+    runtime = create_record_runtime(record_sink=sink, http=http)
+    runtime.reloader = ConfigReloader(runtime, config)
+    (url,) = runtime.http_urls
+    q = runtime.bind_hook(Q, layout="vec")
+    runtime.submit(q, np.zeros(4, np.float32))
+    with pytest.raises(RoutingFailure):
+        runtime.flush()
+    path.write_text(config_text(tmp_path, RAW + NORMS))
+    code, body = _post(f"{url}/reload")
+    assert code == 503, body
+    assert body["error"].startswith("reload refused: the runtime takes no reload now: ")
+    assert body["error"].endswith("submit failed: OSError: disk full")
+    assert (body["reload_id"], body["running_generation"]) == (1, 1)
+    last = json.loads(_get(f"{url}/status")[1])["last_reload"]
+    assert (last["id"], last["outcome"], last["generation"]) == (1, "refused", None)
+    assert last["error"].endswith("OSError: disk full")
+    with pytest.raises(RoutingFailure):
+        runtime.close()

@@ -21,27 +21,12 @@ from concurrent.futures import Future
 
 import attrs
 
+from taproute.routing.errors import problem_lines
 from taproute.service.host.counters import ReloadCounters, ReloadOutcome, ReloadStatus
 from taproute.service.host.ingress import NotQueued
 
 #: How many reloads the snapshot lists (``reloads.recent``, newest last).
 RECENT_RELOADS = 16
-
-
-def refusal_problems(error: BaseException) -> list[str]:
-    """Every problem ``error`` (why a reload was refused) names, one line each,
-    at its key path where it has one (a config file's error lists its own);
-    another error as one line, its type, message and notes."""
-    problems = getattr(error, "problems", None)
-    if isinstance(problems, list) and problems:
-        return [str(p) for p in problems]
-    located = getattr(error, "located", None)
-    if callable(located):
-        return [message if where is None else f"{where}: {message}" for message, where in located()]
-    # Not a configuration error (a destination's own factory raised): its
-    # notes say where ("opening destination 'down' (its factory raised)").
-    notes = [str(n) for n in getattr(error, "__notes__", ())]
-    return [f"{type(error).__name__}: {error}" + "".join(f" ({note})" for note in notes)]
 
 
 class ReloadLedger:
@@ -98,7 +83,7 @@ class ReloadLedger:
             reload_id,
             outcome,
             error=str(error).strip() or type(error).__name__,
-            problems=tuple(refusal_problems(error)),
+            problems=tuple(problem_lines(error)),
         )
 
     def settle(self, reload_id: int, done: Future[int]) -> None:
@@ -157,4 +142,4 @@ class ReloadLedger:
             )
 
 
-__all__ = ["RECENT_RELOADS", "ReloadLedger", "refusal_problems"]
+__all__ = ["RECENT_RELOADS", "ReloadLedger"]

@@ -26,8 +26,10 @@ from taproute.routing.errors import (
     ConfigError,
     IngressFull,
     RerouteRefused,
+    RoutingFailure,
     SinkClosed,
     TaprouteError,
+    problem_lines,
 )
 from taproute.service.ops.controls import DeadLetterControls
 from taproute.service.ops.dead_letters import DeadLetter, DeadLetterNotFound
@@ -150,8 +152,8 @@ def reload_route(
     problem (``{"error": ..., "problems": [...]}``) when the file, or the
     swap within the wait, refused it, the running generation going on; 503
     when ingress stayed full for the whole wait, so the swap could not even
-    be queued (nothing changes; try again); 404 when the service has no
-    file.
+    be queued (nothing changes; try again), or when the runtime has failed
+    or is closing (it takes no reload); 404 when the service has no file.
     """
 
     async def endpoint(request: Request) -> JSONResponse:
@@ -194,6 +196,19 @@ def reload_route(
                 },
                 status_code=503,
             )
+        except (RoutingFailure, SinkClosed) as exc:
+            # The runtime has failed (its first failure latched) or is
+            # closing: it takes no reload. It answered a bare 500.
+            return JSONResponse(
+                {
+                    "error": f"reload refused: the runtime takes no reload now: {exc}",
+                    **named,
+                    **queued(),
+                },
+                status_code=503,
+            )
+        except Exception as exc:  # refused at its swap otherwise (a destination's factory)
+            return _reload_refused(exc)
         return JSONResponse({"generation": number})
 
     return Route("/reload", endpoint, methods=["POST"])
@@ -230,11 +245,9 @@ async def _settled(future: Future[Any], wait: float) -> bool:
     return future.done()
 
 
-def _reload_refused(exc: ConfigError) -> JSONResponse:
+def _reload_refused(exc: Exception) -> JSONResponse:
     """422 with every problem of a refused reload, at its key path, and the file."""
-    problems = getattr(exc, "problems", None) or [
-        message if where is None else f"{where}: {message}" for message, where in exc.located()
-    ]
+    problems = problem_lines(exc)
     body: dict[str, object] = {
         "error": "reload refused; the running generation goes on",
         "problems": problems,
