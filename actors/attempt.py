@@ -54,6 +54,10 @@ class Attempt:
     error: BaseException | None = None
     traceback: str | None = None
     isolated: bool = False
+    #: Its retry budget is spent: one record of a unit whose retries ran out,
+    #: run once more on its own (:meth:`last_tries`).  Its next failure gives
+    #: it up, whatever the code: no new retry budget.
+    spent: bool = False
     scheduled: bool = False  # parked with a retry due (the head of its key, if stateful)
     hold: Retained | None = None
     #: Per record, its id in the park store once it was parked there (None: not parked).
@@ -98,6 +102,15 @@ class Attempt:
         """These records as an attempt of their own, with no history but their
         park ids: a part of a failed call whose failure may not be theirs."""
         return Attempt(self.batch, self.keys, park_ids=self.park_ids, tally=self.tally)
+
+    def last_tries(self) -> list[Attempt]:
+        """One attempt per record, in order, each with this attempt's history,
+        marked isolated and :attr:`spent`: a unit whose retries ran out, re-run
+        record by record once each, with no retry budget of their own."""
+        return [
+            attrs.evolve(self.part(np.array([i], dtype=np.intp)), isolated=True, spent=True)
+            for i in range(len(self.batch))
+        ]
 
     def singles(self) -> list[Attempt]:
         """One fresh attempt per record, in order, marked isolated (no history but

@@ -13,8 +13,11 @@ goes to the failure handler (the dead-letter store).  A batch that fails for
 a non-retryable reason is re-run record by record, so one malformed record
 does not take its neighbours down with it (a stateful call over several keys
 is re-run key by key first, each key's records in one call, and record by
-record only within a key whose call fails again); this isolation is written
-once, here, for both processing kinds.
+record only within a key whose call fails again).  A unit of several records
+whose retries ran out is not given up whole either: each of its records is
+run once more on its own, with no new retry budget, and only those that fail
+again are given up (:meth:`RouteActor._last_tries`).  This isolation is
+written once, here, for both processing kinds.
 
 A route's predicate (the verdict on a batch, and a failed predicate's
 records given up) is :class:`~taproute.actors.route_predicates.RouteScreening`.
@@ -284,10 +287,16 @@ class RouteActor(RouteScreening):
                 await self._process(unit.afresh())
             elif not code.retryable and len(unit.batch) > 1 and not unit.isolated:
                 await self._isolate(unit)
-            elif self.policy.gives_up(
+            elif unit.spent or self.policy.gives_up(
                 code, unit.failures, unit.first_failure_at, trio.current_time()
             ):
-                await self._give_up(unit)
+                if len(unit.batch) > 1:
+                    # Retries ran out on several records: the failure may be
+                    # one record's.  Each runs once more on its own, with no
+                    # new budget; only those that fail again are given up.
+                    await self._last_tries(unit)
+                else:
+                    await self._give_up(unit)
             else:
                 self.parked.hold(unit)
                 unit.scheduled = True
@@ -328,6 +337,17 @@ class RouteActor(RouteScreening):
                 continue
             if single.scheduled and await self._wait_behind(single, singles[index + 1 :]):
                 return
+
+    async def _last_tries(self, unit: Attempt) -> None:
+        """A unit of several records whose retries ran out: each record is run
+        once more on its own, in order, with the unit's history and no retry
+        budget of its own (:meth:`Attempt.last_tries`): delivered if it
+        succeeds, given up at its first failure, whatever the code.  So a
+        retryable failure one record causes gives up that record alone, and
+        isolation costs at most one call per record past the policy's retries
+        (a record is tried at most once more than its unit was)."""
+        for single in unit.last_tries():
+            await self._process(single)
 
     async def _deliver(self, attempt: Attempt, rows: npt.NDArray[np.void] | None) -> None:
         """Send a successful attempt's rows on; count its records processed."""

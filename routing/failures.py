@@ -139,8 +139,13 @@ class FailurePolicy:
     A retryable failure waits ``backoff(n)`` after its n-th failure (from
     ``initial_backoff``, times ``multiplier``, at most ``max_backoff``); it is
     given up only once it has failed ``max_failures`` times *and*
-    ``failure_window`` seconds have passed since its first failure.  A
-    non-retryable failure is given up at once.  Processors run under
+    ``failure_window`` seconds have passed since its first failure; then, if
+    it holds several records (a stateless batch, a stateful key's records),
+    each record is run once more on its own, with no new retry budget, and
+    only those that fail again are given up (at most one more call per
+    record: a record is tried at most once more than its unit was).  A
+    non-retryable failure is given up at once (a batch's records are first
+    re-run one by one, so only the bad ones are).  Processors run under
     ``deadline`` seconds (0: no deadline).  Once ``max_parked_records`` wait for
     a retry (or behind a failing key) on a route, the route takes no new
     records until room frees up (backpressure); records already in its
