@@ -477,6 +477,11 @@ class StatefulRoute(KeyedRoute):
                 await self._apply(held, head, key, 0, queued=True)
                 continue
             head.scheduled = False
+            # Its buffer is held while it runs: the park's hold may be the last
+            # one (the message that brought it was settled when it was parked),
+            # and letting that go first gave the buffer back to its producer
+            # before the retry read it (LeaseError: the retry failed, latched).
+            running = head.batch.retain()
             self.parked.release(head)
             head.tally = tally = [0]
             try:
@@ -488,6 +493,11 @@ class StatefulRoute(KeyedRoute):
             except Exception:  # latched by the owner: no longer parked, counted here
                 self._count_given_up(len(head.batch), tally)
                 raise
+            finally:
+                try:
+                    running.release()
+                except Exception as exc:
+                    self._latch.latch(exc, route=self.name, where="buffer release callback")
             if queue and isinstance(queue[0], Attempt) and queue[0].scheduled:
                 return  # failed again: parked at the front with a new backoff
         held.pop(key, None)
