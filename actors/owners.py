@@ -233,12 +233,11 @@ class StatefulRoute(KeyedRoute):
                 if more:
                     await self._admit_together(held, attempt, more, mailbox)
                     continue
-            settled = self._settled_records()
             attempt.tally = tally = [0]
             try:
                 await self._admit(held, attempt)
             except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
-                self._count_cut(batch, settled)
+                self._count_cut(len(batch), tally)
                 raise
             except Exception as exc:
                 self._count_given_up(len(batch), tally)
@@ -318,7 +317,6 @@ class StatefulRoute(KeyedRoute):
         tally = [0]  # shared: one count for the lot
         attempts = [first] + [Attempt(m[0], m[1], tally=tally) for m, _, _ in more]
         first.tally = tally
-        settled = self._settled_records()
         try:
             screened = []
             for attempt in attempts:  # no key is held: screening is all _admit does first
@@ -352,9 +350,8 @@ class StatefulRoute(KeyedRoute):
                     await self._admit(held, attempt)  # screened again: its key may wait
                 else:
                     await self._process(attempt)
-        except trio.Cancelled:  # a shutdown whose grace ran out: counted unless settled
-            if self._settled_records() == settled:
-                self.counters.abandoned += sum(len(a.batch) for a in attempts)
+        except trio.Cancelled:  # a shutdown whose grace ran out: what is unsettled, counted
+            self._count_cut(sum(len(a.batch) for a in attempts), tally)
             raise
         except Exception as exc:
             self._count_given_up(sum(len(a.batch) for a in attempts), tally)
@@ -483,6 +480,9 @@ class StatefulRoute(KeyedRoute):
             # before the retry read it (LeaseError: the retry failed, latched).
             running = head.batch.retain()
             self.parked.release(head)
+            # Accepted and not done while it runs, as a stateless retry's
+            # message is: a shutdown's grace cuts the route off and names it.
+            self.counters.backlog += len(head.batch)
             head.tally = tally = [0]
             try:
                 # Screened again: a complete, cancel or reopen ahead of it in
@@ -490,10 +490,14 @@ class StatefulRoute(KeyedRoute):
                 screened = await self._screen(head)
                 if screened is not None:
                     await self._process(screened)
+            except trio.Cancelled:  # a shutdown's grace ran out: no longer parked
+                self._count_cut(len(head.batch), tally)
+                raise
             except Exception:  # latched by the owner: no longer parked, counted here
                 self._count_given_up(len(head.batch), tally)
                 raise
             finally:
+                self.counters.backlog -= len(head.batch)
                 try:
                     running.release()
                 except Exception as exc:

@@ -125,7 +125,6 @@ class StatelessRoute(RouteActor):
                 return
             finally:
                 self._idle_workers -= 1
-            settled = self._settled_records()
             attempt.tally = tally = [0]
             try:
                 if attempt.pending is not None:  # a failed call made by the record worker
@@ -134,7 +133,7 @@ class StatelessRoute(RouteActor):
                 else:
                     await self._process(attempt)
             except trio.Cancelled:  # a shutdown whose grace ran out: given up, counted
-                self._count_cut(attempt.batch, settled)
+                self._count_cut(len(attempt.batch), tally)
                 raise
             except Exception as exc:
                 self._count_given_up(len(attempt.batch), tally)

@@ -182,12 +182,6 @@ class RouteActor(RouteScreening):
             self.counters.abandoned += len(attempt.batch)
         self.parked.release(attempt)
 
-    def _settled_records(self) -> int:
-        """Records this route finished one way or another so far (processed,
-        given up, dropped): unchanged across a call a shutdown's grace cut
-        off, whose records are then counted as abandoned."""
-        return self.counters.processed + self.counters.failed + self.counters.dropped
-
     def _count_given_up(self, records: int, tally: list[int]) -> None:
         """An unexpected failure (latched by the caller) cut short the task
         handling an attempt of ``records`` records: those it had not settled
@@ -205,11 +199,15 @@ class RouteActor(RouteScreening):
         self._count_given_up(records, tally)
         self._latch.latch(exc, route=self.name, where="route dispatch")
 
-    def _count_cut(self, batch: RecordBatch, settled_before: int) -> None:
-        """``batch``'s call was cancelled (a shutdown's grace ran out): count
-        its records as abandoned unless the call had already settled them."""
-        if self._settled_records() == settled_before:
-            self.counters.abandoned += len(batch)
+    def _count_cut(self, records: int, tally: list[int]) -> None:
+        """The task handling an attempt of ``records`` records was cancelled (a
+        shutdown's grace ran out): those it had not settled (``tally``:
+        processed, dead-lettered, dropped or parked, the last counted
+        abandoned with the park itself) are counted abandoned, each once.
+        (Judged by the route's settled total, a batch partly settled, being
+        re-run record by record, had the rest counted nowhere, and a call
+        cut off while another worker settled records was not counted.)"""
+        self.counters.abandoned += max(0, records - tally[0])
 
     def _message_batch(self, message: Any) -> RecordBatch | None:
         """The batch a queued message holds a lease on (None: it holds none)."""
