@@ -699,7 +699,8 @@ def test_a_route_failure_policy_comes_from_the_file(tmp_path, chdb_transport):
     )
     assert config.routes[0].failure_policy == FailurePolicy()
     # And it is what the running route applies: each record given up after
-    # exactly 2 tries (flush() does not wait for retries, even due ones: the
+    # exactly 2 tries of its batch, then, in a batch of several records, one
+    # last try on its own (flush() does not wait for retries, even due ones: the
     # give-ups finish while the run stops), or, the service having a park
     # store, still parked for its second try when it stopped (kept for the
     # next start, not given up early).
@@ -710,7 +711,7 @@ def test_a_route_failure_policy_comes_from_the_file(tmp_path, chdb_transport):
         parked = ParkedRecordStore(store).count("norms")
         letters = store.list(route="norms", limit=10**6)
         assert submitted >= 16 and len(letters) + parked == submitted
-        assert {d.attempts for d in letters} == {2}
+        assert {d.attempts for d in letters} <= {2, 3}  # not the default 5 and more
     finally:
         store.close()
 
