@@ -343,9 +343,20 @@ class RouteActor(RouteScreening):
         succeeds, given up at its first failure, whatever the code.  So a
         retryable failure one record causes gives up that record alone, and
         isolation costs at most one call per record past the policy's retries
-        (a record is tried at most once more than its unit was)."""
-        for single in unit.last_tries():
-            await self._process(single)
+        (a record is tried at most once more than its unit was).
+
+        A last try that times out ends them: the records after it are given
+        up untried, with the unit's failure.  A processor that hangs would
+        otherwise hold the route for one more deadline per record (a batch
+        of thousands, for hours) while the route's mailbox, then ingress,
+        fills behind it: at most one deadline is spent finding a bad record."""
+        singles = unit.last_tries()
+        for index, single in enumerate(singles):
+            if await self._process(single) or single.code is not FailureCode.HANDLER_TIMEOUT:
+                continue
+            for untried in singles[index + 1 :]:
+                await self._give_up(untried)
+            return
 
     async def _deliver(self, attempt: Attempt, rows: npt.NDArray[np.void] | None) -> None:
         """Send a successful attempt's rows on; count its records processed."""

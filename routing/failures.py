@@ -143,7 +143,8 @@ class FailurePolicy:
     it holds several records (a stateless batch, a stateful key's records),
     each record is run once more on its own, with no new retry budget, and
     only those that fail again are given up (at most one more call per
-    record: a record is tried at most once more than its unit was).  A
+    record: a record is tried at most once more than its unit was; a last
+    try that times out gives the records after it up untried).  A
     non-retryable failure is given up at once (a batch's records are first
     re-run one by one, so only the bad ones are).  Processors run under
     ``deadline`` seconds (0: no deadline).  Once ``max_parked_records`` wait for

@@ -51,6 +51,8 @@ KEYS = 8
 MARKED: set[int] = set()
 HOW = {"fail": "raises"}
 CALLS: list[list[int]] = []
+#: What a hanging call waits for (set when each test ends).
+HANG = threading.Event()
 _lock = threading.Lock()
 
 #: Three failures give up (no window): the first call and two retries.
@@ -65,6 +67,9 @@ def _fail_if_marked(seqs: list[int]) -> Failed | None:
         marked = sorted(MARKED.intersection(seqs))
     if not marked:
         return None
+    if HOW["fail"] == "hangs":  # past the route's deadline: abandoned, handler_timeout
+        HANG.wait(60)  # released by the fixture: no thread outlives the test by much
+        return Failed("released")
     if HOW["fail"] == "raises":
         raise ConnectionError(f"feature store reset while reading seq {marked[0]}")
     return Failed(f"seq {marked[0]} not ready")
@@ -110,16 +115,18 @@ def _reset():
     MARKED.clear()
     CALLS.clear()
     HOW["fail"] = "raises"
+    HANG.clear()
     yield
+    HANG.set()
     MARKED.clear()
 
 
-def _route(mode: str) -> Route:
+def _route(mode: str, policy: FailurePolicy = POLICY) -> Route:
     processor = "retry_isolation.norms" if mode == "stateless" else "retry_isolation.running_sum"
-    return Route("r", Q, "out", mode=mode, processor=processor, workers=1, failure_policy=POLICY)
+    return Route("r", Q, "out", mode=mode, processor=processor, workers=1, failure_policy=policy)
 
 
-async def _run(tmp_path, mode: str, batches):
+async def _run(tmp_path, mode: str, batches, policy: FailurePolicy = POLICY):
     """Submit ``batches(q)`` to a route of ``mode``, flush waiting for every
     retry; the counters, the route's state (stateful), the dead letters."""
     hooks = HookRegistry()
@@ -127,7 +134,7 @@ async def _run(tmp_path, mode: str, batches):
     store = DeadLetterStore(tmp_path / "letters.sqlite", hooks)
     out = CaptureSink()
     async with open_routing_sink(
-        RoutingConfig([_route(mode)]),
+        RoutingConfig([_route(mode, policy)]),
         SCHEMA,
         {"out": out},
         unmatched="drop",
@@ -279,3 +286,31 @@ async def test_stateful_all_records_failing_are_given_up_each_once(tmp_path, aut
     slots, valid = state
     assert not slots.any() and not valid.any()  # every failed call's writes put back
     assert len(CALLS) == 1 + 2 * 2 + 4  # the batch, each key's 2 retries, 4 last tries
+
+
+@pytest.mark.parametrize("mode", ["stateless", "stateful"])
+async def test_a_last_try_that_times_out_gives_the_rest_up_untried(tmp_path, mode, autojump_clock):
+    """A processor that hangs on every call: after the batch's three tries
+    timed out, one last try (which times out too) and the rest given up
+    untried.  Each last try that timed out would hold the route for one more
+    deadline per record (a batch of thousands: hours), its mailbox and then
+    ingress filling behind it."""
+    HOW["fail"] = "hangs"
+    MARKED.update(range(4))
+    policy = FailurePolicy(
+        deadline=1, initial_backoff=1, multiplier=2, max_failures=3, failure_window=0
+    )
+    _, counters, _, letters, out = await _run(
+        tmp_path, mode, lambda q: [vec_batch(q, 4, keys=0)], policy
+    )
+
+    assert sorted(letter.seq for letter in letters) == [0, 1, 2, 3]
+    assert {letter.code for letter in letters} == {"handler_timeout"}
+    assert out.batches == []
+    assert (counters.accepted, counters.failed) == (4, 4)
+    assert counters.failures_by_code == {"handler_timeout": 4 * 3 + 1}  # 3 batch tries, 1 single
+    assert _adds_up(counters)
+    # A try may time out before its call starts (the abandoned calls still
+    # hold the route's worker threads), so count calls, not their order: the
+    # batch's, then record 0's last try at most; 1, 2 and 3 never alone.
+    assert len(CALLS) <= 4 and [seqs for seqs in CALLS if len(seqs) == 1] in ([], [[0]])
