@@ -22,13 +22,18 @@ class ForwardRoute(RouteActor):
         # A destination actor never waits on a route, so waiting here cannot
         # close a cycle: ``wait`` only matters for routes with mailboxes.
         self.counters.accepted += len(batch)
-        narrowing = self.planned.narrowing
-        for part in [batch] if narrowing is None else narrowing.apply(batch):
-            # The route itself, not its name: told what the sink took of these
-            # even once a reload gave the name to another route.
-            await self.destination.deliver(self, part)
-            if self.chain is not None:
-                self.counters.derived += await self.chain.records(part)
+        handed = [0]  # records handed to the destination (counted there on)
+        try:
+            narrowing = self.planned.narrowing
+            for part in [batch] if narrowing is None else narrowing.apply(batch):
+                # The route itself, not its name: told what the sink took of these
+                # even once a reload gave the name to another route.
+                await self.destination.deliver(self, part)
+                handed[0] += len(part)
+                if self.chain is not None:
+                    self.counters.derived += await self.chain.records(part)
+        except Exception as exc:
+            self._cut_dispatch(len(batch), handed, exc)
 
     def taken(self, records: int) -> None:
         """The destination's sink took ``records`` of this route's records."""

@@ -129,7 +129,12 @@ class RouteActor(RouteScreening):
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
         """Take ``batch`` (this route's records of one ingress batch, or derived
         records of a chain).  ``wait=False``: queue without waiting for room
-        (a chain inside a cycle)."""
+        (a chain inside a cycle).
+
+        Raises only before it counted any of ``batch`` accepted: an unexpected
+        failure after that is latched and what it left is counted given up
+        (:meth:`_cut_dispatch`), so the routing sink knows which records a
+        route took."""
         raise NotImplementedError
 
     async def dispatch_here(self, batch: RecordBatch) -> None:

@@ -55,7 +55,7 @@ from taproute.actors.topology import build_topology
 from taproute.actors.turnstile import Turnstile
 from taproute.native import UNMATCHED
 from taproute.routing.batch import Batch, RecordBatch
-from taproute.routing.errors import RoutingFailure, SinkClosed
+from taproute.routing.errors import BatchCutShort, RoutingFailure, SinkClosed
 from taproute.routing.failures import FailureHandler, GiveUpLog, log_failure
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
@@ -81,6 +81,16 @@ def _name_hooks_of(store: object, hooks: HookRegistry) -> None:
     attach = getattr(store, "attach_hooks", None)
     if callable(attach) and getattr(store, "hooks", hooks) is None:
         attach(hooks)
+
+
+def _untaken(records: int, handed_on: Groups) -> int:
+    """Of a batch of ``records``, how many no group in ``handed_on`` holds."""
+    taken = np.zeros(records, dtype=bool)
+    for _, selection in handed_on:
+        if selection is None:
+            return 0  # the whole batch
+        taken[selection] = True
+    return records - int(np.count_nonzero(taken))
 
 
 def _check_kinds(config: object, schema: object, destinations: object) -> None:
@@ -324,7 +334,12 @@ class RoutingSink(SinkFlushing):
     async def submit_checked(self, batch: RecordBatch) -> None:
         """Route a batch :attr:`intake` already checked (a runtime hosting this
         sink checked it where the producer handed it in): :meth:`submit` without
-        the check, which a batch passes once."""
+        the check, which a batch passes once.
+
+        An unexpected failure after routes took their part of the batch is
+        latched and raised as :class:`BatchCutShort`, which says how many of
+        its records nothing took (the others are counted where they went).
+        """
         self._check_open()
         async with self._lock:
             gen = self._gen  # swapped only under the lock: one generation per batch
@@ -333,18 +348,32 @@ class RoutingSink(SinkFlushing):
             if gen.has_predicates:
                 groups = await self._apply_predicates(batch, groups, declines)
             routes = gen.routes
-            for index, selection in groups:
-                part = batch.select(selection)
-                if index == UNMATCHED:
-                    self.refusals.note(
-                        batch.descriptors,
-                        positions_of(selection, len(batch)),
-                        declines,
-                        self.hooks.name_of,
-                    )
-                    await self._unmatched(part)
-                else:
-                    await routes[index].dispatch_here(part)
+            done = 0  # groups handed on (a route's dispatch raises before it takes any)
+            try:
+                for index, selection in groups:
+                    part = batch.select(selection)
+                    if index == UNMATCHED:
+                        self.refusals.note(
+                            batch.descriptors,
+                            positions_of(selection, len(batch)),
+                            declines,
+                            self.hooks.name_of,
+                        )
+                        await self._unmatched(part)
+                    else:
+                        await routes[index].dispatch_here(part)
+                    done += 1
+            except Exception as exc:
+                if not done:
+                    raise  # nothing taken: the caller's to count, whole
+                route = None if index == UNMATCHED else routes[index].name
+                self._latch.latch(exc, route=route, where="routing sink submit")
+                raise BatchCutShort(
+                    exc,
+                    untaken=_untaken(len(batch), groups[:done]),
+                    route=route,
+                    where="routing sink submit",
+                ) from exc
 
     async def _apply_predicates(
         self, batch: RecordBatch, groups: Groups, declines: list[Decline]
@@ -373,8 +402,8 @@ class RoutingSink(SinkFlushing):
         if default is None:
             self._unmatched_dropped += len(batch)
             return
-        self._unmatched_forwarded += len(batch)
         await default.deliver(None, batch)
+        self._unmatched_forwarded += len(batch)  # taken (a deliver that raised took none)
 
     async def close(self) -> None:
         """Drain, flush, close the destinations this sink created, stop every actor.

@@ -289,5 +289,29 @@ class RoutingFailure(TaprouteError, RuntimeError):
         self.__cause__ = cause
 
 
+class BatchCutShort(RoutingFailure):
+    """A routing sink's ``submit`` that an unexpected failure cut short after
+    some routes had taken their part of the batch.
+
+    The failure is latched, as any :class:`RoutingFailure` (every later call
+    raises it, naming where it happened).  Each record a route, the default
+    destination or the ``unmatched="drop"`` count took is counted there,
+    once; ``untaken`` says how many of the batch's records nothing took:
+    those are the caller's to count as given up (the runtime counts them at
+    ingress, ``given_up``), and only those.
+    """
+
+    def __init__(
+        self,
+        cause: BaseException,
+        *,
+        untaken: int,
+        route: str | None = None,
+        where: str | None = None,
+    ) -> None:
+        super().__init__(cause, route=route, where=where)
+        self.untaken = untaken
+
+
 class GlobMatchesNothing(UserWarning):
     """A route output pattern matched no bound hook name when the table was built."""

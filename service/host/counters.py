@@ -24,7 +24,8 @@ class IngressCounters:
     the record worker handed them on (``abandoned``); records ``submit()``
     accepted and never routed because the runtime had failed (``given_up``:
     queued when the first failure was latched, in the batch the record
-    sink's submit refused, or left when the loop died); key controls refused
+    sink's submit refused (of a batch a routing sink took in part before it
+    failed, those no route took), or left when the loop died); key controls refused
     because no stateful route holds a key (``refused_key_controls``: the
     caller's future raised :class:`KeyNotHeld`, or nobody looked, as
     ``capture_context(end_keys=...)`` does not); key controls the runtime

@@ -36,7 +36,7 @@ from taproute.actors.counters import Observable, ReportsStore, RouterSnapshot
 from taproute.actors.destination import is_sink, release_unclosed
 from taproute.actors.fairness import scheduled_now, yield_if_due
 from taproute.routing.batch import RecordBatch
-from taproute.routing.errors import ConfigError, ShutdownAbandoned, SinkClosed
+from taproute.routing.errors import BatchCutShort, ConfigError, ShutdownAbandoned, SinkClosed
 from taproute.routing.hooks import HookRegistry
 from taproute.routing.intake import Intake
 from taproute.routing.keys import KeyAction
@@ -495,7 +495,9 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
         sink's submit raised past Exception and the loop dies).  Records
         never handed on because of a failure (the sink's submit raised, or
         one was latched before) are counted as given up at ingress
-        (``taproute_ingress_given_up_records``): ``submit()`` had accepted them.
+        (``taproute_ingress_given_up_records``): ``submit()`` had accepted them;
+        of a batch a routing sink's submit took in part before it failed
+        (:class:`BatchCutShort`), only the records no route took.
         """
         handed = list(batches)
         batches.clear()
@@ -517,8 +519,10 @@ class RecordRuntime(SinkControls, ProducerCalls, Producer[ServiceSnapshot], Clos
                         await self._submit(batch)
             except Exception as exc:
                 # The sink refused the batch (a routing sink raises what it
-                # latched before it takes any of it): none of it is routed.
-                self._ingress.counters.given_up += len(batch)
+                # latched before it takes any of it): none of it is routed;
+                # or it took a part, and says how much it did not.
+                untaken = exc.untaken if isinstance(exc, BatchCutShort) else len(batch)
+                self._ingress.counters.given_up += untaken
                 self._ingress.fail(self._latch.latch(exc, where="record sink submit"))
             except trio.Cancelled:  # the grace ran out: this one and the rest are given up
                 if not isinstance(self.record_sink, CutsShort):  # (else counted where it was)
