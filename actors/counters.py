@@ -59,7 +59,8 @@ class RouteCounters:
     records (forward) or rows (processed) handed to the destination; ``failed``
     input records given up; ``dropped`` discarded and counted (by a cancel,
     or terminal under the ``drop`` policy); ``given_up`` left unfinished by
-    an unexpected internal failure of the route (latched: the runtime has
+    an unexpected internal failure of the route, or (a forward route) in a
+    submit its destination's sink raised on (latched: the runtime has
     failed), neither processed nor dead-lettered; so once nothing is queued,
     ``accepted = processed + failed + dropped + given_up + parked``.  ``retries`` made;
     ``recovered`` records processed after failing;
@@ -105,8 +106,9 @@ class RouteCounters:
     )
     given_up: int = count(
         "taproute_route_given_up_records",
-        "Input records an unexpected internal failure of the route (latched) left "
-        "unfinished: neither processed nor dead-lettered.",
+        "Input records an unexpected internal failure of the route, or of its "
+        "destination's submit (forward routes), left unfinished (latched): neither "
+        "processed nor dead-lettered.",
     )
     valid_slots: int | None = live(
         "taproute_route_valid_slots", "State slots holding state (stateful routes).", None
@@ -164,8 +166,9 @@ class DestinationCounters:
     sink took (counted sent) and then gave up itself: a ClickHouse sink's
     buffered or in-flight rows when a cut cancelled it, or rows a close
     stopped waiting for (its ``abandoned_rows``); ``failed_records``, records
-    (or a processor's rows) in submits the sink raised on (the failure is
-    latched): never taken, never delivered, not counted sent.  Every count
+    (or a processor's rows) in submits the sink raised on (any exception but
+    cancellation, ``SystemExit`` included; the failure is latched, naming the
+    destination): never taken, never delivered, not counted sent.  Every count
     only grows (records given up stay counted as sent: they were handed over).
     Live: ``queue_depth``, records waiting in its mailbox.  ``cut_short``:
     the call shutdown found still running and cut off (``"submit"``, ``"flush"``, ``"close"``, or

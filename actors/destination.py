@@ -74,6 +74,19 @@ async def release_unclosed(sink: object) -> None:
             await sink.release_when_cut()
 
 
+def is_sink_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a sink's call, is the sink's failure (latched,
+    its records counted, the loop goes on), not the loop's own stop: every
+    exception but cancellation, ``KeyboardInterrupt`` and ``GeneratorExit``
+    (a group holding one of those included).  A ``SystemExit`` a sink raises
+    is its failure: it would otherwise end the loop with the destination's
+    records uncounted (counted abandoned, as at a shutdown)."""
+    stops = (trio.Cancelled, KeyboardInterrupt, GeneratorExit)
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(stops)[0] is None
+    return not isinstance(exc, stops)
+
+
 class RawSender(Protocol):
     """A route that hands its records to a destination as they are (a forward
     route): told what the sink took of them, or refused because it is closed.
@@ -87,6 +100,10 @@ class RawSender(Protocol):
 
     def taken(self, records: int) -> None:
         """The sink took ``records`` of this route's records."""
+
+    def not_taken(self, records: int) -> None:
+        """The sink raised on ``records`` of this route's records (a failure,
+        latched): never delivered, given up."""
 
     async def undeliverable(self, batch: RecordBatch, error: BaseException) -> None:
         """The sink refused ``batch`` because it is closed: give it up."""
@@ -425,10 +442,15 @@ class DestinationActor:
                 self._latch.latch(exc, route=name, destination=self.name, where="submit")
             else:
                 await sender.undeliverable(batch, exc)
-        except Exception as exc:
-            # Latched; the sink did not take the batch: never delivered, counted.
+        except BaseException as exc:
+            if not is_sink_failure(exc):
+                raise
+            # Latched; the sink did not take the batch: never delivered, counted
+            # here and (raw records) given up by their route.
             self.counters.errors += 1
             self.counters.failed_records += len(batch)
+            if sender is not None and isinstance(batch, RecordBatch):
+                sender.not_taken(len(batch))
             self._latch.latch(exc, route=name, destination=self.name, where="submit")
         else:
             if not returned:  # cut while the sink had it: never delivered

@@ -12,10 +12,13 @@ class ForwardRoute(RouteActor):
     of those, see :mod:`taproute.routing.narrowing`).
 
     A record counts as processed (and emitted) once the destination's sink
-    took it; one the sink refused is failed instead, never both, so
-    ``processed + failed`` is what the route was given, but for records in
-    a submit the sink raised on (a failure, latched): those are counted by
-    the destination (``failed_records``).
+    took it; one the sink refused because it is closed is failed instead;
+    one in a submit the sink raised on (a failure, latched: any exception
+    but cancellation, ``SystemExit`` included) is given up, and counted by
+    the destination too (``failed_records``).  Never two of them, so
+    ``processed + failed + given_up`` is what the route was given once its
+    destination handled it (a shutdown's cut counts what it gives up at the
+    destination, ``abandoned_records``).
     """
 
     async def dispatch(self, batch: RecordBatch, *, wait: bool = True) -> None:
@@ -39,3 +42,8 @@ class ForwardRoute(RouteActor):
         """The destination's sink took ``records`` of this route's records."""
         self.counters.processed += records
         self.counters.emitted += records
+
+    def not_taken(self, records: int) -> None:
+        """The destination's sink raised on ``records`` of this route's records
+        (a failure, latched there): given up."""
+        self.counters.given_up += records
