@@ -21,6 +21,7 @@ from taproute.actors.keys import KeyControl, distinct_keys
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.one_hop import MAX_CALLS, Call, call_processor_in_one_hop
 from taproute.actors.parking import restored_attempt
+from taproute.actors.route_actor import RESTORING
 from taproute.native import partition_keys
 from taproute.native.state import SavedSlots
 from taproute.routing.batch import RecordBatch
@@ -162,6 +163,17 @@ class StatefulRoute(KeyedRoute):
         self.counters.accepted += len(attempt.batch)
         if not copy:
             self.counters.restored += len(attempt.batch)
+        attempt.tally = tally = [0]  # records handed to an owner or settled here
+        try:
+            await self._restore_to_owners(attempt)
+        except Exception as exc:
+            self._cut_dispatch(len(attempt.batch), tally, exc, where=RESTORING)
+
+    async def _restore_to_owners(self, attempt: Attempt) -> None:
+        """:meth:`restore`'s work: each key's records to its owner, bad keys
+        given up; ``attempt.tally`` counts the records it took care of."""
+        tally = attempt.tally
+        assert tally is not None
         try:
             keys = self._keys(attempt.batch)
         except Exception as exc:
@@ -179,6 +191,7 @@ class StatefulRoute(KeyedRoute):
             if selection is not None:
                 part = attempt if len(selection) == len(keys) else attempt.part(selection)
                 await self._enqueue(self.owner_mailboxes[owner], part, part.batch)
+                tally[0] += len(part.batch)  # its owner's now: settled there
 
     def _keys(self, batch: RecordBatch) -> Keys:
         assert self.key_function is not None

@@ -17,7 +17,7 @@ import trio
 from taproute.actors.attempt import Attempt, runs_inline
 from taproute.actors.mailbox import Mailbox
 from taproute.actors.parking import restored_attempt
-from taproute.actors.route_actor import RouteActor
+from taproute.actors.route_actor import RESTORING, RouteActor
 from taproute.routing.batch import RecordBatch
 from taproute.routing.parking import Restored
 
@@ -104,7 +104,10 @@ class StatelessRoute(RouteActor):
         self.counters.accepted += len(restored.records)
         if not copy:
             self.counters.restored += len(restored.records)
-        await self._enqueue(self.mailbox, restored_attempt(restored), restored.records)
+        try:
+            await self._enqueue(self.mailbox, restored_attempt(restored), restored.records)
+        except Exception as exc:
+            self._cut_dispatch(len(restored.records), [0], exc, where=RESTORING)
 
     async def run(self, nursery: trio.Nursery) -> None:
         self._workers_left = self.planned.route.workers

@@ -64,6 +64,9 @@ from taproute.routing.plan import PlannedRoute
 if TYPE_CHECKING:
     from taproute.actors.chain import ChainLink
 
+#: Where a failure cut short a :meth:`RouteActor.restore` is latched.
+RESTORING = "restoring parked records"
+
 
 class RouteActor(RouteScreening):
     """The shared part of every route kind (a forward route uses only the
@@ -147,7 +150,12 @@ class RouteActor(RouteScreening):
     async def restore(self, restored: Restored, *, copy: bool = False) -> None:
         """Take back records a previous run left parked (tried again at once);
         ``copy``: a rerouted dead letter's copy, parked by this run (counted
-        accepted, not restored)."""
+        accepted, not restored).
+
+        Like :meth:`dispatch`, an unexpected failure after the records were
+        counted accepted is latched, naming this route, and what it had not
+        handed on is counted given up (it stays in the park store, for the
+        next start); it does not raise."""
         raise NotImplementedError(f"route {self.name!r} ({self.planned.route.mode}) parks nothing")
 
     async def run(self, nursery: trio.Nursery) -> None:
@@ -194,15 +202,18 @@ class RouteActor(RouteScreening):
         given up, so every record accepted still ends in a count."""
         self.counters.given_up += max(0, records - tally[0])
 
-    def _cut_dispatch(self, records: int, tally: list[int], exc: Exception) -> None:
-        """An unexpected failure cut short :meth:`dispatch` of ``records``
-        accepted records: those it had not handed to a mailbox or settled
-        (``tally``) are counted given up and the failure is latched, naming
-        this route.  The dispatch then returns, as a pool's own attempt in
-        the record worker does: had it raised, the runtime would count the
-        whole ingress batch given up again (accepted here, given up there)."""
+    def _cut_dispatch(
+        self, records: int, tally: list[int], exc: Exception, *, where: str = "route dispatch"
+    ) -> None:
+        """An unexpected failure cut short :meth:`dispatch` (or :meth:`restore`)
+        of ``records`` accepted records: those it had not handed to a mailbox
+        or settled (``tally``) are counted given up and the failure is
+        latched, naming this route.  The dispatch then returns, as a pool's
+        own attempt in the record worker does: had it raised, the runtime
+        would count the whole ingress batch given up again (accepted here,
+        given up there)."""
         self._count_given_up(records, tally)
-        self._latch.latch(exc, route=self.name, where="route dispatch")
+        self._latch.latch(exc, route=self.name, where=where)
 
     def _count_cut(self, records: int, tally: list[int]) -> None:
         """The task handling an attempt of ``records`` records was cancelled (a
