@@ -17,6 +17,7 @@ def flush_report(snapshot: RouterSnapshot, *, parked_durable: bool, waited: bool
                 dropped=route.dropped,
                 parked=route.parked,
                 restored=route.restored,
+                given_up=route.given_up,
             )
             for name, route in snapshot.routes.items()
         },

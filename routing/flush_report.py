@@ -7,8 +7,10 @@ spool; a spooling destination may still shed or refuse it afterwards,
 counted per destination in ``shed_records`` / ``refused_records``),
 **dead-lettered** (given up, handed to the failure handler),
 **dropped** (discarded by an explicit, counted policy: a cancel, terminal
-records with ``terminal_records = "drop"``) or **parked** (waiting for a
-retry, or behind a failing record of its key).  Parked records are durable
+records with ``terminal_records = "drop"``), **given up** (left unfinished
+by an unexpected failure, which is latched: the route's ``given_up``
+counter) or **parked** (waiting for a retry, or behind a failing record of
+its key).  Parked records are durable
 when the routing sink has a park store (``parked_durable``): a crash then
 loses none of them, and the next start retries them.  ``flush(wait=True)``
 also waits until nothing is parked and every spool has drained.
@@ -23,8 +25,11 @@ import attrs
 class RouteAccount:
     """One route's records by state, counted since the routing sink started.
 
-    ``accepted = delivered + dead_lettered + dropped + parked`` once nothing
-    is queued, which is what a flush guarantees.  ``restored``: of
+    ``accepted = delivered + dead_lettered + dropped + given_up + parked``
+    once nothing is queued, which is what a flush guarantees.  Each field is
+    the route's counter of the same meaning (``delivered``: ``processed``,
+    ``dead_lettered``: ``failed``; ``given_up``: records an unexpected
+    failure left unfinished, which latched it).  ``restored``: of
     ``accepted``, records a previous run left parked.
     """
 
@@ -34,11 +39,14 @@ class RouteAccount:
     dropped: int
     parked: int
     restored: int = 0
+    given_up: int = 0
 
     @property
     def settled(self) -> bool:
         """True when the states add up to what the route accepted."""
-        return self.accepted == self.delivered + self.dead_lettered + self.dropped + self.parked
+        return self.accepted == (
+            self.delivered + self.dead_lettered + self.dropped + self.given_up + self.parked
+        )
 
 
 @attrs.frozen(kw_only=True)

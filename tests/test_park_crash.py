@@ -42,6 +42,7 @@ def produce(tmp_path: Path, kill_at: str) -> None:
         "dropped": 0,
         "parked": FAILING,
         "restored": 0,
+        "given_up": 0,
     }
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import pytest
 
+from taproute.actors.accounting import flush_report
 from taproute.actors.destination import DestinationActor
 from taproute.actors.pool import StatelessRoute
 from taproute.native import make_descriptors
 from taproute.routing import Route
 from taproute.routing.errors import RoutingFailure
-from taproute.service import create_record_runtime
+from taproute.service import RouteAccount, create_record_runtime
 from tests.processors import SCHEMA
 from tests.sinks import NullSink
 from tests.test_runtime import Q, eventually, routing_sink, vec_payload
@@ -159,6 +160,14 @@ def test_a_forward_dispatch_cut_short_counts_what_it_did_not_hand_on_as_given_up
         assert (raw.accepted, raw.processed, raw.given_up) == (8, 4, 4) and _adds_up(raw)
         assert (norm.accepted, norm.processed) == (8, 8) and _adds_up(norm)
         assert counters.ingress.given_up == 0 and counters.ingress.submitted == 8
+        # The flush report of these counters (what a flush reads them as)
+        # shows the give-up per route and adds up; before it had no given_up
+        # and "raw" read as unsettled (accepted 8 = delivered 4 + ... 0).
+        report = flush_report(counters, parked_durable=False, waited=False)
+        assert report.routes["raw"] == RouteAccount(
+            accepted=8, delivered=4, dead_lettered=0, dropped=0, parked=0, given_up=4
+        )
+        assert all(account.settled for account in report.routes.values())
     finally:
         armed = False
         with pytest.raises(RoutingFailure, match="raw"):
