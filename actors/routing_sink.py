@@ -367,13 +367,9 @@ class RoutingSink(SinkFlushing):
                 if not done:
                     raise  # nothing taken: the caller's to count, whole
                 route = None if index == UNMATCHED else routes[index].name
-                self._latch.latch(exc, route=route, where="routing sink submit")
-                raise BatchCutShort(
-                    exc,
-                    untaken=_untaken(len(batch), groups[:done]),
-                    route=route,
-                    where="routing sink submit",
-                ) from exc
+                latched = self._latch.latch(exc, route=route, where="routing sink submit")
+                untaken = _untaken(len(batch), groups[:done])
+                raise BatchCutShort(latched, untaken=untaken) from exc
 
     async def _apply_predicates(
         self, batch: RecordBatch, groups: Groups, declines: list[Decline]

@@ -294,22 +294,22 @@ class BatchCutShort(RoutingFailure):
     some routes had taken their part of the batch.
 
     The failure is latched, as any :class:`RoutingFailure` (every later call
-    raises it, naming where it happened).  Each record a route, the default
-    destination or the ``unmatched="drop"`` count took is counted there,
-    once; ``untaken`` says how many of the batch's records nothing took:
-    those are the caller's to count as given up (the runtime counts them at
-    ingress, ``given_up``), and only those.
+    raises it, naming where it happened); this says what is latched (the
+    first failure, which may be another task's) for the batch at hand.
+    Each record a route, the default destination or the
+    ``unmatched="drop"`` count took is counted there, once; ``untaken``
+    says how many of the batch's records nothing took: those are the
+    caller's to count as given up (the runtime counts them at ingress,
+    ``given_up``), and only those.
     """
 
-    def __init__(
-        self,
-        cause: BaseException,
-        *,
-        untaken: int,
-        route: str | None = None,
-        where: str | None = None,
-    ) -> None:
-        super().__init__(cause, route=route, where=where)
+    def __init__(self, latched: RoutingFailure, *, untaken: int) -> None:
+        super().__init__(
+            latched.cause,
+            route=latched.route,
+            destination=latched.destination,
+            where=latched.where,
+        )
         self.untaken = untaken
 
 
