@@ -103,7 +103,9 @@ class TableOrder:
     start, and at most ``ahead - 1`` sealed before it still run: no more
     than ``2 * ahead - 1`` inserts land between its first try and its last
     repeat, itself included, which is what the table's deduplication window
-    must hold (:func:`inserts_between_repeats`)."""
+    must hold (:func:`inserts_between_repeats`).  An owner that takes
+    failed blocks over repeats them in this order; one the table refused
+    is moved behind the blocks tried beside it (:meth:`requeue`)."""
 
     __slots__ = ("_done", "_lot", "ahead", "done_below", "sealed")
 
@@ -126,6 +128,21 @@ class TableOrder:
         below = index if behind_all else index - self.ahead + 1
         while self.done_below < below:
             await self._lot.park()
+
+    def requeue(self, index: int) -> int:
+        """Block ``index`` gives up its place and is sealed again behind every
+        block sealed so far; returns its new index (it is done at the old one).
+
+        For a block the table refused (nothing of it written) that the owner
+        takes over: it goes to the owner behind the blocks tried beside it,
+        so that their repeats (a try whose outcome is unknown) come before
+        the inserts the owner splits the refused block into (each a block of
+        its own in the deduplication window: spooled ahead of such a repeat,
+        enough of them pushed its first try out of the window, and its rows
+        were written twice).  The blocks sealed before it and not tried yet
+        go ahead of it too."""
+        self.done(index)
+        return self.seal()
 
     def done(self, index: int) -> None:
         self._done.add(index)

@@ -19,9 +19,10 @@ an insert touching more is refused with nothing written
 still fails after the retry budget is not written: the failure is latched
 and raised by the next ``submit``/``flush``/``close``, never swallowed.  An owner with its own
 durable queue (a spooling destination) may take failed blocks over instead
-(``hand_over_failures``; each table's in its order, the blocks not started
-after a handed-over one following it untried), take every unfinished block
-over before it spools batches behind them (``hand_over_unfinished``), and
+(``hand_over_failures``; each table's in its order, a refused one behind
+the blocks tried beside it, the blocks not started after a handed-over one
+following it untried), take every unfinished block over before it spools
+batches behind them (``hand_over_unfinished``), and
 insert batches itself (``insert_now``, which waits for a try of the table
 this sink stopped waiting for to return first).
 
@@ -445,6 +446,10 @@ class ClickHouseSink(OwnerInserts):
             exc, failures = failed
             if self._failed_blocks is not None:
                 self._handing_over.add(table)
+                if failures and not self.transport.is_transient(exc):
+                    # Refused (nothing written): behind the blocks tried
+                    # beside it, whose repeats must not wait for its splits.
+                    index = self._order[table].requeue(index)
                 # In the table's order: the owner spools (and repeats) the
                 # table's blocks as they were sealed, so no block handed over
                 # later, untried, is inserted before an earlier one's repeat.

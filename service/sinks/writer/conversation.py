@@ -6,10 +6,12 @@ restart that re-sends every unfinished block, or latched).
 When an owner keeps its own durable queue (a spool: :meth:`hand_over_failures`),
 a block whose insert fails, or that was unfinished when the writer died, is
 handed to it under its token instead of being retried or re-sent here (in
-the order the blocks were sealed; the blocks not sent yet follow it there,
-untried, until none is left here), and a dying writer is restarted for as
-long as it keeps dying (the spool holds the data meanwhile; only a writer
-that cannot be started at all latches)."""
+the order the blocks were sealed, but a block the writer refused goes
+behind the blocks sealed before its refusal came: ``TableOrder.requeue``;
+the blocks not sent yet follow it there, untried, until none is left here),
+and a dying writer is restarted for as long as it keeps dying (the spool
+holds the data meanwhile; only a writer that cannot be started at all
+latches)."""
 
 from __future__ import annotations
 
@@ -276,6 +278,10 @@ class WriterConversation(HandsOverToOwner):
         if block.waiter is not None:
             self._finish(block, error)
         elif self._failed_blocks is not None:
+            if not message.transient and block.index is not None:
+                # Refused (nothing written): behind the blocks tried beside
+                # it, whose repeats must not wait for its splits (TableOrder.requeue).
+                block.index = self._order.requeue(block.index)
             self._hand_over_later(block, error)
         elif message.transient and block.failures < self.retry.attempts:
             self.counters.retries += 1
