@@ -212,3 +212,86 @@ async def test_in_process_a_lost_answer_beside_a_refused_block_is_repeated_befor
     c = sink.snapshot()
     assert c.refused_records == 1
     assert c.accepted_records == c.delivered_records + c.refused_records == 32
+
+
+class HoldsAfter:
+    """The real transport; the insert after ``landed`` stored ones holds (a
+    process about to be killed) until :attr:`hold` is set, then fails."""
+
+    def __init__(self, inner, landed: int) -> None:
+        self.inner = inner
+        self.description = inner.description
+        self.landed = landed
+        self.stored = 0
+        self.hold = threading.Event()
+        self.held = trio.Event()
+        self._loop = trio.lowlevel.current_trio_token()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def insert(self, table, data, *, dedup_token, settings=None):
+        if self.stored >= self.landed:
+            self._loop.run_sync_soon(self.held.set)
+            self.hold.wait(GUARD_S)
+            raise ConnectionError("the process is gone (injected)")
+        self.inner.insert(table, data, dedup_token=dedup_token, settings=settings)
+        self.stored += 1
+
+
+async def test_a_refused_group_split_then_cut_short_is_not_written_twice_after_a_restart(
+    chdb_transport, tmp_path
+):
+    """A spooled group with one refused record is split in halves; the
+    process is killed (its sink cut, nothing acknowledged) once 4 parts
+    landed.  The restart repeated every part under its token, but behind 3
+    later parts each (refusals store no block) they were out of the window,
+    and all 15 good rows were written twice.  Now each part delivered is
+    recorded with the group's intent (the spool's ``pieces``) and skipped
+    after a restart: every row once."""
+    backend = Backend("chdb", chdb_transport)
+    hooks = HookRegistry()
+    hook = hooks.bind("h.0", layout="acts")
+    backend.sink(SCHEMA, raw=["acts"], hooks=hooks).release_transport()  # the table
+    for sql in small_window_and_a_constraint(backend.raw("acts")):
+        chdb_transport.execute(sql)
+    dead: list[RecordBatch] = []
+
+    async def dead_letter(batch, reason):
+        dead.append(batch)
+
+    def spooling(transport) -> SpoolingSink:
+        inner = backend.sink(SCHEMA, transport=transport, raw=["acts"], hooks=hooks)
+        return SpoolingSink(
+            "ch",
+            inner,
+            Spool.open(SpoolConfig(directory=tmp_path / "spool")),
+            mode="always",
+            backoff=Backoff(initial=0.01, maximum=0.05),
+            dead_letter=dead_letter,
+        )
+
+    faults = HoldsAfter(chdb_transport, landed=4)  # 8, 4, 2 and 1 records
+    sink = spooling(faults)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        with trio.fail_after(GUARD_S):
+            await sink.submit(steps_batch(hook, REFUSED_STEPS))
+            await faults.held.wait()  # 4 parts landed, the last one's try holds
+        await sink.release_when_cut()  # killed: nothing acknowledged
+        nursery.cancel_scope.cancel()
+    faults.hold.set()
+    assert faults.stored == 4 and dead == []
+    again = spooling(chdb_transport)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        with trio.fail_after(GUARD_S):
+            await again.wait_delivered()
+            await again.close()
+    assert again.failure is None
+    rows = backend.query(
+        "SELECT step, count() AS n FROM {p}_raw_acts GROUP BY step ORDER BY step"
+    ).to_pylist()
+    assert rows == [{"step": s, "n": 1} for s in REFUSED_STEPS if s != BAD_STEP]
+    assert [int(s) for b in dead for s in b.descriptors["step"]] == [BAD_STEP]
+    assert again.snapshot().spool.acked_records == 16

@@ -238,11 +238,25 @@ class Delivery:
             )
 
     async def settle(
-        self, batches: Sequence[Batch], token: str, error: BaseException | None = None
+        self,
+        batches: Sequence[Batch],
+        token: str,
+        error: BaseException | None = None,
+        *,
+        part: bool = False,
     ) -> int:
         """Deliver ``batches`` under ``token`` (``error``: the first try already
         failed with it): retry while unreachable, split what is refused.
-        Returns the records delivered (the rest were refused, and handed over)."""
+        Returns the records delivered (the rest were refused, and handed over).
+
+        ``part``: a half of a refused group (of the spool's, when it has
+        one): delivered once already, before a restart, it is skipped, and
+        once delivered it is recorded (``Spool.note_piece``) before the
+        next part is tried, so a restart repeats at most the part in flight,
+        which then lands right behind its first try (refusals store no
+        block): never out of the deduplication window."""
+        if part and self.spool is not None and token in self.spool.delivered_pieces:
+            return _records(batches)
         while error is None or self.transient(error):
             if error is not None:
                 self.unreachable(error)
@@ -253,6 +267,8 @@ class Delivery:
                 error = exc
                 continue
             self.tracker.succeeded()
+            if part and self.spool is not None:
+                await self._with_room(functools.partial(self.spool.note_piece, token))
             return _records(batches)
         unfit = None if self._checks is None else self._checks.check_failure
         if unfit is not None and error is unfit:
@@ -263,8 +279,8 @@ class Delivery:
             await self.refuse(rest, error)
             return delivered
         left, right = halves(rest)
-        delivered += await self.settle(left, f"{token}.0")
-        return delivered + await self.settle(right, f"{token}.1")
+        delivered += await self.settle(left, f"{token}.0", part=True)
+        return delivered + await self.settle(right, f"{token}.1", part=True)
 
     async def refuse(self, batches: Sequence[Batch], error: BaseException) -> None:
         """Records the destination refused: to the dead-letter callback, or latched."""

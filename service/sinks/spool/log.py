@@ -14,6 +14,13 @@ A spool directory holds:
   inserted together now (replaced atomically, and fsynced with its
   directory entry, before the insert), so a restart inserts exactly that
   group again, under the same token;
+- ``pieces``: the tokens of the parts of the intended group already
+  delivered while the destination refused some of its records (the drain
+  splits such a group, and each part taken is an insert of its own),
+  replaced durably after each, so a restart skips those parts instead of
+  repeating them: every part taken pushes the ones before it towards the
+  end of the table's deduplication window, and the repeats of enough of
+  them came out of it, written twice;
 - ``reserve``: 64 KiB held back for a full disk (given up so the ``ack`` and
   ``intent`` can still be written, and the spool drain and free room).
 
@@ -161,6 +168,8 @@ class SegmentLog:
         self.acked = self._read_ack()
         #: (first, last) of the group a previous run was inserting, if unacknowledged.
         self.intent = self._read_intent()
+        #: Tokens of the intended group's parts already delivered (see ``pieces``).
+        self.pieces: set[str] = self._read_pieces()
         if self.intent is not None and self.intent[0] - 1 > self.acked:
             # The ack before this intent was not durable (a power loss):
             # everything before the intended group had been acknowledged.
@@ -211,6 +220,31 @@ class SegmentLog:
             if zlib.crc32(raw[:16]) == crc and last > self.acked:
                 return int(first), int(last)
         return None
+
+    def _read_pieces(self) -> set[str]:
+        """The parts recorded for the intended group (none for another group,
+        or a damaged file: those parts are repeated, as before they were kept)."""
+        try:
+            raw = (self.directory / "pieces").read_bytes()
+        except FileNotFoundError:
+            return set()
+        if self.intent is None or len(raw) < _INTENT.size:
+            return set()
+        first, last, crc = _INTENT.unpack(raw[: _INTENT.size])
+        body = raw[_INTENT.size :]
+        if (first, last) != self.intent or zlib.crc32(raw[:16] + body) != crc:
+            return set()
+        return set(body.decode().split("\n")) - {""}
+
+    def note_piece(self, token: str) -> None:
+        """Record, durably, that the part of the intended group inserted under
+        ``token`` was delivered (see ``pieces``)."""
+        assert self.intent is not None
+        self.pieces.add(token)
+        head = struct.pack("<QQ", *self.intent)
+        body = "\n".join(sorted(self.pieces)).encode()
+        data = head + struct.pack("<I", zlib.crc32(head + body)) + body
+        self._record_progress(lambda: replace_durably(self.directory, "pieces", data))
 
     def _recover(self) -> None:
         paths = sorted(self.directory.glob("*" + SUFFIX))
@@ -404,6 +438,8 @@ class SegmentLog:
         raw = struct.pack("<QQ", first, last)
         data = raw + struct.pack("<I", zlib.crc32(raw))
         self._record_progress(lambda: replace_durably(self.directory, "intent", data))
+        if self.intent != (first, last):
+            self.pieces = set()
         self.intent = (first, last)
 
     def ack(self, seq: int) -> list[Entry]:
@@ -430,6 +466,7 @@ class SegmentLog:
         self.acked = acked
         if self.intent is not None and self.intent[1] <= self.acked:
             self.intent = None
+            self.pieces = set()
         deleted = False
         for path, last in list(self.segments.items()):
             if last <= self.acked and path != self._active:

@@ -465,6 +465,21 @@ class Spool:
                 await trio.to_thread.run_sync(log.intend, first, last)
         return Spooled(last, tuple(batches), token, sum(len(b) for b in batches), first)
 
+    @property
+    def delivered_pieces(self) -> frozenset[str]:
+        """Tokens of the parts of the group being delivered (the last
+        :meth:`read_group`'s) already delivered, by this run or the one
+        before a restart (:meth:`note_piece`)."""
+        return frozenset(self._log.pieces)
+
+    async def note_piece(self, token: str) -> None:
+        """Record, durably, that the part of the group being delivered
+        inserted under ``token`` was delivered: a restart skips it (its
+        repeat could come after enough other parts to be out of the
+        deduplication window)."""
+        async with self._lock:
+            await trio.to_thread.run_sync(self._log.note_piece, token)
+
     async def ack(self, seq: int) -> None:
         """``seq`` and everything before it left the spool (delivered or given up on)."""
         async with self._lock:
