@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import gather_ranges
 from taproute.routing.batch import RecordBatch
 from taproute.routing.errors import ConfigError
 from taproute.routing.layout import Column, Layout
@@ -133,5 +134,12 @@ def _float32_values(
     start = int(offsets[0])
     if bool(np.all(offsets[1:] == offsets[:-1] + lengths[:-1])):
         return payload[start : start + total].view(_F32)
-    starts = np.repeat(offsets - np.cumsum(lengths) + lengths, lengths)
-    return payload[starts + np.arange(total)].view(_F32)
+    # One native memcpy per record, not an index of one int64 per byte.
+    source = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    gathered = gather_ranges(
+        source,
+        np.ascontiguousarray(offsets, dtype=np.int64),  # descriptor fields are strided views
+        np.ascontiguousarray(lengths, dtype=np.int64),
+        total,
+    )
+    return gathered.view(_F32)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from taproute.routing import InvalidInput
+from taproute.native import make_descriptors
+from taproute.routing import InvalidInput, Layout, RecordBatch, Records
 from taproute.service.signals import experts, pathways, qk, twonn
-from taproute.service.signals.common import tail_layout, window_segments
+from taproute.service.signals.common import all_tokens, tail_layout, window_segments
 from tests.signal_records import Stateful, records_of, stateless
 
 QK = tail_layout("qk")
@@ -345,3 +346,28 @@ def test_signal_modules_register_only_on_import():
         "assert 'signals.qk_spectra' in REGISTRY.names()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_all_tokens_gathers_records_with_holes_between_them_in_record_order():
+    """A merged batch spanning a shared pool's buffers (or records padded in
+    it) has holes between its records: ``all_tokens`` gathers them natively,
+    in record order, as it reads back-to-back records (the fast path)."""
+    layout = Layout("toks", [("values", "Array(Float32)")])
+    arrays = [
+        np.arange(t * 3, dtype=np.float32).reshape(t, 3) + 100 * i
+        for i, t in enumerate((2, 0, 5, 1))
+    ]
+    packed = records_of(arrays, layout)
+    # The same records 7 bytes apart (and out of payload order: record 0 last).
+    lengths = [a.size * 4 for a in arrays]
+    offsets = [sum(lengths[1:]) + 7 * 4, 0, lengths[1] + 7, lengths[1] + lengths[2] + 14]
+    payload = np.zeros(offsets[0] + lengths[0] + 5, dtype=np.uint8)
+    for array, offset in zip(arrays, offsets, strict=True):
+        payload[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+    desc = make_descriptors(0, lengths, offsets=offsets, keys=np.arange(4), count=4)
+    scattered = Records(RecordBatch.from_buffer(desc, payload), layout)
+
+    for records in (packed, scattered):
+        tokens, counts = all_tokens(records, 3, where="test")
+        assert counts.tolist() == [2, 0, 5, 1]
+        np.testing.assert_array_equal(tokens, np.concatenate(arrays))

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from taproute.native import gather_ranges
 from taproute.routing import ConfigError, InvalidInput, Layout, Records
 
 #: Stateful signal routes keep one slot per hook (``output_id``); hooks bound
@@ -180,8 +181,11 @@ def all_tokens(
         first = int(starts[0])
         flat = payload[first : first + total]
     else:
-        run_starts = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
-        flat = payload[run_starts + np.arange(total)]
+        # Holes between records (a merged batch spanning a shared pool's
+        # buffers, a prefix): one native memcpy per record.  An index of one
+        # int64 per payload byte cost several times the processors' own work.
+        source = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+        flat = gather_ranges(source, starts, sizes, total)  # both fresh, contiguous int64
     return flat.view(element).reshape(-1, width), counts
 
 
