@@ -60,7 +60,14 @@ class NotQueued(TimeoutError):
 
 
 #: How long a deferred (capture hook) batch may wait before the loop takes it.
-WAKE_DELAY_S = 0.02
+#: Every poll costs the loop a fixed amount of Python (a timer's expiry, a
+#: dispatch per route, processor calls) on the GIL the model shares, so polls
+#: are rare: at 20 ms, GPT-2's forward passes with a forward, a stateless and
+#: a stateful route lost several points more to the capture than at 100 ms
+#: (bench/profiles/wake_delay_ab_<commit>.txt).  Telemetry reaches its
+#: destination up to this much later; ingress half full, a producer about to
+#: block, a flush or a close still wake the loop at once.
+WAKE_DELAY_S = 0.1
 
 #: How long the record worker's polls must find nothing before it parks.  A
 #: wake-up from a hook is a socket write that, on a busy machine, hands the
