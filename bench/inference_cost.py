@@ -17,7 +17,8 @@ hooks), torch on one thread.  Variants, per forward pass:
   (data persisted);
 - ``taproute_chdb_process``: the same, with chDB in a writer process
   (``WriterProcessSink``; hooks copy into its shared-memory pool, so only
-  descriptors cross), timed the same two ways;
+  descriptors cross; the runtime merges the batches of one wake-up over that
+  pool, ``arena=``, as the README shows), timed the same two ways;
 - ``taproute_routes_chdb``, ``taproute_routes_process``: the capture the
   issue's ClickHouse target is about, a forward, a stateless and a stateful
   route (``bench/_cost_routes.py``: raw records, per-record token norms,
@@ -261,7 +262,11 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     chdb_sink = ClickHouseSink.embedded(SCHEMA, f"{data_dir}/{name}", raw=["acts"])
     chdb_runtime = create_record_runtime(record_sink=chdb_sink)
     process_sink = WriterProcessSink.embedded(SCHEMA, f"{data_dir}/{name}-process", raw=["acts"])
-    process_runtime = create_record_runtime(record_sink=process_sink)
+    # As the README's writer example: the batches of one wake-up merged over
+    # the writer's pool (arena=), no byte copied.
+    process_runtime = create_record_runtime(
+        record_sink=process_sink, arena=process_sink.buffer_pool
+    )
     # The three route kinds, to chDB in-process and in a writer process.
     routing = cost_routes.routes(patterns, int(model.config.hidden_size))
     routes_transport = ChdbTransport(f"{data_dir}/{name}")  # chDB: one directory per process
@@ -287,7 +292,8 @@ def measure_model(name: str, build: Any, args: Any, data_dir: str) -> dict[str, 
     routes_process_runtime = create_record_runtime(
         record_sink=RoutingSink(
             routing, cost_routes.SCHEMA, {"clickhouse": lambda: routes_writer}, unmatched="drop"
-        )
+        ),
+        arena=routes_writer.buffer_pool,
     )
     routed_runs = {"taproute_routes_chdb": 0, "taproute_routes_process": 0}
     nice_sink = nice_runtime = None
