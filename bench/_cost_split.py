@@ -33,8 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path)
     args = parser.parse_args()
-    text = args.result.read_text().strip().splitlines()[-1]
-    result = json.loads(text)
+    text = args.result.read_text().strip()
+    try:
+        result = json.loads(text)  # a result file
+    except json.JSONDecodeError:
+        result = json.loads(text.splitlines()[-1])  # a script's stdout: its last line
     meta = result.get("meta", {})
     print(f"# {__doc__.splitlines()[0]}")
     print(
