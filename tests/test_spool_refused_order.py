@@ -69,6 +69,22 @@ def spool_config(tmp_path, full: bool) -> SpoolConfig:
     )
 
 
+def spooling(inner, config: SpoolConfig, dead: list[RecordBatch], **kwargs) -> SpoolingSink:
+    """``inner`` behind a spool (quick backoff) whose dead letters go to ``dead``."""
+
+    async def dead_letter(batch, reason):
+        dead.append(batch)
+
+    return SpoolingSink(
+        "ch",
+        inner,
+        Spool.open(config),
+        backoff=Backoff(initial=0.01, maximum=0.05),
+        dead_letter=dead_letter,
+        **kwargs,
+    )
+
+
 def small_window_and_a_constraint(table: str) -> list[str]:
     """``table`` remembers its last 3 blocks (what ``inserts_in_flight = 2``
     needs) and refuses a block holding a record of step BAD_STEP."""
@@ -98,17 +114,7 @@ async def test_writer_a_lost_answer_beside_a_refused_block_is_repeated_before_it
     hooks = HookRegistry()
     hook = hooks.bind("h.0", layout="acts")
     dead: list[RecordBatch] = []
-
-    async def dead_letter(batch, reason):
-        dead.append(batch)
-
-    sink = SpoolingSink(
-        "ch",
-        writer,
-        Spool.open(spool_config(tmp_path, full)),
-        backoff=Backoff(initial=0.01, maximum=0.05),
-        dead_letter=dead_letter,
-    )
+    sink = spooling(writer, spool_config(tmp_path, full), dead)
     sink.use_hooks(hooks)
     lost: list[int] = []
     handle = writer._on_message
@@ -185,17 +191,7 @@ async def test_in_process_a_lost_answer_beside_a_refused_block_is_repeated_befor
     # The sink's second block (the one sealed after the refused one).
     faults.token = f"{inner._token_prefix}-2-{backend.raw('acts')}"
     dead: list[RecordBatch] = []
-
-    async def dead_letter(batch, reason):
-        dead.append(batch)
-
-    sink = SpoolingSink(
-        "ch",
-        inner,
-        Spool.open(spool_config(tmp_path, full)),
-        backoff=Backoff(initial=0.01, maximum=0.05),
-        dead_letter=dead_letter,
-    )
+    sink = spooling(inner, spool_config(tmp_path, full), dead)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         with trio.fail_after(GUARD_S):
@@ -257,22 +253,12 @@ async def test_a_refused_group_split_then_cut_short_is_not_written_twice_after_a
         chdb_transport.execute(sql)
     dead: list[RecordBatch] = []
 
-    async def dead_letter(batch, reason):
-        dead.append(batch)
-
-    def spooling(transport) -> SpoolingSink:
+    def always_spooling(transport) -> SpoolingSink:
         inner = backend.sink(SCHEMA, transport=transport, raw=["acts"], hooks=hooks)
-        return SpoolingSink(
-            "ch",
-            inner,
-            Spool.open(SpoolConfig(directory=tmp_path / "spool")),
-            mode="always",
-            backoff=Backoff(initial=0.01, maximum=0.05),
-            dead_letter=dead_letter,
-        )
+        return spooling(inner, SpoolConfig(directory=tmp_path / "spool"), dead, mode="always")
 
     faults = HoldsAfter(chdb_transport, landed=4)  # 8, 4, 2 and 1 records
-    sink = spooling(faults)
+    sink = always_spooling(faults)
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         with trio.fail_after(GUARD_S):
@@ -282,7 +268,7 @@ async def test_a_refused_group_split_then_cut_short_is_not_written_twice_after_a
         nursery.cancel_scope.cancel()
     faults.hold.set()
     assert faults.stored == 4 and dead == []
-    again = spooling(chdb_transport)
+    again = always_spooling(chdb_transport)
     async with trio.open_nursery() as nursery:
         await nursery.start(again.run)
         with trio.fail_after(GUARD_S):
