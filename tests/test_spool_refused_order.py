@@ -85,6 +85,27 @@ def spooling(inner, config: SpoolConfig, dead: list[RecordBatch], **kwargs) -> S
     )
 
 
+async def deliver_both_then_check(sink, hook: int, dead: list[RecordBatch], query, table: str):
+    """Submit the block with the refused record, then the one whose answer is
+    lost beside it (a block each: ``max_rows``); once all is delivered and the
+    sink closed, every good row is in ``table`` once, the bad one
+    dead-lettered, and the counts add up."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        with trio.fail_after(GUARD_S):
+            await sink.submit(steps_batch(hook, REFUSED_STEPS))
+            await sink.submit(steps_batch(hook, LOST_STEPS))
+            await sink.wait_delivered()
+            await sink.close()
+    assert sink.failure is None
+    rows = query(f"SELECT step, count() AS n FROM {table} GROUP BY step ORDER BY step")
+    assert rows.to_pylist() == expected_steps()
+    assert [int(s) for b in dead for s in b.descriptors["step"]] == [BAD_STEP]
+    c = sink.snapshot()
+    assert c.refused_records == 1
+    assert c.accepted_records == c.delivered_records + c.refused_records == 32
+
+
 def small_window_and_a_constraint(table: str) -> list[str]:
     """``table`` remembers its last 3 blocks (what ``inserts_in_flight = 2``
     needs) and refuses a block holding a record of step BAD_STEP."""
@@ -134,22 +155,8 @@ async def test_writer_a_lost_answer_beside_a_refused_block_is_repeated_before_it
         handle(message)
 
     writer._on_message = on_message  # type: ignore[method-assign]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        with trio.fail_after(GUARD_S):
-            await sink.submit(steps_batch(hook, REFUSED_STEPS))  # a block (max_rows), sent
-            await sink.submit(steps_batch(hook, LOST_STEPS))  # a block, sent beside it
-            await sink.wait_delivered()
-            await sink.close()
-    assert lost and sink.failure is None
-    rows = writer.query(
-        "SELECT step, count() AS n FROM raw_acts GROUP BY step ORDER BY step"
-    ).to_pylist()
-    assert rows == expected_steps()
-    assert [int(s) for b in dead for s in b.descriptors["step"]] == [BAD_STEP]
-    c = sink.snapshot()
-    assert c.refused_records == 1
-    assert c.accepted_records == c.delivered_records + c.refused_records == 32
+    await deliver_both_then_check(sink, hook, dead, writer.query, "raw_acts")
+    assert lost
 
 
 class LosesAnAnswer:
@@ -192,22 +199,8 @@ async def test_in_process_a_lost_answer_beside_a_refused_block_is_repeated_befor
     faults.token = f"{inner._token_prefix}-2-{backend.raw('acts')}"
     dead: list[RecordBatch] = []
     sink = spooling(inner, spool_config(tmp_path, full), dead)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        with trio.fail_after(GUARD_S):
-            await sink.submit(steps_batch(hook, REFUSED_STEPS))  # a block (max_rows)
-            await sink.submit(steps_batch(hook, LOST_STEPS))  # a block, inserted beside it
-            await sink.wait_delivered()
-            await sink.close()
-    assert faults.lost and sink.failure is None
-    rows = backend.query(
-        "SELECT step, count() AS n FROM {p}_raw_acts GROUP BY step ORDER BY step"
-    ).to_pylist()
-    assert rows == expected_steps()
-    assert [int(s) for b in dead for s in b.descriptors["step"]] == [BAD_STEP]
-    c = sink.snapshot()
-    assert c.refused_records == 1
-    assert c.accepted_records == c.delivered_records + c.refused_records == 32
+    await deliver_both_then_check(sink, hook, dead, backend.query, "{p}_raw_acts")
+    assert faults.lost
 
 
 class HoldsAfter:
